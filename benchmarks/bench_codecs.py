@@ -1,0 +1,236 @@
+"""Lossless codecs on realistic gradients and parameters: gradpipe beside its anchors.
+
+Prints one table: compression ratio and single-core encode/decode MiB/s for
+gradpipe's default policy (``choose_codec`` per 4 MiB chunk) and for
+
+- numcodecs ``Zstd()`` at its default level (1),
+- numcodecs ``Blosc(cname="zstd", clevel=5, shuffle=Blosc.SHUFFLE)``, one thread,
+- zarr v3's default chain for these dtypes, ``BytesCodec`` + ``ZstdCodec(level=0,
+  checksum=False)``. The bytes codec is a no-op on little-endian data and zarr's
+  ``ZstdCodec`` calls ``numcodecs.Zstd``, so it is measured as
+  ``numcodecs.Zstd(level=0)`` without zarr's async buffer machinery,
+- ZipNN (``zipnn.ZipNN``, byte input, one thread),
+
+all on the same chunks in the same run; "vs gp" is each ratio over gradpipe's.
+
+Run: ``python benchmarks/bench_codecs.py`` (``--density-sweep`` prints instead
+the sparse-versus-dense measurement behind ``gradpipe.codecs.policy``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import time
+import warnings
+from collections.abc import Callable, Iterable
+
+import ml_dtypes
+import numcodecs
+import numcodecs.blosc
+import numpy as np
+from numcodecs import Blosc, Zstd
+
+from gradpipe.codecs import ByteGroupCodec, SparseCodec, choose_codec
+from gradpipe.codecs.sparse import nonzero_mask
+
+CHUNK_BYTES = 4 << 20
+REPEATS = 3
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+Encoder = Callable[[np.ndarray], object]
+Decoder = Callable[[object], object]
+
+
+def training_data() -> tuple[list[np.ndarray], list[np.ndarray], str]:
+    """Gradients of every peer at the last step, and the parameters after it."""
+    try:
+        from gradpipe.testing import TrainingConfig, train
+    except ImportError:
+        return *synthetic_data(), "synthetic (gradpipe.testing not importable)"
+    config = TrainingConfig(vocab_size=50_000, embed_dim=64, hidden=1024, peers=3, steps=3, seed=0)
+    *_, last = train(config)
+    grads = [g for peer in last.gradients.values() for g in peer.values()]
+    params = list(last.state.params.values())
+    return grads, params, f"gradpipe.testing.train: {config}"
+
+
+def synthetic_data() -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Fallback: embedding gradient with 1% of rows touched, dense layers, params."""
+    rng = np.random.default_rng(0)
+    grads, params = [], []
+    for _ in range(3):
+        rows = rng.random(50_000) < 0.01
+        embedding = rng.standard_normal((50_000, 64)).astype(np.float32) * 1e-3
+        grads.append(np.where(rows[:, None], embedding, np.float32(0)))
+        grads += [
+            rng.standard_normal(s).astype(np.float32) * 1e-4 for s in ((64, 1024), (1024, 1024))
+        ]
+    params.append(rng.standard_normal((50_000, 64)).astype(np.float32))
+    params += [rng.normal(0, 0.02, s).astype(np.float32) for s in ((64, 1024), (1024, 1024))]
+    return grads, params
+
+
+def chunked(tensors: Iterable[np.ndarray]) -> list[np.ndarray]:
+    """Flat 4 MiB runs of each tensor, as the store chunks them."""
+    out = []
+    for tensor in tensors:
+        flat = np.ascontiguousarray(tensor).reshape(-1)
+        step = max(1, CHUNK_BYTES // flat.itemsize)
+        out += [flat[i : i + step] for i in range(0, flat.size, step)]
+    return out
+
+
+def as_bytes(result: object) -> bytes:
+    if isinstance(result, np.ndarray):
+        return result.view(np.uint8).tobytes()  # bfloat16 has no buffer format
+    return bytes(memoryview(result).cast("B"))  # type: ignore[arg-type]
+
+
+def best_time(func: Callable[[], object]) -> float:
+    best = float("inf")
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        func()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure(
+    chunks: list[np.ndarray], encode: Encoder, decode: Decoder
+) -> tuple[float, float, float]:
+    """Ratio, encode MiB/s and decode MiB/s over all chunks; checks the round trip."""
+    encoded = [encode(c) for c in chunks]
+    for chunk, blob in zip(chunks, encoded, strict=True):
+        if as_bytes(decode(blob)) != chunk.tobytes():
+            raise AssertionError("round trip is not bit-exact")
+    raw = sum(c.nbytes for c in chunks)
+    size = sum(len(memoryview(b).cast("B")) for b in encoded)
+    enc = best_time(lambda: [encode(c) for c in chunks])
+    dec = best_time(lambda: [decode(b) for b in encoded])
+    mib = raw / 2**20
+    return raw / size, mib / enc, mib / dec
+
+
+def gradpipe_methods(chunks: list[np.ndarray]) -> tuple[Encoder, Decoder]:
+    # The ingest has per-chunk statistics already; the policy gets the count.
+    nonzero = {id(c): int(np.count_nonzero(nonzero_mask(c))) for c in chunks}
+    configs: dict[int, dict[str, object]] = {}
+
+    def encode(chunk: np.ndarray) -> object:
+        codec = choose_codec(chunk, nonzero[id(chunk)])
+        blob = codec.encode(chunk)
+        configs[id(blob)] = codec.get_config()
+        return blob
+
+    def decode(blob: object) -> object:
+        # What a reader does: the codec comes from the config in the block header.
+        return numcodecs.get_codec(configs[id(blob)]).decode(blob)
+
+    return encode, decode
+
+
+def anchors(dtype: np.dtype) -> dict[str, tuple[Encoder, Decoder]]:
+    word = np.dtype(f"<u{dtype.itemsize}")  # numcodecs cannot take bfloat16 buffers
+    out: dict[str, tuple[Encoder, Decoder]] = {}
+    for name, codec in [
+        ("numcodecs Zstd(level=1)", Zstd(level=1)),
+        ("Blosc(zstd, 5, SHUFFLE)", Blosc(cname="zstd", clevel=5, shuffle=Blosc.SHUFFLE)),
+        ("zarr v3 default (Zstd 0)", Zstd(level=0)),
+    ]:
+        out[name] = (lambda c, codec=codec: codec.encode(c.view(word)), codec.decode)
+    zipnn = make_zipnn(dtype)
+    if zipnn is not None:
+        out["zipnn"] = zipnn
+    return out
+
+
+def make_zipnn(dtype: np.dtype) -> tuple[Encoder, Decoder] | None:
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            from zipnn import ZipNN
+    except ImportError:
+        return None
+    name = "bfloat16" if dtype == BF16 else dtype.name
+    zipnn = ZipNN(input_format="byte", bytearray_dtype=name, threads=1)
+    return (lambda c: zipnn.compress(c.tobytes()), zipnn.decompress)
+
+
+def datasets() -> tuple[list[tuple[str, list[np.ndarray]]], str]:
+    grads, params, source = training_data()
+    sets = [
+        ("gradients float32", chunked(grads)),
+        ("gradients bfloat16", chunked(g.astype(BF16) for g in grads)),
+        ("params float32", chunked(params)),
+        ("params bfloat16", chunked(p.astype(BF16) for p in params)),
+    ]
+    return sets, source
+
+
+def main_table() -> None:
+    numcodecs.blosc.set_nthreads(1)
+    sets, source = datasets()
+    print(f"data: {source}")
+    print(f"chunks of {CHUNK_BYTES >> 20} MiB, best of {REPEATS}, one thread\n")
+    header = (
+        f"{'data':<20} {'MiB':>6} {'codec':<26} {'ratio':>8} {'vs gp':>6}"
+        f" {'enc MiB/s':>10} {'dec MiB/s':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    for label, chunks in sets:
+        raw = sum(c.nbytes for c in chunks) / 2**20
+        methods = {"gradpipe (choose_codec)": gradpipe_methods(chunks), **anchors(chunks[0].dtype)}
+        base = None
+        for name, (encode, decode) in methods.items():
+            ratio, enc, dec = measure(chunks, encode, decode)
+            base = base or ratio
+            print(
+                f"{label:<20} {raw:>6.1f} {name:<26} {ratio:>8.3f} {ratio / base:>6.2f}"
+                f" {enc:>10.0f} {dec:>10.0f}"
+            )
+        print()
+
+
+def density_sweep() -> None:
+    """Sparse versus dense codec as the fraction of nonzero elements grows."""
+    rng = np.random.default_rng(0)
+    print(
+        f"{'dtype':<9} {'zeros':<9} {'density':>7}  ratio sparse/dense"
+        "  enc MiB/s sparse/dense  dec MiB/s sparse/dense"
+    )
+    for dtype in (np.dtype(np.float32), BF16):
+        count = CHUNK_BYTES // dtype.itemsize
+        values = (rng.standard_normal(count) * 1e-3).astype(dtype)
+        for pattern in ("elements", "rows"):
+            for density in (0.001, 0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0):
+                if pattern == "elements":
+                    mask = rng.random(count) < density
+                else:  # whole 64-wide rows, as in an embedding gradient
+                    mask = np.repeat(rng.random(count // 64) < density, 64)
+                chunk = np.where(mask, values, dtype.type(0)).astype(dtype)
+                name = "bfloat16" if dtype == BF16 else dtype.name
+                cells = []
+                for codec in (SparseCodec(name), ByteGroupCodec(name)):
+                    cells.append(measure([chunk], codec.encode, codec.decode))
+                (rs, es, ds), (rd, ed, dd) = cells
+                print(
+                    f"{name:<9} {pattern:<9} {density:>7}  {rs:>8.2f} / {rd:<8.2f}"
+                    f"  {es:>9.0f} / {ed:<9.0f}  {ds:>9.0f} / {dd:<9.0f}"
+                )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--density-sweep", action="store_true", help="measure the policy threshold")
+    args = parser.parse_args()
+    if args.density_sweep:
+        density_sweep()
+    else:
+        main_table()
+
+
+if __name__ == "__main__":
+    main()

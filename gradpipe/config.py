@@ -1,0 +1,54 @@
+"""gradpipe's settings, in the ``gradpipe`` namespace of Dask's configuration.
+
+Set them like any Dask setting: ``dask.config.set({"gradpipe.chunk-bytes": 8 << 20})``,
+a YAML file in ``~/.config/dask/``, or ``DASK_GRADPIPE__CHUNK_BYTES=8388608``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import dask.config
+from dask.utils import parse_bytes, parse_timedelta
+
+__all__ = ["DEFAULTS", "get_bytes", "get_seconds", "get_setting"]
+
+DEFAULTS: Final[dict[str, Any]] = {
+    "gradpipe": {
+        # Bytes of raw tensor data per chunk: big enough that per-chunk costs
+        # (a block, a request) vanish, small enough to decode in a few ms.
+        "chunk-bytes": "4 MiB",
+        # zstd level of the default lossless codecs.
+        "codec-level": 3,
+        "storage": {
+            # Requests in flight per store for batched S3 reads and writes.
+            "concurrency": 32,
+            # fsync local blocks and refs: survives power loss, costs write speed.
+            "fsync": False,
+            # A dedup hit on a block older than this refreshes its time, so a
+            # concurrent gc cannot take a block a writer is about to reference.
+            "touch-after": "1h",
+        },
+        "gc": {
+            # Unreferenced blocks younger than this are kept: writes in flight.
+            "grace": "24h",
+        },
+    }
+}
+
+dask.config.update_defaults(DEFAULTS)
+
+
+def get_setting(key: str) -> Any:  # noqa: ANN401 - settings are of several types
+    """One ``gradpipe.*`` setting."""
+    return dask.config.get(f"gradpipe.{key}")
+
+
+def get_bytes(key: str) -> int:
+    """A size setting, in bytes (accepts ``"4 MiB"`` or an int)."""
+    return int(parse_bytes(get_setting(key)))
+
+
+def get_seconds(key: str) -> float:
+    """A duration setting, in seconds (accepts ``"24h"`` or a number)."""
+    return float(parse_timedelta(get_setting(key), default="s"))

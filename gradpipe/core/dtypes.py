@@ -1,0 +1,102 @@
+"""The dtypes gradpipe stores, and their canonical names.
+
+Stored data is always little-endian; names are numpy's (``float32``) plus
+``bfloat16`` from ml_dtypes, which numpy lacks. The safetensors spelling
+(``F32``, ``BF16``) maps to the same names.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import ml_dtypes
+import numpy as np
+
+from gradpipe.errors import InvalidInputError
+
+__all__ = [
+    "DTYPE_NAMES",
+    "SAFETENSORS_NAMES",
+    "canonical_dtype",
+    "dtype_name",
+    "is_float",
+    "parse_dtype",
+]
+
+_DTYPES: Final[dict[str, np.dtype]] = {
+    "bool": np.dtype(np.bool_),
+    "int8": np.dtype("<i1"),
+    "int16": np.dtype("<i2"),
+    "int32": np.dtype("<i4"),
+    "int64": np.dtype("<i8"),
+    "uint8": np.dtype("<u1"),
+    "uint16": np.dtype("<u2"),
+    "uint32": np.dtype("<u4"),
+    "uint64": np.dtype("<u8"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype("<f4"),
+    "float64": np.dtype("<f8"),
+}
+
+#: Every dtype name gradpipe accepts, in a stable order.
+DTYPE_NAMES: Final[tuple[str, ...]] = tuple(_DTYPES)
+
+#: safetensors dtype codes → gradpipe dtype names.
+SAFETENSORS_NAMES: Final[dict[str, str]] = {
+    "BOOL": "bool",
+    "I8": "int8",
+    "I16": "int16",
+    "I32": "int32",
+    "I64": "int64",
+    "U8": "uint8",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+}
+
+
+def parse_dtype(name: str) -> np.dtype:
+    """Return the little-endian numpy dtype for a gradpipe dtype name.
+
+    >>> parse_dtype("float32")
+    dtype('float32')
+    """
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise InvalidInputError(
+            f"unsupported dtype {name!r}; gradpipe stores {', '.join(DTYPE_NAMES)}"
+        ) from None
+
+
+def dtype_name(dtype: np.dtype | type) -> str:
+    """Return the gradpipe name of a numpy dtype (either byte order).
+
+    >>> dtype_name(np.dtype(">f4"))
+    'float32'
+    """
+    dt = np.dtype(dtype)
+    if dt == _DTYPES["bfloat16"]:
+        return "bfloat16"
+    if dt.kind in "biuf" and dt.fields is None and dt.subdtype is None:
+        name = dt.newbyteorder("<").name if dt.kind != "b" else "bool"
+        if name in _DTYPES:
+            return name
+    raise InvalidInputError(
+        f"unsupported dtype {dt.str!r}; gradpipe stores {', '.join(DTYPE_NAMES)}"
+    )
+
+
+def canonical_dtype(dtype: np.dtype | type) -> np.dtype:
+    """The stored (little-endian) form of ``dtype``."""
+    return _DTYPES[dtype_name(dtype)]
+
+
+def is_float(dtype: np.dtype) -> bool:
+    """True for float16, bfloat16, float32 and float64."""
+    return dtype.kind == "f" or dtype == _DTYPES["bfloat16"]

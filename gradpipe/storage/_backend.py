@@ -1,0 +1,91 @@
+"""The few primitives a store needs from a storage system.
+
+Everything gradpipe writes goes through two kinds of write: *create-if-absent*
+for immutable objects (blocks, manifests) and *compare-and-swap* for refs.
+Backends translate their own errors into gradpipe's here, at one boundary.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Backend", "KeyInfo", "VersionedBytes"]
+
+
+@dataclass(frozen=True, slots=True)
+class KeyInfo:
+    """A listed key: its size in bytes and last-modified time (Unix seconds)."""
+
+    key: str
+    size: int
+    mtime: float
+
+
+@dataclass(frozen=True, slots=True)
+class VersionedBytes:
+    """The content of a ref and the token a compare-and-swap must present."""
+
+    data: bytes
+    token: str
+
+
+class Backend(ABC):
+    """Keys are ``/``-separated paths relative to the store root."""
+
+    url: str
+
+    @abstractmethod
+    def read(self, key: str) -> bytes:
+        """The bytes at ``key``; :class:`~gradpipe.errors.NotFoundError` if absent."""
+
+    def read_many(self, keys: Sequence[str]) -> list[bytes | Exception]:
+        """Read several keys; a failure is returned in place, not raised."""
+        out: list[bytes | Exception] = []
+        for key in keys:
+            try:
+                out.append(self.read(key))
+            except Exception as exc:  # noqa: BLE001 - handed back to the caller
+                out.append(exc)
+        return out
+
+    @abstractmethod
+    def write_if_absent(self, key: str, data: bytes | memoryview) -> bool:
+        """Create ``key`` atomically; False (not an error) if it already exists."""
+
+    def write_many_if_absent(self, items: Sequence[tuple[str, bytes | memoryview]]) -> list[bool]:
+        """:meth:`write_if_absent` for several keys, concurrently where it pays."""
+        return [self.write_if_absent(key, data) for key, data in items]
+
+    @abstractmethod
+    def mtimes(self, keys: Sequence[str]) -> list[float | None]:
+        """Last-modified time of each key, None where it does not exist."""
+
+    @abstractmethod
+    def touch(self, key: str) -> None:
+        """Set the last-modified time of an existing key to now."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key``; absent keys are not an error."""
+
+    @abstractmethod
+    def list(self, prefix: str) -> Iterator[KeyInfo]:
+        """Every key under ``prefix`` (a folder, without trailing slash)."""
+
+    @abstractmethod
+    def read_versioned(self, key: str) -> VersionedBytes | None:
+        """A ref's content and version token, None if the ref does not exist."""
+
+    @abstractmethod
+    def swap(self, key: str, data: bytes, expected: str | None) -> str:
+        """Replace ``key`` if its token is still ``expected`` (None: if absent).
+
+        Returns the new token; raises :class:`~gradpipe.errors.ConflictError`
+        when someone else changed the key first.
+        """
+
+    @abstractmethod
+    def delete_all(self) -> None:
+        """Remove everything under the store root (for ``mode="w"``)."""

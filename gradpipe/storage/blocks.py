@@ -1,0 +1,106 @@
+"""The byte layout of a stored block.
+
+A block is self-describing::
+
+    b"GPBK" | version: u8 | header length: u32 LE | header (canonical JSON) | payload
+
+The header names the codec chain (numcodecs configs, applied in order when
+encoding) and the logical size. The block id is the hash of the *logical*
+bytes, so it never depends on the codec: re-encoding a block with another
+codec keeps its id, and dedup works across codec changes.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any, Final
+
+import numcodecs
+import numpy as np
+from numcodecs.abc import Codec
+from numcodecs.compat import ensure_contiguous_ndarray
+
+import gradpipe.codecs  # noqa: F401 - registers the gradpipe_* codecs
+from gradpipe.core.encoding import from_json_bytes, to_json_bytes
+from gradpipe.core.ids import hash_bytes
+from gradpipe.errors import GradpipeError, IntegrityError, UnsupportedFormatError
+
+__all__ = ["BLOCK_VERSION", "decode_block", "encode_block"]
+
+_MAGIC: Final = b"GPBK"
+#: Version of the block layout this gradpipe writes and the newest it reads.
+BLOCK_VERSION: Final = 1
+_PREFIX: Final = struct.Struct("<4sBI")
+
+
+def encode_block(data: bytes | memoryview | np.ndarray, codecs: Sequence[Codec] = ()) -> bytes:
+    """Frame ``data`` (the logical bytes) encoded by ``codecs``."""
+    payload: Any = data
+    for codec in codecs:
+        payload = codec.encode(payload)
+    logical = memoryview(data).nbytes if not isinstance(data, np.ndarray) else data.nbytes
+    header = to_json_bytes({"codecs": [c.get_config() for c in codecs], "size": logical})
+    body = _bytes_view(payload)
+    return b"".join((_PREFIX.pack(_MAGIC, BLOCK_VERSION, len(header)), header, body))
+
+
+def decode_block(
+    frame: bytes, block_id: str, *, out: np.ndarray | None = None, context: str = ""
+) -> memoryview:
+    """Decode a block and check it against its id.
+
+    ``out``, if given, is a writable contiguous array of exactly the logical
+    size that receives the bytes (decoding straight into a tensor's buffer).
+    Raises :class:`IntegrityError` naming the block and ``context`` if the
+    frame is damaged or its bytes do not hash to ``block_id``.
+    """
+    where = f"block {block_id}" + (f" ({context})" if context else "")
+    if len(frame) < _PREFIX.size:
+        raise IntegrityError(f"{where} is truncated ({len(frame)} bytes)")
+    magic, version, header_len = _PREFIX.unpack_from(frame)
+    if magic != _MAGIC:
+        raise IntegrityError(f"{where} is not a gradpipe block (bad magic)")
+    if version > BLOCK_VERSION:
+        raise UnsupportedFormatError(
+            f"{where} has layout version {version}, newer than this gradpipe reads "
+            f"({BLOCK_VERSION}); upgrade gradpipe"
+        )
+    start = _PREFIX.size + header_len
+    if start > len(frame):
+        raise IntegrityError(f"{where} is truncated inside its header")
+    try:
+        header = from_json_bytes(frame[_PREFIX.size : start], what=where)
+        size = int(header["size"])
+        codecs = [numcodecs.get_codec(dict(c)) for c in header["codecs"]]
+    except UnsupportedFormatError:
+        raise
+    except (GradpipeError, KeyError, TypeError, ValueError) as exc:
+        raise IntegrityError(f"{where} has a damaged header: {exc}") from None
+    payload: Any = memoryview(frame)[start:]
+    try:
+        for i, codec in enumerate(reversed(codecs)):
+            last = i == len(codecs) - 1
+            payload = codec.decode(payload, out=out if last and out is not None else None)
+    except GradpipeError as exc:
+        raise IntegrityError(f"{where} does not decode: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - any codec failure means damaged bytes
+        raise IntegrityError(f"{where} does not decode: {exc!r}") from None
+    logical = _bytes_view(payload)
+    if logical.nbytes != size:
+        raise IntegrityError(f"{where} decodes to {logical.nbytes} bytes, header says {size}")
+    if out is not None and not codecs:
+        _bytes_array(out)[:] = np.frombuffer(logical, np.uint8)
+        logical = _bytes_view(out)
+    if hash_bytes(logical) != block_id:
+        raise IntegrityError(f"{where} is corrupt: its content does not match its id")
+    return logical
+
+
+def _bytes_array(buf: Any) -> np.ndarray:  # noqa: ANN401 - any buffer
+    """A flat uint8 view of any contiguous buffer (bfloat16 has no buffer format)."""
+    return ensure_contiguous_ndarray(buf).reshape(-1).view(np.uint8)
+
+
+def _bytes_view(buf: Any) -> memoryview:  # noqa: ANN401 - any buffer
+    return memoryview(_bytes_array(buf))

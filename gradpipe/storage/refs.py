@@ -1,0 +1,167 @@
+"""Refs: the only mutable objects of a store, moved by compare-and-swap.
+
+A ref lives at ``refs/<kind>/<name>`` and holds the canonical bytes of a
+:class:`~gradpipe.core.manifest.RefEntry`. Before every swap the new entry is
+also written as a block, so entries chain through ``previous`` into the ref's
+history. Each attempt stamps a fresh ``write_id``: when a swap reports a
+conflict, reading the ref back tells whether our own write landed (its reply
+was lost and a retry collided with it) or someone else's did.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Final
+
+from gradpipe.core.ids import hash_bytes
+from gradpipe.core.manifest import RefEntry, decode_manifest, encode_manifest
+from gradpipe.core.names import parse_name, parse_ref_name
+from gradpipe.errors import ConflictError, IntegrityError, NotFoundError
+from gradpipe.storage._backend import VersionedBytes
+
+if TYPE_CHECKING:
+    from gradpipe.storage.store import Store
+
+__all__ = ["ANY", "Refs"]
+
+
+class _Any:
+    def __repr__(self) -> str:
+        return "ANY"
+
+
+#: ``expected=ANY``: move the ref whatever it points at now (retrying on conflict).
+ANY: Final = _Any()
+
+_MAX_ATTEMPTS: Final = 64
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds")
+
+
+class Refs:
+    """The refs of one store; reached as ``store.refs``."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def _key(self, name: str) -> str:
+        return f"refs/{parse_ref_name(name)}"
+
+    def _read(self, name: str) -> tuple[VersionedBytes | None, RefEntry | None]:
+        current = self._store.backend.read_versioned(self._key(name))
+        if current is None:
+            return None, None
+        entry = decode_manifest(current.data, what=f"ref {name!r}")
+        if not isinstance(entry, RefEntry) or entry.ref != name:
+            raise IntegrityError(f"ref {name!r} in store {self._store.url} holds a foreign entry")
+        return current, entry
+
+    def entry(self, name: str) -> RefEntry | None:
+        """The current entry of ``name`` (None if it never existed or was deleted)."""
+        _, entry = self._read(name)
+        return entry if entry is not None and entry.target is not None else None
+
+    def get(self, name: str) -> str:
+        """The id ``name`` points at; :class:`NotFoundError` if there is none."""
+        entry = self.entry(name)
+        if entry is None or entry.target is None:
+            raise NotFoundError(f"ref {name!r} does not exist in store {self._store.url}")
+        return entry.target
+
+    def set(
+        self,
+        name: str,
+        target: str | None,
+        *,
+        expected: str | None | _Any = ANY,
+        message: str = "",
+        meta: dict[str, str] | None = None,
+    ) -> RefEntry:
+        """Point ``name`` at ``target`` (None deletes it, keeping its history).
+
+        With ``expected`` set to an id (or None for "must not exist"), the move
+        happens only if the ref still points there, else :class:`ConflictError`.
+        """
+
+        def decide(current: str | None) -> str | None:
+            if not isinstance(expected, _Any) and current != expected:
+                raise ConflictError(
+                    f"ref {name!r} points at {current}, not {expected}; "
+                    "someone else moved it: re-read and retry"
+                )
+            return target
+
+        return self.update(name, decide, message=message, meta=meta)
+
+    def update(
+        self,
+        name: str,
+        decide: Callable[[str | None], str | None],
+        *,
+        message: str = "",
+        meta: dict[str, str] | None = None,
+    ) -> RefEntry:
+        """Move ``name`` to ``decide(current_target)``, retrying lost races.
+
+        ``decide`` may be called several times and must not have side effects
+        it cannot repeat; it may raise to give up.
+        """
+        self._store.check_writable()
+        key = self._key(name)
+        for _attempt in range(_MAX_ATTEMPTS):
+            current, entry = self._read(name)
+            target = decide(entry.target if entry else None)
+            new = RefEntry(
+                ref=name,
+                target=target,
+                previous=hash_bytes(current.data) if current else None,
+                time=_now(),
+                write_id=uuid.uuid4().hex,
+                message=message,
+                meta=dict(meta or {}),
+            )
+            data = encode_manifest(new)
+            self._store.put_raw(data)  # the history entry, before it becomes visible
+            try:
+                self._store.backend.swap(key, data, current.token if current else None)
+            except ConflictError:
+                landed = self._store.backend.read_versioned(key)
+                if landed is not None and landed.data == data:
+                    return new  # our write landed; only its reply was lost
+                continue
+            return new
+        raise ConflictError(
+            f"ref {name!r} in store {self._store.url} kept moving; gave up after "
+            f"{_MAX_ATTEMPTS} attempts"
+        )
+
+    def history(self, name: str) -> Iterator[RefEntry]:
+        """Entries of ``name``, newest first (deletions included, target None)."""
+        current, entry = self._read(name)
+        if current is None or entry is None:
+            raise NotFoundError(f"ref {name!r} does not exist in store {self._store.url}")
+        while entry is not None:
+            yield entry
+            if entry.previous is None:
+                return
+            previous = self._store.get_manifest(entry.previous, context=f"history of ref {name!r}")
+            assert isinstance(previous, RefEntry)
+            entry = previous
+
+    def list(self, kind: str | None = None) -> dict[str, RefEntry]:
+        """Current entries of all live refs (optionally of one kind), by name."""
+        prefix = "refs" if kind is None else f"refs/{parse_name(kind, what='ref kind')}"
+        out: dict[str, RefEntry] = {}
+        for info in self._store.backend.list(prefix):
+            parts = info.key.split("/")
+            if len(parts) != 3 or parts[2].startswith("."):
+                continue  # lock and temporary files
+            name = f"{parts[1]}/{parts[2]}"
+            entry = self.entry(name)
+            if entry is not None:
+                out[name] = entry
+        return dict(sorted(out.items()))

@@ -1,0 +1,315 @@
+"""The content-addressed store: blocks, manifests, tensors and refs over fsspec."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Final, Literal, TypeVar
+
+import numpy as np
+from numcodecs.abc import Codec
+
+from gradpipe.codecs import choose_codec
+from gradpipe.config import get_bytes, get_seconds, get_setting
+from gradpipe.core.chunking import choose_chunk_shape, chunk_ranges
+from gradpipe.core.dtypes import canonical_dtype, dtype_name, parse_dtype
+from gradpipe.core.encoding import from_json_bytes, to_json_bytes
+from gradpipe.core.ids import block_key, hash_bytes, parse_id
+from gradpipe.core.manifest import Manifest, TensorManifest, decode_manifest, encode_manifest
+from gradpipe.core.stats import bit_nonzero, chunk_stats
+from gradpipe.errors import (
+    InvalidInputError,
+    NotFoundError,
+    ReadOnlyError,
+    UnsupportedFormatError,
+)
+from gradpipe.storage._backend import Backend
+from gradpipe.storage.blocks import decode_block, encode_block
+from gradpipe.storage.refs import Refs
+
+__all__ = ["MARKER_KEY", "STORE_FORMAT", "Mode", "Store", "WriteStats"]
+
+Mode = Literal["r", "a", "w", "w-"]
+#: The key whose presence makes a directory or prefix a gradpipe store.
+MARKER_KEY: Final = "gradpipe.json"
+#: Store layout version this gradpipe writes and the newest it reads.
+STORE_FORMAT: Final = 1
+# Manifests smaller than this are stored uncompressed (readable with `cat`).
+_COMPRESS_MANIFEST_BYTES: Final = 4096
+# Chunks encoded and written per round trip when putting a large tensor.
+_WRITE_WINDOW: Final = 16
+
+M = TypeVar("M")
+
+
+@dataclass
+class WriteStats:
+    """What a store's writes did, for reports (mutable, accumulates)."""
+
+    blocks_written: int = 0
+    blocks_reused: int = 0
+    zero_chunks: int = 0
+    logical_bytes: int = 0
+    stored_bytes: int = 0
+
+    def add(self, other: WriteStats) -> None:
+        """Accumulate ``other`` into this one."""
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+class Store:
+    """A gradpipe store; open one with :func:`gradpipe.open_store`.
+
+    It pickles as its URL, mode and storage options: a Dask worker that
+    receives it opens its own connection.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        mode: Mode,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.mode = mode
+        self.url = url
+        self.storage_options = dict(storage_options or {})
+        self.refs = Refs(self)
+        self.write_stats = WriteStats()
+
+    def __repr__(self) -> str:
+        return f"<gradpipe.Store {self.url!r} mode={self.mode!r}>"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from gradpipe.storage.open import reopen_store
+
+        return (reopen_store, (self.url, self.mode, self.storage_options))
+
+    @property
+    def writable(self) -> bool:
+        """True unless opened with ``mode="r"``."""
+        return self.mode != "r"
+
+    def check_writable(self) -> None:
+        """Raise :class:`ReadOnlyError` on a read-only store."""
+        if not self.writable:
+            raise ReadOnlyError(f"store {self.url} is open read-only; open it with mode='a'")
+
+    # --- blocks -----------------------------------------------------------------
+    def has_blocks(self, ids: Sequence[str]) -> list[bool]:
+        """Whether each block exists (one batched round trip where the backend allows)."""
+        return [m is not None for m in self.backend.mtimes([block_key(i) for i in ids])]
+
+    def put_raw(self, data: bytes, codecs: Sequence[Codec] = ()) -> str:
+        """Store logical bytes as one block; returns its id."""
+        self.check_writable()
+        block_id = hash_bytes(data)
+        self._write_blocks([(block_id, data, codecs)])
+        return block_id
+
+    def _write_blocks(self, items: Sequence[tuple[str, Any, Sequence[Codec] | None]]) -> None:
+        """Write blocks that may exist already; ``codecs=None`` lets the policy choose.
+
+        Existing blocks are not re-encoded. An existing block older than
+        ``storage.touch-after`` gets a fresh time so a concurrent gc, which
+        only deletes old unreferenced blocks, cannot take it from under us.
+        """
+        keys = [block_key(block_id) for block_id, _, _ in items]
+        mtimes = self.backend.mtimes(keys)
+        stale = time.time() - get_seconds("storage.touch-after")
+        todo: list[tuple[str, bytes]] = []
+        level = int(get_setting("codec-level"))
+        for (_, data, codecs), key, mtime in zip(items, keys, mtimes, strict=True):
+            if mtime is not None:
+                self.write_stats.blocks_reused += 1
+                if mtime < stale:
+                    self.backend.touch(key)
+                continue
+            chain = codecs if codecs is not None else (choose_codec(data, level=level),)
+            todo.append((key, encode_block(data, chain)))
+        created = self.backend.write_many_if_absent(todo)
+        for (_, frame), new in zip(todo, created, strict=True):
+            if new:
+                self.write_stats.blocks_written += 1
+                self.write_stats.stored_bytes += len(frame)
+            else:
+                self.write_stats.blocks_reused += 1
+
+    def get_raw(self, block_id: str, *, context: str = "") -> memoryview:
+        """The logical bytes of a block, checked against its id."""
+        frame = self._read_frame(block_id, context)
+        return decode_block(frame, block_id, context=context)
+
+    def _read_frame(self, block_id: str, context: str) -> bytes:
+        try:
+            return self.backend.read(block_key(block_id))
+        except NotFoundError:
+            where = f" ({context})" if context else ""
+            raise NotFoundError(
+                f"block {block_id}{where} is missing from store {self.url}; "
+                "run `gradpipe verify` to see what else is affected"
+            ) from None
+
+    # --- manifests --------------------------------------------------------------
+    def put_manifest(self, manifest: Manifest) -> str:
+        """Store a manifest; returns its id."""
+        data = encode_manifest(manifest)
+        codecs = () if len(data) < _COMPRESS_MANIFEST_BYTES else (_manifest_codec(),)
+        return self.put_raw(data, codecs)
+
+    def get_manifest(self, manifest_id: str, *, context: str = "") -> Manifest:
+        """Read and check a manifest of any type."""
+        data = self.get_raw(parse_id(manifest_id), context=context)
+        what = f"manifest {manifest_id}" + (f" ({context})" if context else "")
+        return decode_manifest(bytes(data), what=what)
+
+    def _get_typed(self, manifest_id: str, cls: type[M], context: str) -> M:
+        manifest = self.get_manifest(manifest_id, context=context)
+        if not isinstance(manifest, cls):
+            raise InvalidInputError(
+                f"{manifest_id} is a {type(manifest).type} manifest, not a "  # type: ignore[attr-defined]
+                f"{cls.type}"  # type: ignore[attr-defined]
+            )
+        return manifest
+
+    # --- tensors ----------------------------------------------------------------
+    def put_tensor(
+        self,
+        array: Any,  # noqa: ANN401 - anything numpy.asarray takes
+        *,
+        chunk_bytes: int | None = None,
+        codecs: Sequence[Codec] | None = None,
+    ) -> str:
+        """Store a tensor bit-exactly; returns its id.
+
+        Parameters
+        ----------
+        array : array_like
+            Any shape (0-d and empty included) of a gradpipe dtype: bool,
+            (u)int8-64, float16, bfloat16, float32, float64.
+        chunk_bytes : int, optional
+            Target raw bytes per chunk (default ``gradpipe.chunk-bytes``).
+        codecs : sequence of numcodecs codecs, optional
+            A fixed codec chain for every chunk; by default each chunk gets
+            the lossless codec that suits it (sparse or byte-grouped dense).
+
+        Examples
+        --------
+        >>> import numpy as np, tempfile, gradpipe as gp
+        >>> store = gp.open_store(tempfile.mkdtemp(), mode="w")
+        >>> tid = store.put_tensor(np.arange(6, dtype="float32").reshape(2, 3))
+        >>> store.get_tensor(tid)
+        array([[0., 1., 2.],
+               [3., 4., 5.]], dtype=float32)
+        """
+        self.check_writable()
+        manifest = self.write_tensor(np.asarray(array), chunk_bytes=chunk_bytes, codecs=codecs)
+        return self.put_manifest(manifest)
+
+    def write_tensor(
+        self,
+        array: np.ndarray,
+        *,
+        chunk_bytes: int | None = None,
+        codecs: Sequence[Codec] | None = None,
+    ) -> TensorManifest:
+        """Write the chunks of ``array`` and return its (not yet stored) manifest."""
+        self.check_writable()
+        dtype = canonical_dtype(array.dtype)
+        flat = np.ascontiguousarray(array, dtype=dtype).reshape(-1)
+        target = chunk_bytes if chunk_bytes is not None else get_bytes("chunk-bytes")
+        chunk_shape = choose_chunk_shape(array.shape, dtype.itemsize, target)
+        blocks: list[str | None] = []
+        stats = []
+        window: list[tuple[str, Any, Sequence[Codec] | None]] = []
+        for start, stop in chunk_ranges(array.shape, chunk_shape):
+            chunk = flat[start:stop]
+            stats.append(chunk_stats(chunk))
+            self.write_stats.logical_bytes += chunk.nbytes
+            if bit_nonzero(chunk) == 0:
+                blocks.append(None)  # all-zero bytes: no block at all
+                self.write_stats.zero_chunks += 1
+                continue
+            block_id = hash_bytes(chunk.view(np.uint8))
+            blocks.append(block_id)
+            window.append((block_id, chunk, codecs))
+            if len(window) >= _WRITE_WINDOW:
+                self._write_blocks(window)
+                window = []
+        if window:
+            self._write_blocks(window)
+        return TensorManifest(
+            dtype_name(dtype), array.shape, chunk_shape, tuple(blocks), tuple(stats)
+        )
+
+    def tensor_info(self, tensor_id: str) -> TensorManifest:
+        """The manifest of a stored tensor (dtype, shape, chunks, stats); reads no data."""
+        return self._get_typed(tensor_id, TensorManifest, context="tensor")
+
+    def get_tensor(self, tensor_id: str) -> np.ndarray:
+        """Read a stored tensor, bit-exact, checking every block against its id."""
+        manifest = self.tensor_info(tensor_id)
+        return self.read_tensor(manifest, context=f"tensor {tensor_id}")
+
+    def read_tensor(self, manifest: TensorManifest, *, context: str = "") -> np.ndarray:
+        """Read the tensor a manifest describes."""
+        dtype = parse_dtype(manifest.dtype)
+        out = np.zeros(manifest.size, dtype=dtype)
+        ranges = manifest.chunk_ranges()
+        wanted = [(i, b) for i, b in enumerate(manifest.blocks) if b is not None]
+        for lo in range(0, len(wanted), _WRITE_WINDOW):
+            batch = wanted[lo : lo + _WRITE_WINDOW]
+            frames = self.backend.read_many([block_key(b) for _, b in batch])
+            for (i, block_id), frame in zip(batch, frames, strict=True):
+                where = f"{context}, chunk {i}" if context else f"chunk {i}"
+                if isinstance(frame, NotFoundError):
+                    frame = self._read_frame(block_id, where)  # raises the clear error
+                elif isinstance(frame, Exception):
+                    raise frame
+                start, stop = ranges[i]
+                decode_block(frame, block_id, out=out[start:stop], context=where)
+        return out.reshape(manifest.shape)
+
+
+def _manifest_codec() -> Codec:
+    from numcodecs import Zstd
+
+    return Zstd(level=3)
+
+
+def read_marker(backend: Backend) -> dict[str, Any] | None:
+    """The store marker, None if there is none; checks the layout version."""
+    try:
+        data = backend.read(MARKER_KEY)
+    except NotFoundError:
+        return None
+    doc = from_json_bytes(data, what=f"{backend.url}/{MARKER_KEY}")
+    if not isinstance(doc, dict) or doc.get("gradpipe") != "store":
+        raise InvalidInputError(f"{backend.url} has a {MARKER_KEY} that is not gradpipe's")
+    version = doc.get("format")
+    if not isinstance(version, int) or version > STORE_FORMAT:
+        raise UnsupportedFormatError(
+            f"store {backend.url} has format {version!r}, newer than this gradpipe reads "
+            f"({STORE_FORMAT}); upgrade gradpipe"
+        )
+    return doc
+
+
+def marker_bytes() -> bytes:
+    """The content of a new store's marker."""
+    from gradpipe import __version__
+
+    return to_json_bytes(
+        {
+            "gradpipe": "store",
+            "format": STORE_FORMAT,
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
+            "created_by": f"gradpipe {__version__}",
+        }
+    )
+
