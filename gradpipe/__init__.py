@@ -16,9 +16,12 @@ from gradpipe.errors import (
     UnsupportedFormatError,
 )
 from gradpipe.storage import Store, open_store
+from gradpipe.storage.gc import GcReport, gc
+from gradpipe.storage.verify import VerifyReport, verify
 
 __all__ = [
     "ConflictError",
+    "GcReport",
     "GradpipeError",
     "IntegrityError",
     "InvalidInputError",
@@ -27,6 +30,9 @@ __all__ = [
     "StorageError",
     "Store",
     "UnsupportedFormatError",
+    "VerifyReport",
     "__version__",
+    "gc",
     "open_store",
+    "verify",
 ]

@@ -15,7 +15,7 @@ import blake3
 
 from gradpipe.errors import InvalidInputError
 
-__all__ = ["ID_PREFIX", "block_key", "hash_bytes", "is_id", "parse_id"]
+__all__ = ["ID_PREFIX", "block_key", "hash_bytes", "id_from_block_key", "is_id", "parse_id"]
 
 ID_PREFIX: Final = "b3:"
 _ID_RE: Final = re.compile(r"b3:[0-9a-f]{64}")
@@ -58,3 +58,9 @@ def block_key(block_id: str) -> str:
     """
     digest = parse_id(block_id)[len(ID_PREFIX) :]
     return f"blocks/{digest[:2]}/{digest[2:]}"
+
+
+def id_from_block_key(key: str) -> str | None:
+    """The id a ``blocks/…`` key names, None for any other file (e.g. a temporary one)."""
+    block_id = ID_PREFIX + key.removeprefix("blocks/").replace("/", "")
+    return block_id if key.startswith("blocks/") and is_id(block_id) else None

@@ -1,0 +1,176 @@
+"""The ``gradpipe`` command.
+
+Every command has ``--help``; ``--json`` prints one JSON object on stdout.
+Exit status: 0 success, 1 when some input or stored object failed, 2 for
+usage errors (bad arguments, URLs or names).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dask.utils import format_bytes, parse_timedelta
+
+from gradpipe.errors import GradpipeError, InvalidInputError
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class CommandResult:
+    """What a command hands back: a JSON document, a text rendering, an exit status."""
+
+    def __init__(self, doc: dict[str, Any], text: str, status: int = EXIT_OK) -> None:
+        self.doc, self.text, self.status = doc, text, status
+
+
+def _storage_options(pairs: Sequence[str]) -> dict[str, Any] | None:
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise InvalidInputError(f"--storage-option takes KEY=VALUE, got {pair!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options or None
+
+
+def _open(args: argparse.Namespace, mode: str) -> Any:  # noqa: ANN401 - a Store
+    from gradpipe.storage import open_store
+
+    return open_store(args.store, mode=mode, storage_options=_storage_options(args.storage_option))  # type: ignore[arg-type]
+
+
+def _parse_duration(text: str) -> float:
+    try:
+        return float(parse_timedelta(text, default="s"))
+    except (KeyError, ValueError):
+        raise InvalidInputError(f"{text!r} is not a duration; write e.g. 24h, 30m or 0s") from None
+
+
+# --- commands ------------------------------------------------------------------
+def cmd_init(args: argparse.Namespace) -> CommandResult:
+    store = _open(args, "a")
+    return CommandResult({"store": store.url}, f"gradpipe store ready at {store.url}")
+
+
+def cmd_ls(args: argparse.Namespace) -> CommandResult:
+    store = _open(args, "r")
+    refs = store.refs.list()
+    rows = [
+        {"ref": name, "target": e.target, "time": e.time, "message": e.message}
+        for name, e in refs.items()
+    ]
+    if not rows:
+        return CommandResult({"store": store.url, "refs": []}, f"{store.url}: no refs yet")
+    width = max(len(r["ref"]) for r in rows)
+    lines = [f"{r['ref']:<{width}}  {r['target'][:19]}…  {r['time'][:19]}  {r['message']}" for r in rows]
+    return CommandResult({"store": store.url, "refs": rows}, "\n".join(lines))
+
+
+def cmd_verify(args: argparse.Namespace) -> CommandResult:
+    from gradpipe.storage.verify import verify
+
+    store = _open(args, "r")
+    report = verify(store, all_blocks=args.all)
+    doc = {"store": store.url, **report.to_dict()}
+    head = (
+        f"checked {report.manifests} manifests and {report.blocks} blocks "
+        f"({format_bytes(report.bytes)} of data)"
+    )
+    if report.ok:
+        return CommandResult(doc, f"{head}: all good")
+    lines = [f"{head}: {len(report.problems)} problem(s)"]
+    lines += [f"  {p.kind:<10} {p.id}  needed by {p.context}" for p in report.problems]
+    return CommandResult(doc, "\n".join(lines), EXIT_FAILED)
+
+
+def cmd_gc(args: argparse.Namespace) -> CommandResult:
+    from gradpipe.storage.gc import gc
+
+    grace = _parse_duration(args.grace) if args.grace is not None else None
+    store = _open(args, "a")
+    report = gc(store, grace=grace, dry_run=args.dry_run)
+    verb = "would delete" if args.dry_run else "deleted"
+    text = (
+        f"{verb} {report.deleted} unreferenced block(s), {format_bytes(report.deleted_bytes)}; "
+        f"kept {report.reachable} reachable and {report.kept_young} younger than the grace "
+        f"period; {verb} {report.stray_deleted} stale temporary file(s)"
+    )
+    return CommandResult({"store": store.url, **report.to_dict()}, text)
+
+
+# --- parser --------------------------------------------------------------------
+def _add_store(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("store", metavar="STORE", help="store URL: a path, file:// or s3://")
+    parser.add_argument(
+        "-S",
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="fsspec storage option (repeatable), e.g. endpoint_url=http://127.0.0.1:9000",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``gradpipe`` command."""
+    from gradpipe import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="gradpipe",
+        description="Keep, inspect and reuse the gradients and training state of training runs.",
+    )
+    parser.add_argument("--version", action="version", version=f"gradpipe {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, func: Callable[[argparse.Namespace], CommandResult], help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_)
+        _add_store(p)
+        p.set_defaults(func=func)
+        return p
+
+    add("init", cmd_init, "create a store (nothing happens if one exists)")
+    add("ls", cmd_ls, "list the refs of a store")
+    p = add("verify", cmd_verify, "check every reachable object against its id")
+    p.add_argument("--all", action="store_true", help="also check unreferenced blocks")
+    p = add("gc", cmd_gc, "delete unreferenced blocks older than the grace period")
+    p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
+    p.add_argument("--grace", metavar="DURATION", help="e.g. 24h, 30m, 0s (default gradpipe.gc.grace)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``gradpipe`` command; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result = args.func(args)
+    except InvalidInputError as exc:
+        return _fail(args, exc, EXIT_USAGE)
+    except GradpipeError as exc:
+        return _fail(args, exc, EXIT_FAILED)
+    if args.json:
+        print(json.dumps(result.doc, indent=2, default=str))
+    else:
+        print(result.text)
+    return result.status
+
+
+def _fail(args: argparse.Namespace, exc: Exception, status: int) -> int:
+    if args.json:
+        print(json.dumps({"ok": False, "error": str(exc), "type": type(exc).__name__}))
+    print(f"gradpipe {args.command}: error: {exc}", file=sys.stderr)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

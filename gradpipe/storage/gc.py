@@ -1,0 +1,77 @@
+"""``gc``: delete blocks nothing reachable uses, once they are old enough.
+
+Safety rests on two rules. Only blocks older than the grace period go, so a
+job that has written blocks but not yet committed its ref keeps them. And a
+writer that finds a block already present refreshes its time when it is
+older than ``gradpipe.storage.touch-after`` (see ``Store._write_blocks``), so
+an old unreferenced block that a new commit is about to reuse is young
+again before gc can judge it. Keep the grace period longer than your
+longest job plus ``touch-after``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from gradpipe.config import get_seconds
+from gradpipe.core.ids import id_from_block_key
+from gradpipe.errors import IntegrityError
+from gradpipe.storage.store import Store
+from gradpipe.storage.walk import walk_reachable
+
+__all__ = ["GcReport", "gc"]
+
+
+@dataclass
+class GcReport:
+    """What :func:`gc` found and did (or, with ``dry_run``, would do)."""
+
+    dry_run: bool
+    reachable: int = 0
+    deleted: int = 0
+    deleted_bytes: int = 0
+    kept_young: int = 0
+    stray_deleted: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (what ``gradpipe gc --json`` prints)."""
+        return dict(self.__dict__)
+
+
+def gc(store: Store, *, grace: float | None = None, dry_run: bool = False) -> GcReport:
+    """Delete unreferenced blocks older than ``grace`` seconds.
+
+    ``grace`` defaults to ``gradpipe.gc.grace`` (24 hours). Refuses to run
+    when a reachable manifest is missing or corrupt: its children cannot be
+    known, and deleting them would make a repair impossible.
+    """
+    store.check_writable()
+    grace = get_seconds("gc.grace") if grace is None else float(grace)
+    reachable = walk_reachable(store)
+    if reachable.problems:
+        first = reachable.problems[0]
+        raise IntegrityError(
+            f"gc stopped before deleting anything: {len(reachable.problems)} reachable "
+            f"object(s) are damaged, first {first.id} ({first.context}); run `gradpipe verify`"
+        )
+    report = GcReport(dry_run=dry_run, reachable=len(reachable.manifests) + len(reachable.data))
+    cutoff = time.time() - grace
+    for info in store.backend.list("blocks"):
+        block_id = id_from_block_key(info.key)
+        if block_id is not None:
+            if block_id in reachable:
+                continue
+            if info.mtime > cutoff:
+                report.kept_young += 1
+                continue
+            report.deleted += 1
+            report.deleted_bytes += info.size
+        elif info.mtime <= cutoff:
+            report.stray_deleted += 1  # a temporary file left by a killed writer
+        else:
+            continue
+        if not dry_run:
+            store.backend.delete(info.key)
+    return report
