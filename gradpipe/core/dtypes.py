@@ -2,14 +2,15 @@
 
 Stored data is always little-endian; names are numpy's (``float32``) plus
 ``bfloat16`` from ml_dtypes, which numpy lacks. The safetensors spelling
-(``F32``, ``BF16``) maps to the same names.
+(``F32``, ``BF16``) maps to the same names. ml_dtypes takes ~0.4 s to import,
+so it is loaded only when a bfloat16 is actually met.
 """
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Final
 
-import ml_dtypes
 import numpy as np
 
 from gradpipe.errors import InvalidInputError
@@ -17,6 +18,7 @@ from gradpipe.errors import InvalidInputError
 __all__ = [
     "DTYPE_NAMES",
     "SAFETENSORS_NAMES",
+    "bfloat16",
     "canonical_dtype",
     "dtype_name",
     "is_float",
@@ -34,13 +36,20 @@ _DTYPES: Final[dict[str, np.dtype]] = {
     "uint32": np.dtype("<u4"),
     "uint64": np.dtype("<u8"),
     "float16": np.dtype("<f2"),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
     "float32": np.dtype("<f4"),
     "float64": np.dtype("<f8"),
 }
 
 #: Every dtype name gradpipe accepts, in a stable order.
-DTYPE_NAMES: Final[tuple[str, ...]] = tuple(_DTYPES)
+DTYPE_NAMES: Final[tuple[str, ...]] = (*tuple(_DTYPES)[:10], "bfloat16", "float32", "float64")
+
+
+@cache
+def bfloat16() -> np.dtype:
+    """numpy's dtype for bfloat16 (imports ml_dtypes on first use)."""
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
 
 #: safetensors dtype codes → gradpipe dtype names.
 SAFETENSORS_NAMES: Final[dict[str, str]] = {
@@ -66,6 +75,8 @@ def parse_dtype(name: str) -> np.dtype:
     >>> parse_dtype("float32")
     dtype('float32')
     """
+    if name == "bfloat16":
+        return bfloat16()
     try:
         return _DTYPES[name]
     except KeyError:
@@ -81,22 +92,27 @@ def dtype_name(dtype: np.dtype | type) -> str:
     'float32'
     """
     dt = np.dtype(dtype)
-    if dt == _DTYPES["bfloat16"]:
+    if _is_bfloat16(dt):
         return "bfloat16"
     if dt.kind in "biuf" and dt.fields is None and dt.subdtype is None:
         name = dt.newbyteorder("<").name if dt.kind != "b" else "bool"
         if name in _DTYPES:
             return name
     raise InvalidInputError(
-        f"unsupported dtype {dt.str!r}; gradpipe stores {', '.join(DTYPE_NAMES)}"
+        f"unsupported dtype {dt.name!r}; gradpipe stores {', '.join(DTYPE_NAMES)}"
     )
 
 
 def canonical_dtype(dtype: np.dtype | type) -> np.dtype:
     """The stored (little-endian) form of ``dtype``."""
-    return _DTYPES[dtype_name(dtype)]
+    return parse_dtype(dtype_name(dtype))
 
 
 def is_float(dtype: np.dtype) -> bool:
     """True for float16, bfloat16, float32 and float64."""
-    return dtype.kind == "f" or dtype == _DTYPES["bfloat16"]
+    return dtype.kind == "f" or _is_bfloat16(dtype)
+
+
+def _is_bfloat16(dtype: np.dtype) -> bool:
+    # Compare by name first: no need to import ml_dtypes to reject float32.
+    return dtype.name == "bfloat16" and dtype == bfloat16()

@@ -91,7 +91,17 @@ def bit_nonzero(flat: np.ndarray) -> int:
 
 
 def chunk_stats(flat: np.ndarray) -> ChunkStats:
-    """Statistics of a 1-D chunk of any gradpipe dtype."""
+    """Statistics of a 1-D chunk of any gradpipe dtype.
+
+    Sums of float64 values near the top of their range overflow to ±inf
+    (or NaN); that is the honest float64 answer, not an error.
+    """
+    # ml_dtypes warns when it casts NaN; float64 sums may overflow (see above).
+    with np.errstate(invalid="ignore", over="ignore"):
+        return _chunk_stats(flat)
+
+
+def _chunk_stats(flat: np.ndarray) -> ChunkStats:
     count = int(flat.size)
     if count == 0:
         return ChunkStats(count=0, nonzero=0)

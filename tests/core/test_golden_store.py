@@ -1,0 +1,53 @@
+"""A store written by gradpipe format 1 stays readable, bit-exact, by this version."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gradpipe as gp
+
+FIXTURES = Path(__file__).parent.parent / "fixtures"
+
+
+def _golden_arrays() -> dict[str, np.ndarray]:
+    spec = importlib.util.spec_from_file_location("make_store_v1", FIXTURES / "make_store_v1.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.golden_arrays()  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def golden(tmp_path: Path) -> gp.Store:
+    # A copy: reading must not need to write, but a bug must not damage the fixture.
+    shutil.copytree(FIXTURES / "store-v1", tmp_path / "store-v1")
+    return gp.open_store(tmp_path / "store-v1", mode="r")
+
+
+@pytest.mark.parametrize("name", sorted(_golden_arrays()))
+def test_golden_tensors_read_bit_exact(golden: gp.Store, name: str) -> None:
+    expected = _golden_arrays()[name]
+    back = golden.get_tensor(golden.refs.get(f"tags/{name}"))
+    assert back.dtype == expected.dtype
+    assert back.shape == expected.shape
+    assert back.tobytes() == expected.tobytes()
+
+
+def test_golden_store_verifies_clean(golden: gp.Store) -> None:
+    report = gp.verify(golden, all_blocks=True)
+    assert report.ok, report.problems
+    assert report.unreferenced == 0
+    assert report.manifests == 2 * len(_golden_arrays())  # one tensor + one ref entry each
+
+
+def test_golden_ids_are_stable(tmp_path: Path) -> None:
+    """Writing the same arrays today gives the same ids: ids do not drift."""
+    golden = gp.open_store(FIXTURES / "store-v1", mode="r")
+    fresh = gp.open_store(tmp_path / "fresh", mode="w")
+    for name, array in _golden_arrays().items():
+        assert fresh.put_tensor(array, chunk_bytes=512) == golden.refs.get(f"tags/{name}")
