@@ -42,7 +42,7 @@ def _storage_options(pairs: Sequence[str]) -> dict[str, Any] | None:
     return options or None
 
 
-def _open(args: argparse.Namespace, mode: str) -> Any:  # noqa: ANN401 - a Store
+def _open(args: argparse.Namespace, mode: str) -> Any:
     from gradpipe.storage import open_store
 
     return open_store(args.store, mode=mode, storage_options=_storage_options(args.storage_option))  # type: ignore[arg-type]
@@ -71,7 +71,9 @@ def cmd_ls(args: argparse.Namespace) -> CommandResult:
     if not rows:
         return CommandResult({"store": store.url, "refs": []}, f"{store.url}: no refs yet")
     width = max(len(r["ref"]) for r in rows)
-    lines = [f"{r['ref']:<{width}}  {r['target'][:19]}…  {r['time'][:19]}  {r['message']}" for r in rows]
+    lines = [
+        f"{r['ref']:<{width}}  {r['target'][:19]}…  {r['time'][:19]}  {r['message']}" for r in rows
+    ]
     return CommandResult({"store": store.url, "refs": rows}, "\n".join(lines))
 
 
@@ -132,7 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gradpipe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    def add(name: str, func: Callable[[argparse.Namespace], CommandResult], help_: str) -> argparse.ArgumentParser:
+    def add(
+        name: str, func: Callable[[argparse.Namespace], CommandResult], help_: str
+    ) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=help_)
         _add_store(p)
         p.set_defaults(func=func)
@@ -144,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="also check unreferenced blocks")
     p = add("gc", cmd_gc, "delete unreferenced blocks older than the grace period")
     p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
-    p.add_argument("--grace", metavar="DURATION", help="e.g. 24h, 30m, 0s (default gradpipe.gc.grace)")
+    p.add_argument(
+        "--grace", metavar="DURATION", help="e.g. 24h, 30m, 0s (default gradpipe.gc.grace)"
+    )
     return parser
 
 
@@ -162,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(result.doc, indent=2, default=str))
     else:
         print(result.text)
-    return result.status
+    return int(result.status)
 
 
 def _fail(args: argparse.Namespace, exc: Exception, status: int) -> int:

@@ -39,7 +39,7 @@ DEFAULTS: Final[dict[str, Any]] = {
 dask.config.update_defaults(DEFAULTS)
 
 
-def get_setting(key: str) -> Any:  # noqa: ANN401 - settings are of several types
+def get_setting(key: str) -> Any:
     """One ``gradpipe.*`` setting."""
     return dask.config.get(f"gradpipe.{key}")
 

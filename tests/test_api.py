@@ -40,7 +40,9 @@ def test_public_names() -> None:
 def test_import_is_light() -> None:
     """Integrations (xarray, distributed, ml_dtypes) load only when used."""
     code = "import sys, gradpipe; print(sorted({m.split('.')[0] for m in sys.modules}))"
-    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
     for heavy in ("xarray", "distributed", "ml_dtypes", "s3fs", "torch"):
         assert f"'{heavy}'" not in loaded.stdout
 

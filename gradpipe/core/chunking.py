@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 
 from gradpipe.errors import InvalidInputError
 
-__all__ = ["chunk_count", "chunk_ranges", "choose_chunk_shape", "dask_chunks", "parse_chunk_shape"]
+__all__ = ["choose_chunk_shape", "chunk_count", "chunk_ranges", "dask_chunks", "parse_chunk_shape"]
 
 
 def choose_chunk_shape(shape: Sequence[int], itemsize: int, target_bytes: int) -> tuple[int, ...]:
@@ -83,7 +83,7 @@ def chunk_ranges(shape: Sequence[int], chunk_shape: Sequence[int]) -> Iterator[t
 
 def dask_chunks(shape: Sequence[int], chunk_shape: Sequence[int]) -> tuple[tuple[int, ...], ...]:
     """The grid in ``dask.array`` form (a tuple of block sizes per axis)."""
-    out = []
+    out: list[tuple[int, ...]] = []
     for n, c in zip(shape, chunk_shape, strict=True):
         if n == 0:
             out.append((0,))

@@ -49,7 +49,9 @@ def bfloat16() -> np.dtype:
     """numpy's dtype for bfloat16 (imports ml_dtypes on first use)."""
     import ml_dtypes
 
-    return np.dtype(ml_dtypes.bfloat16)
+    dtype: np.dtype = np.dtype(ml_dtypes.bfloat16)
+    return dtype
+
 
 #: safetensors dtype codes → gradpipe dtype names.
 SAFETENSORS_NAMES: Final[dict[str, str]] = {

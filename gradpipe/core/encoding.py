@@ -39,14 +39,14 @@ def decode_float(value: float | int | str | None) -> float | None:
     return float(value)
 
 
-def to_json_bytes(value: Any) -> bytes:  # noqa: ANN401 - any JSON value
+def to_json_bytes(value: Any) -> bytes:
     """Canonical JSON bytes of a JSON-able value."""
     return json.dumps(
         value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
     ).encode("utf-8")
 
 
-def from_json_bytes(data: bytes, *, what: str) -> Any:  # noqa: ANN401 - any JSON value
+def from_json_bytes(data: bytes, *, what: str) -> Any:
     """Parse JSON bytes, naming ``what`` in the error."""
     try:
         return json.loads(data)

@@ -12,6 +12,7 @@ import re
 from typing import Final
 
 import blake3
+import numpy as np
 
 from gradpipe.errors import InvalidInputError
 
@@ -24,13 +25,13 @@ _ID_RE: Final = re.compile(r"b3:[0-9a-f]{64}")
 _PARALLEL_HASH_BYTES: Final = 64 * 2**20
 
 
-def hash_bytes(data: bytes | bytearray | memoryview) -> str:
+def hash_bytes(data: bytes | bytearray | memoryview | np.ndarray) -> str:
     """Return the id of ``data``.
 
     >>> hash_bytes(b"")
     'b3:af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262'
     """
-    view = memoryview(data)
+    view = memoryview(data)  # type: ignore[arg-type]  # numpy arrays are buffers
     threads = blake3.blake3.AUTO if view.nbytes >= _PARALLEL_HASH_BYTES else 1
     return ID_PREFIX + blake3.blake3(view, max_threads=threads).hexdigest()
 

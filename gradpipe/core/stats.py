@@ -122,13 +122,15 @@ def _chunk_stats(flat: np.ndarray) -> ChunkStats:
     n_finite = int(np.count_nonzero(finite))
     if n_finite == count:
         nan = inf = 0
-        lo, hi = float(wide.min()), float(wide.max())
+        lo: float | None = float(wide.min())
+        hi: float | None = float(wide.max())
     else:
         is_nan = np.isnan(wide)
         nan = int(np.count_nonzero(is_nan))
         inf = count - n_finite - nan
         seen = wide[~is_nan]
-        lo, hi = (float(seen.min()), float(seen.max())) if seen.size else (None, None)
+        lo = float(seen.min()) if seen.size else None
+        hi = float(seen.max()) if seen.size else None
         wide = wide[finite]
     return ChunkStats(
         count=count,

@@ -46,7 +46,7 @@ class Backend(ABC):
         for key in keys:
             try:
                 out.append(self.read(key))
-            except Exception as exc:  # noqa: BLE001 - handed back to the caller
+            except Exception as exc:
                 out.append(exc)
         return out
 

@@ -141,7 +141,9 @@ class LocalBackend(Backend):
                 fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
                 current = self.read_versioned(key)
                 if (current.token if current else None) != expected:
-                    raise ConflictError(f"ref {key!r} in store {self.url} was moved by another writer")
+                    raise ConflictError(
+                        f"ref {key!r} in store {self.url} was moved by another writer"
+                    )
                 os.replace(self._write_temp(path, data), path)
                 if self._fsync:
                     _fsync_dir(path.parent)
@@ -169,4 +171,3 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-

@@ -36,7 +36,7 @@ def _error_code(exc: BaseException) -> str:
 class S3Backend(Backend):
     """A store rooted at ``s3://bucket/prefix``."""
 
-    def __init__(self, fs: Any, root: str) -> None:  # noqa: ANN401 - s3fs is untyped
+    def __init__(self, fs: Any, root: str) -> None:
         self.fs = fs
         self.root = root.strip("/")
         self.bucket, _, self.prefix = self.root.partition("/")
@@ -69,7 +69,7 @@ class S3Backend(Backend):
             return StorageError(f"could not {doing} {key!r} in store {self.url}: {exc}")
         return exc if isinstance(exc, Exception) else StorageError(str(exc))
 
-    async def _call(self, method: str, **kwargs: Any) -> dict[str, Any]:  # noqa: ANN401
+    async def _call(self, method: str, **kwargs: Any) -> dict[str, Any]:
         return await self.fs._call_s3(method, Bucket=self.bucket, **kwargs)  # type: ignore[no-any-return]
 
     # --- immutable objects ----------------------------------------------------
@@ -141,7 +141,9 @@ class S3Backend(Backend):
         try:
             self._run(
                 self._call(
-                    "copy_object", Key=self._key(key), CopySource=source,
+                    "copy_object",
+                    Key=self._key(key),
+                    CopySource=source,
                     MetadataDirective="REPLACE",
                 )
             )
@@ -192,7 +194,9 @@ class S3Backend(Backend):
         except Exception as exc:
             code = _error_code(exc)
             if isinstance(exc, FileExistsError) or code in (
-                "PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey",
+                "PreconditionFailed",
+                "ConditionalRequestConflict",
+                "NoSuchKey",
             ):
                 raise ConflictError(
                     f"ref {key!r} in store {self.url} was moved by another writer"

@@ -84,7 +84,7 @@ def decode_block(
             payload = codec.decode(payload, out=out if last and out is not None else None)
     except GradpipeError as exc:
         raise IntegrityError(f"{where} does not decode: {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - any codec failure means damaged bytes
+    except Exception as exc:
         raise IntegrityError(f"{where} does not decode: {exc!r}") from None
     logical = _bytes_view(payload)
     if logical.nbytes != size:
@@ -97,10 +97,11 @@ def decode_block(
     return logical
 
 
-def _bytes_array(buf: Any) -> np.ndarray:  # noqa: ANN401 - any buffer
+def _bytes_array(buf: Any) -> np.ndarray:
     """A flat uint8 view of any contiguous buffer (bfloat16 has no buffer format)."""
-    return ensure_contiguous_ndarray(buf).reshape(-1).view(np.uint8)
+    flat: np.ndarray = ensure_contiguous_ndarray(buf).reshape(-1).view(np.uint8)
+    return flat
 
 
-def _bytes_view(buf: Any) -> memoryview:  # noqa: ANN401 - any buffer
-    return memoryview(_bytes_array(buf))
+def _bytes_view(buf: Any) -> memoryview:
+    return memoryview(_bytes_array(buf))  # type: ignore[arg-type]

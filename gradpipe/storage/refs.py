@@ -77,7 +77,7 @@ class Refs:
         name: str,
         target: str | None,
         *,
-        expected: str | None | _Any = ANY,
+        expected: str | _Any | None = ANY,
         message: str = "",
         meta: dict[str, str] | None = None,
     ) -> RefEntry:

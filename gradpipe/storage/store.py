@@ -172,15 +172,14 @@ class Store:
         manifest = self.get_manifest(manifest_id, context=context)
         if not isinstance(manifest, cls):
             raise InvalidInputError(
-                f"{manifest_id} is a {type(manifest).type} manifest, not a "  # type: ignore[attr-defined]
-                f"{cls.type}"  # type: ignore[attr-defined]
+                f"{manifest_id} is a {type(manifest).type} manifest, not a {cls.type}"  # type: ignore[attr-defined]
             )
         return manifest
 
     # --- tensors ----------------------------------------------------------------
     def put_tensor(
         self,
-        array: Any,  # noqa: ANN401 - anything numpy.asarray takes
+        array: Any,
         *,
         chunk_bytes: int | None = None,
         codecs: Sequence[Codec] | None = None,
@@ -268,8 +267,8 @@ class Store:
             for (i, block_id), frame in zip(batch, frames, strict=True):
                 where = f"{context}, chunk {i}" if context else f"chunk {i}"
                 if isinstance(frame, NotFoundError):
-                    frame = self._read_frame(block_id, where)  # raises the clear error
-                elif isinstance(frame, Exception):
+                    self._read_frame(block_id, where)  # raises the error that names the tensor
+                if isinstance(frame, Exception):
                     raise frame
                 start, stop = ranges[i]
                 decode_block(frame, block_id, out=out[start:stop], context=where)
@@ -312,4 +311,3 @@ def marker_bytes() -> bytes:
             "created_by": f"gradpipe {__version__}",
         }
     )
-

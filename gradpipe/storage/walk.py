@@ -80,7 +80,7 @@ def walk_reachable(store: Store) -> Reachable:
         except GradpipeError as exc:
             found.problems.append(Problem("unreadable", manifest_id, context, str(exc)))
             continue
-        kind = type(manifest).type  # type: ignore[attr-defined]
+        kind = type(manifest).type
         here = f"{kind} {manifest_id} ({context})"
         todo.extend((child, here) for child in manifest.manifest_children())
         for i, block_id in enumerate(manifest.data_children()):

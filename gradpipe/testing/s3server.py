@@ -79,18 +79,18 @@ class S3Server:
 
     def reset(self) -> None:
         """Forget every bucket and object (moto's reset API)."""
-        import urllib.request
-
-        request = urllib.request.Request(f"{self.endpoint_url}/moto-api/reset", method="POST")
-        with urllib.request.urlopen(request, timeout=10):  # noqa: S310 - our loopback server
-            pass
+        self._call("POST", "/moto-api/reset")
 
     def make_bucket(self, name: str) -> None:
         """Create a bucket."""
+        self._call("PUT", f"/{name}")
+
+    def _call(self, method: str, path: str) -> None:
         import urllib.request
 
-        request = urllib.request.Request(f"{self.endpoint_url}/{name}", method="PUT")
-        with urllib.request.urlopen(request, timeout=10):  # noqa: S310 - our loopback server
+        url = f"{self.endpoint_url}{path}"  # always our own http://127.0.0.1 server
+        request = urllib.request.Request(url, method=method)  # noqa: S310
+        with urllib.request.urlopen(request, timeout=10):  # noqa: S310
             pass
 
     def __enter__(self) -> S3Server:

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gradpipe.core.chunking import chunk_count, chunk_ranges, choose_chunk_shape, dask_chunks
+from gradpipe.core.chunking import choose_chunk_shape, chunk_count, chunk_ranges, dask_chunks
 
 shapes = st.lists(st.integers(0, 7), min_size=0, max_size=4).map(tuple)
 

@@ -16,7 +16,8 @@ FIXTURES = Path(__file__).parent.parent / "fixtures"
 
 def _golden_arrays() -> dict[str, np.ndarray]:
     spec = importlib.util.spec_from_file_location("make_store_v1", FIXTURES / "make_store_v1.py")
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.golden_arrays()  # type: ignore[no-any-return]

@@ -62,7 +62,9 @@ def test_chunk_stats_conventions() -> None:
     assert (ints.min, ints.max, ints.nonzero, ints.sumsq) == (-1.0, 3.0, 2, 10.0)
 
 
-@pytest.mark.parametrize("bad", ["", "..", "a/b", "../x", "a\x00b", "tab\tname", ".hidden", "x" * 201, 7])
+@pytest.mark.parametrize(
+    "bad", ["", "..", "a/b", "../x", "a\x00b", "tab\tname", ".hidden", "x" * 201, 7]
+)
 def test_bad_names_are_refused(bad: object) -> None:
     with pytest.raises(InvalidInputError, match="invalid"):
         parse_name(bad)

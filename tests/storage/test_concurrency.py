@@ -8,7 +8,6 @@ the writers, exactly as in production.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -23,11 +22,10 @@ from gradpipe.core.ids import hash_bytes
 from gradpipe.core.manifest import RefEntry, encode_manifest
 
 WRITERS = 8
-ATTEMPTS = 6
 REF = "runs/race"
 
 # One writer. It reports ready, waits for the parent's "go" so that all
-# writers start together, then tries to move the ref ATTEMPTS times.
+# writers start together, then tries to move the ref once per target.
 CHILD = r"""
 import json, os, sys, time
 import gradpipe as gp
@@ -61,11 +59,17 @@ print(json.dumps(out))
 """
 
 
+def _attempts(store: gp.Store) -> int:
+    # Fewer rounds on S3: moto answers every request in Python.
+    return 3 if store.url.startswith("s3://") else 5
+
+
 def _race(store: gp.Store, tmp_path: Path, *, cas: bool) -> tuple[list[dict[str, Any]], str]:
     """Run the writers; returns every attempt's outcome and the initial target."""
+    attempts = _attempts(store)
     rng = np.random.default_rng(7)
     targets = [
-        [store.put_tensor(rng.standard_normal(4).astype("float32")) for _ in range(ATTEMPTS)]
+        [store.put_tensor(rng.standard_normal(4).astype("float32")) for _ in range(attempts)]
         for _ in range(WRITERS)
     ]
     initial = store.put_tensor(np.arange(3, dtype="int32"))
@@ -82,7 +86,7 @@ def _race(store: gp.Store, tmp_path: Path, *, cas: bool) -> tuple[list[dict[str,
             "go": str(go),
         }
         procs.append(
-            subprocess.Popen(  # noqa: S603 - our own interpreter and script
+            subprocess.Popen(
                 [sys.executable, "-c", CHILD, json.dumps(cfg)],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -106,7 +110,7 @@ def _race(store: gp.Store, tmp_path: Path, *, cas: bool) -> tuple[list[dict[str,
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    assert len(outcomes) == WRITERS * ATTEMPTS
+    assert len(outcomes) == WRITERS * attempts
     return outcomes, initial
 
 
@@ -155,14 +159,10 @@ def test_unconditional_updates_all_land(store: gp.Store, tmp_path: Path) -> None
     outcomes, initial = _race(store, tmp_path, cas=False)
     assert all(o["ok"] for o in outcomes)
     history = _check_history(store, outcomes, initial)
-    assert len(history) == WRITERS * ATTEMPTS + 1
+    attempts = _attempts(store)
+    assert len(history) == WRITERS * attempts + 1
     # Each writer's own updates appear in its program order.
     order = {h.write_id: i for i, h in enumerate(reversed(history))}
-    for start in range(0, len(outcomes), ATTEMPTS):
-        mine = [order[o["write_id"]] for o in outcomes[start : start + ATTEMPTS]]
+    for start in range(0, len(outcomes), attempts):
+        mine = [order[o["write_id"]] for o in outcomes[start : start + attempts]]
         assert mine == sorted(mine)
-
-
-def test_children_see_the_session_s3(s3: object, tmp_path: Path) -> None:
-    # The writers above reach S3 only through the inherited AWS_* variables.
-    assert os.environ["AWS_ENDPOINT_URL_S3"].startswith("http://127.0.0.1:")
