@@ -63,6 +63,8 @@ def cmd_init(args: argparse.Namespace) -> CommandResult:
 
 def cmd_ls(args: argparse.Namespace) -> CommandResult:
     store = _open(args, "r")
+    if args.run is not None:
+        return _ls_run(store, args.run)
     refs = store.refs.list()
     rows = [
         {"ref": name, "target": e.target, "time": e.time, "message": e.message}
@@ -75,6 +77,112 @@ def cmd_ls(args: argparse.Namespace) -> CommandResult:
         f"{r['ref']:<{width}}  {r['target'][:19]}…  {r['time'][:19]}  {r['message']}" for r in rows
     ]
     return CommandResult({"store": store.url, "refs": rows}, "\n".join(lines))
+
+
+def _ls_run(store: Any, name: str) -> CommandResult:
+    from gradpipe.runs import open_run
+
+    run = open_run(store, name)
+    grid = run.grid()
+    doc = {
+        "store": store.url,
+        "run": run.name,
+        "run_id": run.id,
+        "steps": run.steps,
+        "peers": run.peers,
+        "dumps": [
+            {"step": e.step, "peer": e.peer, "dump": e.dump, "fingerprint": e.fingerprint}
+            for e in run
+        ],
+        "schema": {k: v.to_dict() for k, v in sorted(run.schema.items())},
+    }
+    peers = run.peers
+    width = max(len(str(s)) for s in [*run.steps, "step"])
+    lines = [
+        f"run {run.name!r}: {len(run.steps)} steps x {len(peers)} peers, {len(run)} dumps, "
+        f"{len(run.schema)} tensors"
+    ]
+    lines.append(f"{'step':>{width}}  " + "  ".join(peers))
+    for step, present in grid.items():
+        marks = ["x".center(len(p)) if p in present else ".".center(len(p)) for p in peers]
+        lines.append(f"{step:>{width}}  " + "  ".join(marks))
+    return CommandResult(doc, "\n".join(lines))
+
+
+def cmd_ingest(args: argparse.Namespace) -> CommandResult:
+    from gradpipe.ingest import ingest
+
+    store = _open(args, "a")
+    report = ingest(
+        store,
+        args.pattern,
+        run=args.run,
+        scheduler=args.scheduler,
+        workers=args.workers,
+        codecs=_parse_codecs(args.codec),
+        replace=args.replace,
+        progress=not args.json and sys.stderr.isatty(),
+    )
+    doc = {"store": store.url, **report.to_dict()}
+    return CommandResult(doc, report.summary(), EXIT_OK if report.ok else EXIT_FAILED)
+
+
+def _parse_codecs(spec: str | None) -> list[Any] | None:
+    """``--codec`` SPEC: a numcodecs id with optional JSON-ish params, e.g. ``zstd:level=5``."""
+    if spec is None or spec == "auto":
+        return None
+    import numcodecs
+
+    import gradpipe.codecs  # noqa: F401 - registers gradpipe_* codecs
+
+    chain = []
+    for item in spec.split("+"):
+        codec_id, _, params = item.partition(":")
+        config: dict[str, Any] = {"id": codec_id}
+        for pair in filter(None, params.split(",")):
+            key, sep, value = pair.partition("=")
+            if not sep:
+                raise InvalidInputError(f"--codec {spec!r}: expected key=value, got {pair!r}")
+            try:
+                config[key] = json.loads(value)
+            except json.JSONDecodeError:
+                config[key] = value
+        try:
+            chain.append(numcodecs.get_codec(config))
+        except (ValueError, TypeError) as exc:
+            raise InvalidInputError(f"--codec {spec!r}: {exc}") from None
+    return chain
+
+
+def cmd_export(args: argparse.Namespace) -> CommandResult:
+    from gradpipe.runs import export_dump
+
+    store = _open(args, "r")
+    dump = export_dump(store, args.run, args.step, args.peer, args.output)
+    doc = {
+        "store": store.url,
+        "run": args.run,
+        "step": args.step,
+        "peer": args.peer,
+        "dump": dump.id,
+        "output": args.output,
+        "tensors": len(dump.names),
+    }
+    return CommandResult(
+        doc,
+        f"wrote {len(dump.names)} tensors of step {args.step}, peer {args.peer!r} to {args.output}",
+    )
+
+
+def cmd_demo(args: argparse.Namespace) -> CommandResult:
+    from gradpipe.demo import run_demo
+
+    report = run_demo(args.store, workers=args.workers)
+    return CommandResult(
+        {"store": args.store, **report.to_dict()},
+        report.summary(),
+        EXIT_OK if report.ok else EXIT_FAILED,
+    )
 
 
 def cmd_verify(args: argparse.Namespace) -> CommandResult:
@@ -143,7 +251,39 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     add("init", cmd_init, "create a store (nothing happens if one exists)")
-    add("ls", cmd_ls, "list the refs of a store")
+    p = add("ls", cmd_ls, "list the refs of a store, or the steps x peers of a run")
+    p.add_argument("run", metavar="RUN", nargs="?", help="show this run's steps x peers")
+    p = add("ingest", cmd_ingest, "ingest gradient dumps into a run (a Dask graph)")
+    p.add_argument(
+        "pattern",
+        metavar="PATTERN",
+        help="path or URL with {step} and {peer}, e.g. 'd/step={step}/peer={peer}.safetensors'",
+    )
+    p.add_argument("--run", required=True, help="run name to ingest into")
+    p.add_argument("--scheduler", metavar="ADDR", help="Dask scheduler address (default: local)")
+    p.add_argument("--workers", type=int, help="local threads (default: one per core)")
+    p.add_argument(
+        "--codec",
+        metavar="SPEC",
+        help="fixed codec chain, e.g. 'zstd:level=5' or 'gradpipe_bytegroup:dtype=float32' "
+        "(default: auto, lossless per chunk)",
+    )
+    p.add_argument(
+        "--replace",
+        action="store_true",
+        help="replace dumps recorded from a different version of the same file",
+    )
+    p = add("export", cmd_export, "write one dump back as safetensors, bit-exact")
+    p.add_argument("--run", required=True)
+    p.add_argument("--step", type=int, required=True)
+    p.add_argument("--peer", required=True)
+    p.add_argument("-o", "--output", required=True, metavar="OUT.safetensors")
+    p = add(
+        "demo",
+        cmd_demo,
+        "generate a sample training run and ingest it (the README's first command)",
+    )
+    p.add_argument("--workers", type=int, help="local threads (default: one per core)")
     p = add("verify", cmd_verify, "check every reachable object against its id")
     p.add_argument("--all", action="store_true", help="also check unreferenced blocks")
     p = add("gc", cmd_gc, "delete unreferenced blocks older than the grace period")

@@ -29,6 +29,11 @@ DEFAULTS: Final[dict[str, Any]] = {
             # concurrent gc cannot take a block a writer is about to reference.
             "touch-after": "1h",
         },
+        "ingest": {
+            # Raw bytes one read/encode task handles: tens of MiB amortise
+            # task overhead and still spread a run over every core.
+            "task-bytes": "32 MiB",
+        },
         "gc": {
             # Unreferenced blocks younger than this are kept: writes in flight.
             "grace": "24h",

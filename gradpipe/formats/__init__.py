@@ -1,5 +1,14 @@
 """Readers and writers of gradient-dump file formats."""
 
+from gradpipe.formats.dump import (
+    DUMP_FORMATS,
+    DumpHeader,
+    TensorSpec,
+    dump_format,
+    read_byte_range,
+    read_dump_header,
+    read_dump_tensors,
+)
 from gradpipe.formats.safetensors import (
     SafetensorsHeader,
     TensorEntry,
@@ -11,8 +20,15 @@ from gradpipe.formats.safetensors import (
 )
 
 __all__ = [
+    "DUMP_FORMATS",
+    "DumpHeader",
     "SafetensorsHeader",
     "TensorEntry",
+    "TensorSpec",
+    "dump_format",
+    "read_byte_range",
+    "read_dump_header",
+    "read_dump_tensors",
     "read_header",
     "read_safetensors",
     "read_tensor",

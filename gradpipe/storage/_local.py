@@ -26,6 +26,7 @@ __all__ = ["TEMP_PREFIX", "LocalBackend"]
 
 #: Names of temporary files; gc removes stale ones.
 TEMP_PREFIX = ".tmp."
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 
 
 class LocalBackend(Backend):
@@ -34,7 +35,6 @@ class LocalBackend(Backend):
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self.url = self.root.as_posix()
-        self._made_dirs: set[Path] = set()
         self._fsync = bool(get_setting("storage.fsync"))
 
     def _path(self, key: str) -> Path:
@@ -52,12 +52,13 @@ class LocalBackend(Backend):
             raise self._error(exc, key, "read") from exc
 
     def _write_temp(self, path: Path, data: bytes | memoryview) -> Path:
-        parent = path.parent
-        if parent not in self._made_dirs:
-            parent.mkdir(parents=True, exist_ok=True)
-            self._made_dirs.add(parent)
-        temp = parent / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
-        with temp.open("wb") as f:
+        temp = path.parent / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
+        try:
+            fd = os.open(temp, _CREATE_FLAGS, 0o644)
+        except FileNotFoundError:  # first object under this prefix: make its folder
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(temp, _CREATE_FLAGS, 0o644)
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
             if self._fsync:
                 f.flush()
@@ -162,7 +163,6 @@ class LocalBackend(Backend):
                 else:
                     child.unlink()
         (self.root / "gradpipe.json").unlink(missing_ok=True)
-        self._made_dirs.clear()
 
 
 def _fsync_dir(path: Path) -> None:

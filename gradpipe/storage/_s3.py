@@ -166,6 +166,10 @@ class S3Backend(Backend):
             raise self._translate(exc, prefix, "list") from exc
         strip = len(self.root) + 1
         for path, info in sorted(found.items()):
+            if info.get("type") == "directory":
+                # s3fs answers an empty prefix it listed before from its cache,
+                # as a directory; our deletes bypass that cache.
+                continue
             modified = info.get("LastModified")
             mtime = float(modified.timestamp()) if modified is not None else 0.0
             yield KeyInfo(path[strip:], int(info.get("size", 0)), mtime)

@@ -18,6 +18,7 @@ from typing import Any
 from gradpipe.config import get_seconds
 from gradpipe.core.ids import id_from_block_key
 from gradpipe.errors import IntegrityError
+from gradpipe.storage._local import TEMP_PREFIX
 from gradpipe.storage.store import Store
 from gradpipe.storage.walk import walk_reachable
 
@@ -74,4 +75,12 @@ def gc(store: Store, *, grace: float | None = None, dry_run: bool = False) -> Gc
             continue
         if not dry_run:
             store.backend.delete(info.key)
+    # A ref swap on local disk renames a temporary file beside the ref; a
+    # writer killed before the rename leaves it there. (Lock files stay: one
+    # may be held, and deleting it would let two writers lock different files.)
+    for info in store.backend.list("refs"):
+        if info.key.rsplit("/", 1)[-1].startswith(TEMP_PREFIX) and info.mtime <= cutoff:
+            report.stray_deleted += 1
+            if not dry_run:
+                store.backend.delete(info.key)
     return report

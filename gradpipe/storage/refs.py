@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, Final
 from gradpipe.core.ids import hash_bytes
 from gradpipe.core.manifest import RefEntry, decode_manifest, encode_manifest
 from gradpipe.core.names import parse_name, parse_ref_name
-from gradpipe.errors import ConflictError, IntegrityError, NotFoundError
+from gradpipe.errors import (
+    ConflictError,
+    IntegrityError,
+    InvalidInputError,
+    NotFoundError,
+    UnsupportedFormatError,
+)
 from gradpipe.storage._backend import VersionedBytes
 
 if TYPE_CHECKING:
@@ -55,7 +61,16 @@ class Refs:
         current = self._store.backend.read_versioned(self._key(name))
         if current is None:
             return None, None
-        entry = decode_manifest(current.data, what=f"ref {name!r}")
+        try:
+            entry = decode_manifest(current.data, what=f"ref {name!r}")
+        except UnsupportedFormatError:
+            raise
+        except InvalidInputError as exc:
+            # Damaged stored bytes, not a bad argument: say so, so that verify
+            # reports it and the CLI exits 1, not 2.
+            raise IntegrityError(
+                f"ref {name!r} in store {self._store.url} is damaged: {exc}"
+            ) from None
         if not isinstance(entry, RefEntry) or entry.ref != name:
             raise IntegrityError(f"ref {name!r} in store {self._store.url} holds a foreign entry")
         return current, entry

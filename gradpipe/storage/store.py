@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final, Literal, TypeVar
@@ -11,6 +11,7 @@ from typing import Any, Final, Literal, TypeVar
 import numpy as np
 from numcodecs.abc import Codec
 
+import gradpipe.core.runs  # noqa: F401 - registers the run and dump manifests
 from gradpipe.codecs import choose_codec
 from gradpipe.config import get_bytes, get_seconds, get_setting
 from gradpipe.core.chunking import choose_chunk_shape, chunk_ranges
@@ -18,7 +19,7 @@ from gradpipe.core.dtypes import canonical_dtype, dtype_name, parse_dtype
 from gradpipe.core.encoding import from_json_bytes, to_json_bytes
 from gradpipe.core.ids import block_key, hash_bytes, parse_id
 from gradpipe.core.manifest import Manifest, TensorManifest, decode_manifest, encode_manifest
-from gradpipe.core.stats import bit_nonzero, chunk_stats
+from gradpipe.core.stats import ChunkStats, bit_nonzero, chunk_stats
 from gradpipe.errors import (
     InvalidInputError,
     NotFoundError,
@@ -42,6 +43,14 @@ _COMPRESS_MANIFEST_BYTES: Final = 4096
 _WRITE_WINDOW: Final = 16
 
 M = TypeVar("M")
+
+
+@dataclass(frozen=True, slots=True)
+class _BlockToWrite:
+    block_id: str
+    data: Any  # logical bytes: bytes or a 1-D array
+    codecs: Sequence[Codec] | None  # None: the policy chooses
+    nonzero: int | None  # elements with non-zero bits, if known
 
 
 @dataclass
@@ -109,36 +118,38 @@ class Store:
         """Store logical bytes as one block; returns its id."""
         self.check_writable()
         block_id = hash_bytes(data)
-        self._write_blocks([(block_id, data, codecs)])
+        self._write_blocks([_BlockToWrite(block_id, data, codecs, None)], self.write_stats)
         return block_id
 
-    def _write_blocks(self, items: Sequence[tuple[str, Any, Sequence[Codec] | None]]) -> None:
-        """Write blocks that may exist already; ``codecs=None`` lets the policy choose.
+    def _write_blocks(self, items: Sequence[_BlockToWrite], stats: WriteStats) -> None:
+        """Write blocks that may exist already.
 
         Existing blocks are not re-encoded. An existing block older than
         ``storage.touch-after`` gets a fresh time so a concurrent gc, which
         only deletes old unreferenced blocks, cannot take it from under us.
         """
-        keys = [block_key(block_id) for block_id, _, _ in items]
+        keys = [block_key(item.block_id) for item in items]
         mtimes = self.backend.mtimes(keys)
         stale = time.time() - get_seconds("storage.touch-after")
         todo: list[tuple[str, bytes]] = []
         level = int(get_setting("codec-level"))
-        for (_, data, codecs), key, mtime in zip(items, keys, mtimes, strict=True):
+        for item, key, mtime in zip(items, keys, mtimes, strict=True):
             if mtime is not None:
-                self.write_stats.blocks_reused += 1
+                stats.blocks_reused += 1
                 if mtime < stale:
                     self.backend.touch(key)
                 continue
-            chain = codecs if codecs is not None else (choose_codec(data, level=level),)
-            todo.append((key, encode_block(data, chain)))
+            chain = item.codecs
+            if chain is None:
+                chain = (choose_codec(item.data, item.nonzero, level=level),)
+            todo.append((key, encode_block(item.data, chain)))
         created = self.backend.write_many_if_absent(todo)
         for (_, frame), new in zip(todo, created, strict=True):
             if new:
-                self.write_stats.blocks_written += 1
-                self.write_stats.stored_bytes += len(frame)
+                stats.blocks_written += 1
+                stats.stored_bytes += len(frame)
             else:
-                self.write_stats.blocks_reused += 1
+                stats.blocks_reused += 1
 
     def get_raw(self, block_id: str, *, context: str = "") -> memoryview:
         """The logical bytes of a block, checked against its id."""
@@ -218,33 +229,52 @@ class Store:
         codecs: Sequence[Codec] | None = None,
     ) -> TensorManifest:
         """Write the chunks of ``array`` and return its (not yet stored) manifest."""
-        self.check_writable()
         dtype = canonical_dtype(array.dtype)
         flat = np.ascontiguousarray(array, dtype=dtype).reshape(-1)
         target = chunk_bytes if chunk_bytes is not None else get_bytes("chunk-bytes")
         chunk_shape = choose_chunk_shape(array.shape, dtype.itemsize, target)
-        blocks: list[str | None] = []
-        stats = []
-        window: list[tuple[str, Any, Sequence[Codec] | None]] = []
-        for start, stop in chunk_ranges(array.shape, chunk_shape):
-            chunk = flat[start:stop]
-            stats.append(chunk_stats(chunk))
-            self.write_stats.logical_bytes += chunk.nbytes
-            if bit_nonzero(chunk) == 0:
-                blocks.append(None)  # all-zero bytes: no block at all
-                self.write_stats.zero_chunks += 1
+        chunks = (flat[start:stop] for start, stop in chunk_ranges(array.shape, chunk_shape))
+        records = self.write_chunks(chunks, codecs=codecs, stats=self.write_stats)
+        return TensorManifest(
+            dtype_name(dtype),
+            array.shape,
+            chunk_shape,
+            tuple(block for block, _ in records),
+            tuple(stat for _, stat in records),
+        )
+
+    def write_chunks(
+        self,
+        chunks: Iterable[np.ndarray],
+        *,
+        codecs: Sequence[Codec] | None = None,
+        stats: WriteStats | None = None,
+    ) -> list[tuple[str | None, ChunkStats]]:
+        """Write 1-D chunks (canonical little-endian); per chunk, its block id and stats.
+
+        All-zero chunks take no block (id None). ``codecs=None`` lets the
+        policy choose a lossless codec per chunk. Counts go to ``stats``.
+        """
+        self.check_writable()
+        stats = stats if stats is not None else WriteStats()
+        records: list[tuple[str | None, ChunkStats]] = []
+        window: list[_BlockToWrite] = []
+        for chunk in chunks:
+            nonzero = bit_nonzero(chunk)
+            records.append((None, chunk_stats(chunk, bits_nonzero=nonzero)))
+            stats.logical_bytes += chunk.nbytes
+            if nonzero == 0:
+                stats.zero_chunks += 1  # all-zero bytes: no block at all
                 continue
             block_id = hash_bytes(chunk.view(np.uint8))
-            blocks.append(block_id)
-            window.append((block_id, chunk, codecs))
+            records[-1] = (block_id, records[-1][1])
+            window.append(_BlockToWrite(block_id, chunk, codecs, nonzero))
             if len(window) >= _WRITE_WINDOW:
-                self._write_blocks(window)
+                self._write_blocks(window, stats)
                 window = []
         if window:
-            self._write_blocks(window)
-        return TensorManifest(
-            dtype_name(dtype), array.shape, chunk_shape, tuple(blocks), tuple(stats)
-        )
+            self._write_blocks(window, stats)
+        return records
 
     def tensor_info(self, tensor_id: str) -> TensorManifest:
         """The manifest of a stored tensor (dtype, shape, chunks, stats); reads no data."""

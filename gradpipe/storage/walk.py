@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from gradpipe.core.ids import hash_bytes, parse_id
 from gradpipe.core.manifest import Manifest
-from gradpipe.errors import GradpipeError, IntegrityError, NotFoundError
+from gradpipe.errors import GradpipeError, IntegrityError, NotFoundError, UnsupportedFormatError
 from gradpipe.storage.store import Store
 
 __all__ = ["Problem", "Reachable", "walk_reachable"]
@@ -39,8 +39,12 @@ class Reachable:
         return block_id in self.manifests or block_id in self.data
 
 
-def _roots(store: Store) -> Iterator[tuple[str, str]]:
-    """(manifest id, context) of every ref's current entry and target."""
+def _roots(store: Store, found: Reachable) -> Iterator[tuple[str, str]]:
+    """(manifest id, context) of every ref's current entry and target.
+
+    A ref that cannot be read is recorded in ``found.problems``, not raised:
+    verify must report it and gc must refuse to run.
+    """
     for info in store.backend.list("refs"):
         parts = info.key.split("/")
         if len(parts) != 3 or parts[2].startswith("."):
@@ -49,9 +53,14 @@ def _roots(store: Store) -> Iterator[tuple[str, str]]:
         current = store.backend.read_versioned(info.key)
         if current is None:
             continue
+        try:
+            entry = store.refs.entry(name)
+        except GradpipeError as exc:
+            kind = "unreadable" if isinstance(exc, UnsupportedFormatError) else "corrupt"
+            found.problems.append(Problem(kind, info.key, f"ref {name!r}", str(exc)))
+            continue
         # The current entry was written as a block too; it heads the history.
         yield hash_bytes(current.data), f"history of ref {name!r}"
-        entry = store.refs.entry(name)
         if entry is not None and entry.target is not None:
             yield entry.target, f"ref {name!r}"
 
@@ -63,7 +72,7 @@ def walk_reachable(store: Store) -> Reachable:
     reads them, gc does not need to.
     """
     found = Reachable()
-    todo: list[tuple[str, str]] = list(_roots(store))
+    todo: list[tuple[str, str]] = list(_roots(store, found))
     while todo:
         manifest_id, context = todo.pop()
         if manifest_id in found.manifests:

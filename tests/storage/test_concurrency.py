@@ -7,6 +7,7 @@ the writers, exactly as in production.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -127,7 +128,7 @@ def _check_history(store: gp.Store, wins: list[dict[str, Any]], initial: str) ->
         assert entry.target == win["target"]
         assert entry.previous == win["previous"]
     # Each entry links to the exact bytes of the one it replaced.
-    for newer, older in zip(history, history[1:], strict=False):
+    for newer, older in itertools.pairwise(history):
         assert newer.previous == hash_bytes(encode_manifest(older))
     # The ref's current value is the newest landed write.
     assert store.refs.get(REF) == history[0].target
@@ -145,7 +146,7 @@ def test_compare_and_swap_race(store: gp.Store, tmp_path: Path) -> None:
     history = _check_history(store, wins, initial)
     # Linearizable: each landed swap replaced exactly the target it expected.
     oldest_first = history[::-1]
-    for older, newer in zip(oldest_first, oldest_first[1:], strict=False):
+    for older, newer in itertools.pairwise(oldest_first):
         win = next(w for w in wins if w["write_id"] == newer.write_id)
         assert win["expected"] == older.target
     # Targets are unique per attempt, so a lost CAS never shows up as landed.

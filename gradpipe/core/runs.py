@@ -1,0 +1,196 @@
+"""Manifests of training runs: one per dump, one per run.
+
+A run ref (``runs/<name>``) points at a :class:`RunManifest`, which lists
+every recorded dump with its source fingerprint (so a re-run of an ingest
+can skip a file without reading it) and the run's tensor schema (so every
+dump of the run agrees on each tensor's dtype and shape).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, ClassVar
+
+from gradpipe.core.dtypes import parse_dtype
+from gradpipe.core.ids import parse_id
+from gradpipe.core.manifest import register_manifest
+from gradpipe.core.names import parse_name
+from gradpipe.errors import InvalidInputError
+
+__all__ = ["DumpEntry", "DumpManifest", "RunManifest", "TensorSchema", "merge_run"]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSchema:
+    """What a tensor name means throughout a run."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+
+    def describe(self) -> str:
+        """``float32 (64, 128)``."""
+        return f"{self.dtype} {self.shape}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TensorSchema:
+        return cls(str(data["dtype"]), tuple(int(n) for n in data["shape"]))
+
+
+@register_manifest
+@dataclass(frozen=True)
+class DumpManifest:
+    """The tensors of one (run, step, peer), with metadata and provenance.
+
+    ``tensors`` keeps the file's order (pairs of name and tensor id), so an
+    export writes the tensors back in the order they came.
+    """
+
+    type: ClassVar[str] = "dump"
+
+    run: str
+    step: int
+    peer: str
+    tensors: tuple[tuple[str, str], ...]
+    metadata: dict[str, str] = field(default_factory=dict)
+    source: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        parse_name(self.run, what="run name")
+        parse_name(self.peer, what="peer name")
+        if self.step < 0:
+            raise InvalidInputError(f"step must be >= 0, got {self.step}")
+        for _, tensor_id in self.tensors:
+            parse_id(tensor_id)
+
+    @property
+    def tensor_ids(self) -> dict[str, str]:
+        """Tensor name → tensor id."""
+        return dict(self.tensors)
+
+    def manifest_children(self) -> Iterator[str]:
+        return (tensor_id for _, tensor_id in self.tensors)
+
+    def data_children(self) -> Iterator[str]:
+        return iter(())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "step": self.step,
+            "peer": self.peer,
+            "tensors": [list(pair) for pair in self.tensors],
+            "metadata": dict(self.metadata),
+            "source": dict(self.source),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DumpManifest:
+        return cls(
+            run=data["run"],
+            step=int(data["step"]),
+            peer=data["peer"],
+            tensors=tuple((str(n), str(t)) for n, t in data["tensors"]),
+            metadata={str(k): str(v) for k, v in data["metadata"].items()},
+            source={str(k): str(v) for k, v in data["source"].items()},
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class DumpEntry:
+    """One recorded dump of a run."""
+
+    step: int
+    peer: str
+    dump: str
+    fingerprint: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "peer": self.peer,
+            "dump": self.dump,
+            "fingerprint": self.fingerprint,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DumpEntry:
+        return cls(
+            int(data["step"]), str(data["peer"]), parse_id(data["dump"]), str(data["fingerprint"])
+        )
+
+
+@register_manifest
+@dataclass(frozen=True)
+class RunManifest:
+    """A run: its dumps in (step, peer) order and the schema they share."""
+
+    type: ClassVar[str] = "run"
+
+    run: str
+    dumps: tuple[DumpEntry, ...] = ()
+    schema: dict[str, TensorSchema] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        parse_name(self.run, what="run name")
+        keys = [(d.step, d.peer) for d in self.dumps]
+        if keys != sorted(set(keys)):
+            raise InvalidInputError(f"run {self.run!r} lists dumps out of order or twice")
+
+    @cached_property
+    def _index(self) -> dict[tuple[int, str], DumpEntry]:
+        return {(d.step, d.peer): d for d in self.dumps}
+
+    def entry(self, step: int, peer: str) -> DumpEntry | None:
+        """The dump recorded for (step, peer), if any."""
+        return self._index.get((step, peer))
+
+    @property
+    def steps(self) -> list[int]:
+        """Recorded steps, ascending."""
+        return sorted({d.step for d in self.dumps})
+
+    @property
+    def peers(self) -> list[str]:
+        """Peers seen in any step, sorted."""
+        return sorted({d.peer for d in self.dumps})
+
+    def manifest_children(self) -> Iterator[str]:
+        return (d.dump for d in self.dumps)
+
+    def data_children(self) -> Iterator[str]:
+        return iter(())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "dumps": [d.to_dict() for d in self.dumps],
+            "schema": {name: s.to_dict() for name, s in sorted(self.schema.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunManifest:
+        return cls(
+            run=data["run"],
+            dumps=tuple(DumpEntry.from_dict(d) for d in data["dumps"]),
+            schema={str(k): TensorSchema.from_dict(v) for k, v in data["schema"].items()},
+        )
+
+
+def merge_run(
+    run: RunManifest, new: list[DumpEntry], schema: dict[str, TensorSchema]
+) -> RunManifest:
+    """``run`` with ``new`` dumps added (a dump already there is replaced)."""
+    by_key = {(d.step, d.peer): d for d in run.dumps}
+    by_key.update({(d.step, d.peer): d for d in new})
+    merged_schema = dict(run.schema)
+    for name, spec in schema.items():
+        merged_schema.setdefault(name, spec)
+    return RunManifest(run.run, tuple(by_key[k] for k in sorted(by_key)), merged_schema)

@@ -1,0 +1,190 @@
+"""Read numpy's ``.npy`` format: one array per file, or per ``.npz`` member.
+
+An ``.npy`` file is a magic string and version, a little-endian header length,
+a Python-literal header ``{'descr', 'fortran_order', 'shape'}``, then the raw
+array bytes. The header is parsed with :mod:`numpy.lib.format`, so every
+version numpy writes is understood, and nothing is ever unpickled: object
+arrays (``descr 'O'``, which ``np.save`` writes as a pickle) are refused from
+the header alone, before any data is read.
+
+gradpipe stores only the dtypes of :data:`gradpipe.core.dtypes.DTYPE_NAMES`;
+structured, complex, datetime, string and void arrays are refused. In
+particular ``np.save`` of an ``ml_dtypes.bfloat16`` array writes the descr
+``'<V2'``: the file no longer says it was bfloat16 (``np.load`` returns raw
+``V2`` records), so gradpipe refuses it rather than guess, and tells the user to
+dump bfloat16 as safetensors or torch instead.
+
+Arrays stored C-ordered and little-endian (or 1 byte wide) can be read by byte
+range straight from the file; Fortran-ordered or big-endian ones are read whole
+and converted to the canonical C-ordered little-endian form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import IO, Final
+
+import numpy as np
+from numpy.lib import format as npformat
+
+from gradpipe.core.dtypes import canonical_dtype, dtype_name
+from gradpipe.errors import InvalidInputError
+
+__all__ = ["NpyArrayHeader", "read_npy_data", "read_npy_header"]
+
+_BF16_HINT: Final = (
+    "np.save writes ml_dtypes.bfloat16 arrays as raw 2-byte records ('<V2') and loses the "
+    "dtype; dump bfloat16 tensors as safetensors or torch files instead"
+)
+
+
+@dataclass(frozen=True)
+class NpyArrayHeader:
+    """The parsed header of one ``.npy`` array.
+
+    Attributes
+    ----------
+    dtype : numpy.dtype
+        The dtype as stored, in the file's byte order.
+    shape : tuple of int
+        Array shape.
+    fortran_order : bool
+        Whether the data is laid out in Fortran (column-major) order.
+    header_size : int
+        Bytes from the start of the ``.npy`` data to its first array byte.
+    """
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    fortran_order: bool
+    header_size: int
+
+    @property
+    def nbytes(self) -> int:
+        """Length of the array data in bytes."""
+        return prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def dtype_name(self) -> str:
+        """The gradpipe dtype name (byte order aside)."""
+        return dtype_name(self.dtype)
+
+    @property
+    def ranged(self) -> bool:
+        """True when the stored bytes already are the canonical C-ordered little-endian ones."""
+        # With at most one axis longer than 1, C and Fortran order give the same bytes.
+        c_bytes = not self.fortran_order or sum(d > 1 for d in self.shape) <= 1
+        return c_bytes and self.dtype.byteorder != ">"
+
+
+def _describe(dtype: np.dtype) -> str:
+    try:
+        return repr(npformat.dtype_to_descr(dtype))
+    except (TypeError, ValueError):  # pragma: no cover - descr of a dtype numpy built itself
+        return repr(str(dtype))
+
+
+def _check_dtype(dtype: np.dtype, *, where: str) -> None:
+    if dtype.hasobject:
+        raise InvalidInputError(
+            f"{where}: holds Python objects (dtype {_describe(dtype)}), which np.save stores "
+            "as a pickle; gradpipe never unpickles input files. Save numeric arrays instead"
+        )
+    if dtype.fields is not None:
+        raise InvalidInputError(
+            f"{where}: has the structured dtype {_describe(dtype)}; gradpipe stores plain "
+            "numeric arrays. Save each field as its own array"
+        )
+    if dtype.kind == "V":
+        hint = _BF16_HINT if dtype.itemsize == 2 else "save a numeric dtype instead"
+        raise InvalidInputError(
+            f"{where}: has the raw void dtype {_describe(dtype)}, whose element type is "
+            f"unknown; {hint}"
+        )
+    try:
+        dtype_name(dtype)
+    except InvalidInputError as exc:
+        raise InvalidInputError(
+            f"{where}: has dtype {_describe(dtype)}, which gradpipe does not store ({exc}). "
+            "Convert the array (e.g. .astype('float32')) before dumping it"
+        ) from None
+
+
+def read_npy_header(f: IO[bytes], *, where: str) -> NpyArrayHeader:
+    """Read and validate an ``.npy`` header at the current position of ``f``.
+
+    Parameters
+    ----------
+    f : binary file object
+        Positioned at the magic string; needs ``read`` and ``tell`` only (a zip
+        member works).
+    where : str
+        Names the file (and member) in error messages.
+
+    Returns
+    -------
+    NpyArrayHeader
+
+    Raises
+    ------
+    InvalidInputError
+        If the magic, version or header is malformed or cut short, or the dtype is
+        one gradpipe does not store (objects, structured, void, complex, ...).
+    """
+    start = f.tell()
+    try:
+        version = npformat.read_magic(f)
+        # Version 3.0 only changed the header's encoding to UTF-8, which matters
+        # for structured field names only; those are refused below anyway.
+        if version == (1, 0):
+            shape, fortran_order, dtype = npformat.read_array_header_1_0(f)
+        elif version in ((2, 0), (3, 0)):
+            shape, fortran_order, dtype = npformat.read_array_header_2_0(f)
+        else:
+            raise ValueError(f"unknown format version {version}")
+    except (ValueError, EOFError, OverflowError) as exc:
+        raise InvalidInputError(
+            f"{where}: not a valid .npy array ({exc}); check that the file was written by "
+            "np.save and copied completely"
+        ) from None
+    if any(d < 0 for d in shape):
+        raise InvalidInputError(f"{where}: .npy header has a negative shape {shape}")
+    _check_dtype(dtype, where=where)
+    # numpy's readers do not report the header length; writers pad it so data is
+    # 64-aligned, but a hand-made file need not be, so measure where reading stopped.
+    header_size = f.tell() - start
+    return NpyArrayHeader(dtype, tuple(shape), bool(fortran_order), header_size)
+
+
+def read_npy_data(f: IO[bytes], header: NpyArrayHeader, *, where: str) -> np.ndarray:
+    """Read the array bytes following a header into a canonical array.
+
+    Returns a C-contiguous, writable array in gradpipe's little-endian dtype,
+    with ``header.shape``; bytes are moved, never converted through values, so
+    NaN payloads stay exact.
+    """
+    nbytes = header.nbytes
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    got = 0
+    while got < nbytes:
+        chunk = f.read(min(nbytes - got, 1 << 24))
+        if not chunk:
+            raise InvalidInputError(
+                f"{where}: truncated: the array needs {nbytes} bytes but only {got} follow "
+                "the header; copy the file again"
+            )
+        view[got : got + len(chunk)] = chunk
+        got += len(chunk)
+    dtype = header.dtype
+    if dtype.kind == "b" and buf.translate(None, b"\x00\x01"):
+        raise InvalidInputError(f"{where}: bool array holds bytes other than 0 and 1")
+    flat = np.frombuffer(buf, dtype=dtype)
+    if header.fortran_order:
+        arr = flat.reshape(header.shape[::-1]).T.copy(order="C")
+    else:
+        arr = flat.reshape(header.shape)
+    if dtype.byteorder == ">":
+        arr = arr.byteswap().view(canonical_dtype(dtype))
+    return arr

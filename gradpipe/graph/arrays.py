@@ -1,0 +1,52 @@
+"""Stored tensors as lazy ``dask.array``s whose chunks are the stored chunks."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+
+from gradpipe.core.chunking import dask_chunks
+from gradpipe.core.dtypes import parse_dtype
+from gradpipe.core.manifest import TensorManifest
+from gradpipe.storage.blocks import decode_block
+from gradpipe.storage.store import Store
+
+__all__ = ["lazy_tensor", "load_chunk"]
+
+
+def load_chunk(
+    store: Store, block_id: str | None, dtype: str, shape: tuple[int, ...], context: str
+) -> np.ndarray:
+    """One chunk of a tensor (zeros for a chunk stored as all-zero)."""
+    out = np.zeros(shape, dtype=parse_dtype(dtype))
+    if block_id is not None:
+        frame = store._read_frame(block_id, context)
+        decode_block(frame, block_id, out=out.reshape(-1), context=context)
+    return out
+
+
+def lazy_tensor(store: Store, manifest: TensorManifest, *, name: str = "tensor") -> Any:
+    """A ``dask.array`` reading ``manifest``'s chunks on demand (one task per chunk)."""
+    import dask.array as da
+    from dask.base import tokenize
+
+    grid = dask_chunks(manifest.shape, manifest.chunk_shape)
+    token = tokenize(store.url, manifest.blocks, manifest.shape, manifest.chunk_shape)
+    key = f"gradpipe-chunk-{token}"
+    graph: dict[Any, Any] = {}
+    indices = list(itertools.product(*(range(len(c)) for c in grid))) if manifest.size else []
+    for i, index in enumerate(indices):
+        shape = tuple(c[j] for c, j in zip(grid, index, strict=True))
+        graph[(key, *index)] = (
+            load_chunk,
+            store,
+            manifest.blocks[i],
+            manifest.dtype,
+            shape,
+            f"{name}, chunk {i}",
+        )
+    if not indices:
+        return da.zeros(manifest.shape, dtype=parse_dtype(manifest.dtype), chunks=grid or ())
+    return da.Array(graph, key, grid, dtype=parse_dtype(manifest.dtype))

@@ -1,0 +1,94 @@
+"""Where gradpipe's graphs run: a distributed cluster if there is one, local threads if not.
+
+gradpipe has no scheduler of its own. Graph builders return plain task
+dicts; this module hands them to Dask: to the client the caller gave, to the
+scheduler named by ``--scheduler``/``DASK_SCHEDULER_ADDRESS``, to a default
+client already running in the process (as in Jupyter), or else to the local
+threaded scheduler (measured faster here than a ``LocalCluster`` of
+processes, see ``benchmarks/bench_ingest.py``: encoding releases the GIL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Runner", "runner_for"]
+
+
+@dataclass
+class Runner:
+    """Runs task graphs on one Dask scheduler."""
+
+    client: Any = None  # a distributed.Client, or None for local threads
+    workers: int | None = None
+    progress: bool = False
+    owns_client: bool = False
+
+    @property
+    def dashboard_link(self) -> str | None:
+        """The Dask dashboard of the cluster, when there is one."""
+        return getattr(self.client, "dashboard_link", None) if self.client else None
+
+    def get(
+        self, graph: Mapping[Hashable, Any], keys: Sequence[Hashable], *, name: str
+    ) -> list[Any]:
+        """Compute ``keys`` of ``graph``; ``name`` labels the work on the dashboard."""
+        if self.client is None:
+            from dask.threaded import get
+
+            with _local_progress(self.progress):
+                return list(get(dict(graph), list(keys), num_workers=self.workers))
+        from distributed import span
+
+        with span(name):
+            futures = self.client.get(dict(graph), list(keys), sync=False)
+            if self.progress:
+                from distributed import progress
+
+                progress(futures)
+            return list(self.client.gather(futures))
+
+    def close(self) -> None:
+        """Close a client this runner opened itself."""
+        if self.owns_client and self.client is not None:
+            self.client.close()
+            self.client = None
+
+
+@contextlib.contextmanager
+def _local_progress(enabled: bool) -> Iterator[None]:
+    if not enabled:
+        yield
+        return
+    from dask.diagnostics import ProgressBar
+
+    with ProgressBar(minimum=1.0, dt=0.5):
+        yield
+
+
+def runner_for(
+    *,
+    client: Any = None,
+    scheduler: str | None = None,
+    workers: int | None = None,
+    progress: bool = False,
+) -> Runner:
+    """The runner for the caller's choice of client or scheduler address."""
+    if client is not None:
+        return Runner(client, workers, progress)
+    address = scheduler or os.environ.get("DASK_SCHEDULER_ADDRESS")
+    if address:
+        from distributed import Client
+
+        return Runner(Client(address), workers, progress, owns_client=True)
+    if "distributed" in sys.modules:  # a default client can only exist if it was imported
+        from distributed import default_client
+
+        with contextlib.suppress(ValueError):
+            return Runner(default_client(), workers, progress)
+    return Runner(None, workers, progress)

@@ -1,0 +1,332 @@
+"""The ingest graph: dump files in, chunks encoded on workers, one commit out.
+
+Shape of the graph, per batch of dumps::
+
+    gradpipe-inspect   headers of a few dumps            (phase 1, computed first)
+    gradpipe-read      one ranged read of tens of MiB    ┐ per read unit
+    gradpipe-encode    stats, hash, codec, write blocks  ┘
+    gradpipe-dump      tensor + dump manifests           per dump
+    gradpipe-commit    one compare-and-swap of the run   per ingest
+
+Tasks take paths, store URLs and small plans, never arrays from the client;
+the only arrays in flight are a read task's bytes, handed to its encode task.
+A task that fails on a bad dump returns a :class:`Failure` instead of raising,
+so every good dump of the batch still reaches the commit.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ParamSpec, TypeVar
+
+import numpy as np
+from numcodecs.abc import Codec
+
+from gradpipe.core.chunking import choose_chunk_shape, chunk_ranges
+from gradpipe.core.dtypes import parse_dtype
+from gradpipe.core.manifest import TensorManifest
+from gradpipe.core.runs import DumpEntry, DumpManifest, RunManifest, TensorSchema, merge_run
+from gradpipe.core.stats import ChunkStats
+from gradpipe.formats.dump import DumpHeader, read_byte_range, read_dump_header, read_dump_tensors
+from gradpipe.graph.discover import DumpFile
+from gradpipe.storage.store import Store, WriteStats
+
+__all__ = [
+    "CommitResult",
+    "DumpResult",
+    "Failure",
+    "ReadUnit",
+    "commit_run",
+    "encode_unit",
+    "inspect_dumps",
+    "plan_units",
+    "read_unit",
+    "write_dump",
+]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A dump that could not be ingested, and why."""
+
+    path: str
+    step: int
+    peer: str
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "step": self.step, "peer": self.peer, "reason": self.reason}
+
+
+def _isolated(func: Callable[P, R]) -> Callable[P, R | Failure]:
+    """Run a task for one dump; turn an exception into a :class:`Failure` of that dump.
+
+    The dump is the task's first :class:`DumpFile` argument. Failures from
+    upstream tasks pass straight through.
+    """
+
+    @functools.wraps(func)
+    def task(*args: P.args, **kwargs: P.kwargs) -> R | Failure:
+        dump = next(a for a in args if isinstance(a, DumpFile))
+        upstream = [a for a in args if isinstance(a, Failure)]
+        upstream += [x for a in args if isinstance(a, list) for x in a if isinstance(x, Failure)]
+        if upstream:
+            return upstream[0]
+        try:
+            return func(*args, **kwargs)
+        except Exception as exc:
+            reason = str(exc) if str(exc) else type(exc).__name__
+            if dump.path not in reason:
+                reason = f"{dump.path}: {reason}"
+            return Failure(dump.path, dump.step, dump.peer, reason)
+
+    return task
+
+
+# --- phase 1: headers ---------------------------------------------------------------
+def inspect_dumps(fs: Any, dumps: Sequence[DumpFile]) -> list[DumpHeader | Failure]:
+    """Read the headers of a few dumps (one task per batch keeps the graph small)."""
+    return [_isolated(read_dump_header_of)(fs, dump) for dump in dumps]
+
+
+def read_dump_header_of(fs: Any, dump: DumpFile) -> DumpHeader:
+    return read_dump_header(fs, dump.path)
+
+
+# --- phase 2: plan ------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Part:
+    """Consecutive chunks ``[lo, hi)`` of one tensor, at bytes ``[start, stop)`` of the file."""
+
+    tensor: str
+    lo: int
+    hi: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReadUnit:
+    """What one read task fetches: a byte span covering some parts, or (not ranged) whole tensors."""
+
+    start: int
+    stop: int
+    parts: tuple[Part, ...]
+    whole: bool = False
+
+
+def tensor_chunks(shape: tuple[int, ...], dtype: str, chunk_bytes: int) -> tuple[int, ...]:
+    """The chunk shape ingest gives a tensor (the same rule as ``Store.put_tensor``)."""
+    return choose_chunk_shape(shape, parse_dtype(dtype).itemsize, chunk_bytes)
+
+
+def plan_units(header: DumpHeader, *, chunk_bytes: int, unit_bytes: int) -> list[ReadUnit]:
+    """Split a dump into read units of about ``unit_bytes`` each, on chunk boundaries."""
+    if not header.ranged:
+        whole = tuple(Part(t.name, 0, 0, 0, 0) for t in header.tensors)
+        return [ReadUnit(0, header.size, whole, whole=True)]
+    units: list[ReadUnit] = []
+    parts: list[Part] = []
+
+    def close_unit() -> None:
+        units.append(ReadUnit(parts[0].start, max(p.stop for p in parts), tuple(parts)))
+        parts.clear()
+
+    for spec in sorted(header.tensors, key=lambda t: t.offset or 0):
+        assert spec.offset is not None
+        itemsize = parse_dtype(spec.dtype).itemsize
+        grid = chunk_ranges(spec.shape, tensor_chunks(spec.shape, spec.dtype, chunk_bytes))
+        bounds = [(spec.offset + a * itemsize, spec.offset + b * itemsize) for a, b in grid]
+        lo = 0
+        for i, (_, stop) in enumerate(bounds):
+            begin = parts[0].start if parts else bounds[lo][0]
+            if stop - begin >= unit_bytes:
+                parts.append(Part(spec.name, lo, i + 1, bounds[lo][0], stop))
+                lo = i + 1
+                close_unit()
+        if lo < len(bounds) or not bounds:  # the tail (or an empty tensor) joins the next unit
+            start = bounds[lo][0] if bounds else spec.offset
+            parts.append(
+                Part(spec.name, lo, len(bounds), start, bounds[-1][1] if bounds else start)
+            )
+    if parts:
+        close_unit()
+    return units
+
+
+# --- phase 2: tasks -----------------------------------------------------------------
+@_isolated
+def read_unit(fs: Any, dump: DumpFile, header: DumpHeader, unit: ReadUnit) -> Any:
+    """The bytes of a unit (one ranged read), or whole tensors for formats without ranges."""
+    if unit.whole:
+        return read_dump_tensors(fs, dump.path, header)
+    return read_byte_range(fs, dump.path, unit.start, unit.stop)
+
+
+ChunkRecords = dict[str, list[tuple[str | None, ChunkStats]]]
+
+
+@dataclass
+class UnitResult:
+    """Chunk records of one unit: per tensor, (block id, stats) for chunks ``part.lo…``."""
+
+    records: ChunkRecords = field(default_factory=dict)
+    stats: WriteStats = field(default_factory=WriteStats)
+
+
+@_isolated
+def encode_unit(
+    store: Store,
+    dump: DumpFile,
+    header: DumpHeader,
+    unit: ReadUnit,
+    data: Any,
+    chunk_bytes: int,
+    codecs: Sequence[Codec] | None,
+) -> UnitResult:
+    """Compute stats, hash, encode and write the chunks of one unit."""
+    specs = {t.name: t for t in header.tensors}
+    result = UnitResult()
+    for part in unit.parts:
+        spec = specs[part.tensor]
+        dtype = parse_dtype(spec.dtype)
+        if unit.whole:
+            flat = np.ascontiguousarray(data[part.tensor], dtype=dtype).reshape(-1)
+            ranges = list(
+                chunk_ranges(spec.shape, tensor_chunks(spec.shape, spec.dtype, chunk_bytes))
+            )
+            chunks = [flat[a:b] for a, b in ranges]
+        else:
+            base = part.start - unit.start
+            flat = data[base : base + (part.stop - part.start)].view(dtype)
+            ranges = list(
+                chunk_ranges(spec.shape, tensor_chunks(spec.shape, spec.dtype, chunk_bytes))
+            )
+            first = ranges[part.lo][0] if part.hi > part.lo else 0
+            chunks = [flat[a - first : b - first] for a, b in ranges[part.lo : part.hi]]
+        records = store.write_chunks(chunks, codecs=codecs, stats=result.stats)
+        result.records.setdefault(part.tensor, []).extend(records)
+    return result
+
+
+@dataclass(frozen=True)
+class DumpResult:
+    """A dump written to the store, not yet part of its run."""
+
+    entry: DumpEntry
+    schema: dict[str, TensorSchema]
+    stats: WriteStats
+    raw_bytes: int
+    nonfinite: dict[str, tuple[int, int]]  # tensor → (NaN count, Inf count), where any
+
+
+@_isolated
+def write_dump(
+    store: Store,
+    dump: DumpFile,
+    header: DumpHeader,
+    run: str,
+    results: list[UnitResult],
+    chunk_bytes: int,
+) -> DumpResult:
+    """Assemble and store the tensor manifests and the dump manifest of one dump."""
+    records: ChunkRecords = {}
+    stats = WriteStats()
+    for unit_result in results:
+        stats.add(unit_result.stats)
+        for name, recs in unit_result.records.items():
+            records.setdefault(name, []).extend(recs)
+    tensors: list[tuple[str, str]] = []
+    nonfinite: dict[str, tuple[int, int]] = {}
+    for spec in header.tensors:
+        recs = records.get(spec.name, [])
+        manifest = TensorManifest(
+            spec.dtype,
+            spec.shape,
+            tensor_chunks(spec.shape, spec.dtype, chunk_bytes),
+            tuple(block for block, _ in recs),
+            tuple(s for _, s in recs),
+        )
+        summary = manifest.summary()
+        if summary.nan or summary.inf:
+            nonfinite[spec.name] = (summary.nan, summary.inf)
+        tensors.append((spec.name, store.put_manifest(manifest)))
+    source = {
+        "path": dump.path,
+        "format": header.format,
+        "size": str(header.size),
+        "fingerprint": dump.fingerprint,
+    }
+    manifest_id = store.put_manifest(
+        DumpManifest(run, dump.step, dump.peer, tuple(tensors), dict(header.metadata), source)
+    )
+    return DumpResult(
+        DumpEntry(dump.step, dump.peer, manifest_id, dump.fingerprint),
+        {t.name: TensorSchema(t.dtype, t.shape) for t in header.tensors},
+        stats,
+        sum(t.nbytes for t in header.tensors),
+        nonfinite,
+    )
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    """What the commit published."""
+
+    run_id: str | None
+    committed: list[DumpResult]
+    failures: list[Failure]
+
+
+def schema_conflict(
+    schema: dict[str, TensorSchema], theirs: dict[str, TensorSchema], where: str
+) -> str | None:
+    """Why a dump's tensors disagree with the run's schema, or None."""
+    for name, spec in theirs.items():
+        known = schema.get(name)
+        if known is not None and known != spec:
+            return (
+                f"tensor {name!r} of {where} is {spec.describe()}, but the run has it as "
+                f"{known.describe()}; fix the dump or ingest it into another run"
+            )
+    return None
+
+
+def commit_run(
+    store: Store, run: str, dumps: list[DumpFile], results: list[DumpResult | Failure], message: str
+) -> CommitResult:
+    """Publish every successful dump into the run with one compare-and-swap."""
+    failures = [r for r in results if isinstance(r, Failure)]
+    done = [r for r in results if isinstance(r, DumpResult)]
+    if not done:
+        return CommitResult(None, [], failures)
+    outcome: dict[str, Any] = {}
+
+    def decide(current: str | None) -> str | None:
+        base = store.get_manifest(current) if current else RunManifest(run)
+        assert isinstance(base, RunManifest)
+        schema = dict(base.schema)
+        accepted, refused = [], []
+        paths = {(d.step, d.peer): d.path for d in dumps}
+        for result in done:
+            key = (result.entry.step, result.entry.peer)
+            why = schema_conflict(schema, result.schema, f"step {key[0]}, peer {key[1]!r}")
+            if why is None:
+                accepted.append(result)
+                for name, spec in result.schema.items():
+                    schema.setdefault(name, spec)
+            else:  # a concurrent ingest fixed the schema differently
+                refused.append(Failure(paths.get(key, "?"), key[0], key[1], why))
+        outcome.update(accepted=accepted, refused=refused)
+        if not accepted:
+            return current
+        merged = merge_run(base, [r.entry for r in accepted], schema)
+        return store.put_manifest(merged)
+
+    entry = store.refs.update(f"runs/{run}", decide, message=message)
+    return CommitResult(entry.target, outcome["accepted"], failures + outcome["refused"])

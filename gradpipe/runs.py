@@ -1,0 +1,167 @@
+"""Browsing runs: steps × peers, dumps, their tensors and metadata; exporting a dump."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gradpipe.core.manifest import TensorManifest
+from gradpipe.core.names import parse_name
+from gradpipe.core.runs import DumpEntry, DumpManifest, RunManifest, TensorSchema
+from gradpipe.errors import NotFoundError
+from gradpipe.storage.store import Store
+
+__all__ = ["Dump", "Run", "export_dump", "list_runs", "open_run"]
+
+
+def list_runs(store: Store) -> list[str]:
+    """Names of the runs in a store."""
+    return [name.split("/", 1)[1] for name in store.refs.list("runs")]
+
+
+def open_run(store: Store, run: str) -> Run:
+    """A run of the store, as recorded now."""
+    parse_name(run, what="run name")
+    try:
+        run_id = store.refs.get(f"runs/{run}")
+    except NotFoundError:
+        known = ", ".join(list_runs(store)) or "none"
+        raise NotFoundError(f"no run {run!r} in store {store.url} (runs: {known})") from None
+    manifest = store.get_manifest(run_id, context=f"run {run!r}")
+    assert isinstance(manifest, RunManifest)
+    return Run(store, run_id, manifest)
+
+
+@dataclass(frozen=True)
+class Run:
+    """A read-only view of one run."""
+
+    store: Store
+    id: str
+    manifest: RunManifest
+
+    @property
+    def name(self) -> str:
+        return self.manifest.run
+
+    @property
+    def steps(self) -> list[int]:
+        """Recorded steps, ascending."""
+        return self.manifest.steps
+
+    @property
+    def peers(self) -> list[str]:
+        """Peers seen in any step."""
+        return self.manifest.peers
+
+    @property
+    def schema(self) -> dict[str, TensorSchema]:
+        """Tensor name → dtype and shape, shared by every dump of the run."""
+        return dict(self.manifest.schema)
+
+    def __iter__(self) -> Iterator[DumpEntry]:
+        return iter(self.manifest.dumps)
+
+    def __len__(self) -> int:
+        return len(self.manifest.dumps)
+
+    def grid(self) -> dict[int, list[str]]:
+        """Step → peers recorded at that step."""
+        out: dict[int, list[str]] = {}
+        for entry in self.manifest.dumps:
+            out.setdefault(entry.step, []).append(entry.peer)
+        return out
+
+    def dump(self, step: int, peer: str) -> Dump:
+        """The dump of (step, peer)."""
+        entry = self.manifest.entry(step, peer)
+        if entry is None:
+            raise NotFoundError(
+                f"run {self.name!r} has no dump for step {step}, peer {peer!r} "
+                f"(steps {_span(self.steps)}, peers {', '.join(self.peers) or 'none'})"
+            )
+        manifest = self.store.get_manifest(entry.dump, context=f"run {self.name!r} step {step}")
+        assert isinstance(manifest, DumpManifest)
+        return Dump(self.store, entry.dump, manifest)
+
+    def read(self, name: str, *, step: int, peer: str, lazy: bool = False) -> Any:
+        """One tensor of one dump (numpy, or a dask.array with ``lazy=True``)."""
+        return self.dump(step, peer).read(name, lazy=lazy)
+
+
+@dataclass(frozen=True)
+class Dump:
+    """A read-only view of one dump: tensors, metadata, provenance."""
+
+    store: Store
+    id: str
+    manifest: DumpManifest
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+    @property
+    def peer(self) -> str:
+        return self.manifest.peer
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The dump's own metadata (``num_examples``...)."""
+        return dict(self.manifest.metadata)
+
+    @property
+    def source(self) -> dict[str, str]:
+        """Where the dump came from: path, format, size, fingerprint."""
+        return dict(self.manifest.source)
+
+    @property
+    def names(self) -> list[str]:
+        """Tensor names, in the file's order."""
+        return [name for name, _ in self.manifest.tensors]
+
+    def info(self, name: str) -> TensorManifest:
+        """Dtype, shape, chunks and statistics of a tensor; reads no data."""
+        return self.store.tensor_info(self._tensor_id(name))
+
+    def read(self, name: str, *, lazy: bool = False) -> Any:
+        """A tensor as numpy (bit-exact) or, with ``lazy=True``, as a dask.array."""
+        manifest = self.info(name)
+        context = f"tensor {name!r} of step {self.step}, peer {self.peer!r}"
+        if lazy:
+            from gradpipe.graph.arrays import lazy_tensor
+
+            return lazy_tensor(self.store, manifest, name=context)
+        return self.store.read_tensor(manifest, context=context)
+
+    def read_all(self) -> dict[str, np.ndarray]:
+        """Every tensor of the dump, in the file's order."""
+        return {name: self.read(name) for name in self.names}
+
+    def _tensor_id(self, name: str) -> str:
+        try:
+            return self.manifest.tensor_ids[name]
+        except KeyError:
+            raise NotFoundError(
+                f"step {self.step}, peer {self.peer!r} has no tensor {name!r} "
+                f"(it has {', '.join(self.names[:8])}{'...' if len(self.names) > 8 else ''})"
+            ) from None
+
+
+def export_dump(store: Store, run: str, step: int, peer: str, path: str | os.PathLike[str]) -> Dump:
+    """Write a dump back as safetensors: bit-exact tensors and its metadata."""
+    from gradpipe.formats.safetensors import write_safetensors
+
+    dump = open_run(store, run).dump(step, peer)
+    write_safetensors(path, dump.read_all(), dump.metadata)
+    return dump
+
+
+def _span(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    return f"{steps[0]}..{steps[-1]}" if len(steps) > 1 else str(steps[0])

@@ -1,0 +1,198 @@
+"""``gradpipe init/ls/verify/gc``: exit codes, one JSON object, --help, --dry-run."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gradpipe as gp
+from gradpipe.cli import main
+from gradpipe.core.ids import block_key
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, object]]:
+    status, out, _ = run(capsys, *argv, "--json")
+    doc = json.loads(out)  # exactly one JSON document, nothing else on stdout
+    assert isinstance(doc, dict)
+    return status, doc
+
+
+def listing(store: gp.Store) -> list[str]:
+    return sorted(info.key for info in store.backend.list(""))
+
+
+@pytest.mark.parametrize("command", ["init", "ls", "verify", "gc"])
+def test_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: gradpipe {command}")
+    assert "STORE" in out
+    assert "--json" in out
+
+
+def test_top_level_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for command in ["init", "ls", "verify", "gc"]:
+        assert command in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["frobnicate"], ["init"], ["verify"], ["gc", "x", "--dry-run=yes"], ["ls", "x", "--nope"]],
+)
+def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_init_ls_verify_gc(store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    status, doc = run_json(capsys, "init", store_url)
+    assert status == 0
+    assert doc["store"] == store_url
+    status, doc = run_json(capsys, "init", store_url)  # again: nothing happens
+    assert status == 0
+
+    status, doc = run_json(capsys, "ls", store_url)
+    assert (status, doc["refs"]) == (0, [])
+
+    store = gp.open_store(store_url, mode="a")
+    tensor_id = store.put_tensor(np.arange(100, dtype="float32"))
+    store.refs.set("runs/r1", tensor_id, message="first")
+    store.refs.set("tags/best", tensor_id)
+    store.refs.set("tags/gone", tensor_id)
+    store.refs.set("tags/gone", None)
+    status, doc = run_json(capsys, "ls", store_url)
+    assert status == 0
+    refs = doc["refs"]
+    assert [r["ref"] for r in refs] == ["runs/r1", "tags/best"]  # type: ignore[index]
+    assert refs[0]["target"] == tensor_id  # type: ignore[index]
+    assert refs[0]["message"] == "first"  # type: ignore[index]
+    status, out, _ = run(capsys, "ls", store_url)
+    assert status == 0
+    assert "runs/r1" in out
+    assert "tags/best" in out
+    assert "tags/gone" not in out
+
+    status, doc = run_json(capsys, "verify", store_url)
+    assert status == 0
+    assert doc["ok"] is True
+    assert doc["problems"] == []
+    assert doc["blocks"] == 1
+    assert doc["bytes"] == 400
+    status, out, _ = run(capsys, "verify", store_url)
+    assert status == 0
+    assert "all good" in out
+
+    status, doc = run_json(capsys, "gc", store_url)
+    assert status == 0
+    assert doc["deleted"] == 0
+    assert doc["reachable"] == int(doc["reachable"]) > 0  # type: ignore[call-overload]
+
+
+def test_gc_dry_run_deletes_nothing(store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    store = gp.open_store(store_url, mode="w")
+    kept = store.put_tensor(np.arange(50, dtype="int32"))
+    store.refs.set("runs/r", kept)
+    orphan = store.put_tensor(np.arange(1, 51, dtype="int32"))
+    before = listing(store)
+
+    status, doc = run_json(capsys, "gc", store_url, "--grace", "0s", "--dry-run")
+    assert status == 0
+    assert doc["dry_run"] is True
+    assert doc["deleted"] == 2  # the orphan's manifest and its data block
+    assert listing(store) == before
+
+    status, doc = run_json(capsys, "gc", store_url, "--grace", "24h")
+    assert (status, doc["deleted"], doc["kept_young"]) == (0, 0, 2)
+    assert listing(store) == before
+
+    status, out, _ = run(capsys, "gc", store_url, "--grace", "0s")
+    assert status == 0
+    assert "deleted 2 unreferenced" in out
+    assert len(listing(store)) == len(before) - 2
+    with pytest.raises(gp.NotFoundError):
+        store.get_tensor(orphan)
+    assert store.get_tensor(kept).tolist() == list(range(50))
+
+
+def test_verify_reports_damage_exit_1(store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    store = gp.open_store(store_url, mode="w")
+    tensor_id = store.put_tensor(np.arange(64, dtype="float64"))
+    store.refs.set("runs/r", tensor_id)
+    block = store.tensor_info(tensor_id).blocks[0]
+    assert block is not None
+    store.backend.delete(block_key(block))
+
+    status, doc = run_json(capsys, "verify", store_url)
+    assert status == 1
+    assert doc["ok"] is False
+    assert [(p["kind"], p["id"]) for p in doc["problems"]] == [("missing", block)]  # type: ignore[union-attr]
+    status, out, _ = run(capsys, "verify", store_url)
+    assert status == 1
+    assert "1 problem(s)" in out
+    assert block in out
+
+    store.backend.delete(block_key(tensor_id))  # now a reachable manifest is gone too
+    status, doc = run_json(capsys, "gc", store_url, "--grace", "0s")
+    assert status == 1
+    assert doc["ok"] is False
+    assert doc["type"] == "IntegrityError"
+
+
+def test_errors_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = str(tmp_path / "nowhere")
+    for command in ["ls", "verify"]:
+        status, doc = run_json(capsys, command, missing)
+        assert status == 1
+        assert doc["type"] == "NotFoundError"
+        assert "no gradpipe store" in str(doc["error"])
+    assert not Path(missing).exists()
+
+    status, doc = run_json(capsys, "init", "ftp://host/x")
+    assert status == 2
+    assert doc["type"] == "InvalidInputError"
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "file.txt").write_text("mine")
+    status, out, err = run(capsys, "init", str(foreign))
+    assert status == 2
+    assert out == ""
+    assert "gradpipe init: error:" in err
+    assert "not a gradpipe store" in err
+    assert [p.name for p in foreign.iterdir()] == ["file.txt"]
+
+    gp.open_store(tmp_path / "s", mode="w")
+    status, doc = run_json(capsys, "gc", str(tmp_path / "s"), "--grace", "soon")
+    assert status == 2
+    assert "duration" in str(doc["error"])
+    status, doc = run_json(capsys, "ls", str(tmp_path / "s"), "-S", "novalue")
+    assert status == 2
+
+
+def test_gc_grace_is_respected(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = gp.open_store(tmp_path / "s", mode="w")
+    store.put_tensor(np.arange(10, dtype="int8") + 1)
+    time.sleep(0.05)
+    status, doc = run_json(capsys, "gc", str(tmp_path / "s"), "--grace", "1h")
+    assert (status, doc["deleted"], doc["kept_young"]) == (0, 0, 2)
+    status, doc = run_json(capsys, "gc", str(tmp_path / "s"), "--grace", "10ms")
+    assert (status, doc["deleted"], doc["kept_young"]) == (0, 2, 0)
