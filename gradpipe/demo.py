@@ -17,9 +17,9 @@ from gradpipe.testing.training import TrainingConfig, write_sample_run
 
 __all__ = ["DEMO_CONFIG", "run_demo"]
 
-#: The demo's run: ~100 MiB of dumps, a few seconds of training.
+#: The demo's run: ~120 MiB of dumps, a few seconds of training.
 DEMO_CONFIG = TrainingConfig(
-    vocab_size=100_000,
+    vocab_size=20_000,
     embed_dim=64,
     hidden=256,
     peers=4,

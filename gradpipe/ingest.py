@@ -180,7 +180,7 @@ def build_ingest_graph(
     codecs: Sequence[Codec] | None,
     message: str,
 ) -> tuple[dict[Hashable, Any], str]:
-    """The read/encode/dump/commit graph of ``dumps`` (not computed); returns it and its output key."""
+    """The read/encode/dump/commit graph of ``dumps`` (not computed), and its output key."""
     token = tokenize(
         store.url, run, [(d.path, d.fingerprint) for d, _ in dumps], chunk_bytes, codecs
     )

@@ -173,8 +173,8 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
         table: list[bytes] = []
         payload: list[bytes | memoryview] = []
         for plane in planes:
-            packed = zstd.compress(plane, self.level) if count else b""
-            if len(packed) < count:
+            packed = zstd.compress(plane, self.level) if _worth_trying(plane, self.level) else b""
+            if packed and len(packed) < count:
                 table.append(_PLANE.pack(_ZSTD, len(packed)))
                 payload.append(packed)
             else:
@@ -272,6 +272,21 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
                 f"{self.codec_id}: frame is {size} bytes but its plane table says {total}"
             )
         return nbytes, entries, offset
+
+
+# Mantissa planes of dense floats are noise: zstd spends ~40% of encode time
+# confirming that. A 16 KiB sample from the middle of a large plane decides;
+# a plane whose sample does not shrink by 0.5% is stored raw.
+_SAMPLE_BYTES = 16 * 1024
+_SAMPLE_MIN_GAIN = 0.995
+
+
+def _worth_trying(plane: np.ndarray, level: int) -> bool:
+    if plane.size <= 4 * _SAMPLE_BYTES:
+        return plane.size > 0
+    middle = plane.size // 2
+    sample = plane[middle : middle + _SAMPLE_BYTES]
+    return len(zstd.compress(sample, level)) < _SAMPLE_MIN_GAIN * sample.size
 
 
 def check_out_size(out: object, nbytes: int, codec_id: str) -> None:

@@ -128,14 +128,15 @@ def _chunk_stats(flat: np.ndarray, bits_nonzero: int | None) -> ChunkStats:
             sumsq=total_sq,
         )
     wide = flat.astype(np.float64)
-    lo: float | None = float(wide.min())
-    hi: float | None = float(wide.max())
+    low, high = float(wide.min()), float(wide.max())
+    lo: float | None = low
+    hi: float | None = high
     # -0.0 has a bit set but is zero: the one value where bits and value disagree.
     signbit = np.array(1, np.uint64) << np.uint64(8 * flat.dtype.itemsize - 1)
     unsigned = flat.view(np.dtype(f"u{flat.dtype.itemsize}"))
     nonzero = bits_nonzero - int(np.count_nonzero(unsigned == signbit.astype(unsigned.dtype)))
     nan = inf = 0
-    if not (np.isfinite(lo) and np.isfinite(hi)):  # min/max see every NaN and Inf
+    if not (math.isfinite(low) and math.isfinite(high)):  # min/max see every NaN and Inf
         finite = np.isfinite(wide)
         is_nan = np.isnan(wide)
         nan = int(np.count_nonzero(is_nan))

@@ -42,7 +42,7 @@ class Runner:
             from dask.threaded import get
 
             with _local_progress(self.progress):
-                return list(get(dict(graph), list(keys), num_workers=self.workers))
+                return list(get(dict(graph), list(keys), num_workers=self.workers))  # type: ignore[arg-type]
         from distributed import span
 
         with span(name):
@@ -65,7 +65,7 @@ def _local_progress(enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
-    from dask.diagnostics import ProgressBar
+    from dask.diagnostics.progress import ProgressBar
 
     with ProgressBar(minimum=1.0, dt=0.5):
         yield

@@ -112,7 +112,7 @@ class Part:
 
 @dataclass(frozen=True, slots=True)
 class ReadUnit:
-    """What one read task fetches: a byte span covering some parts, or (not ranged) whole tensors."""
+    """What one read task fetches: a byte span over some parts, or (not ranged) whole tensors."""
 
     start: int
     stop: int
