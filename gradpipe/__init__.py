@@ -15,24 +15,33 @@ from gradpipe.errors import (
     StorageError,
     UnsupportedFormatError,
 )
+from gradpipe.ingest import IngestReport, ingest
+from gradpipe.runs import Dump, Run, export_dump, list_runs, open_run
 from gradpipe.storage import Store, open_store
 from gradpipe.storage.gc import GcReport, gc
 from gradpipe.storage.verify import VerifyReport, verify
 
 __all__ = [
     "ConflictError",
+    "Dump",
     "GcReport",
     "GradpipeError",
+    "IngestReport",
     "IntegrityError",
     "InvalidInputError",
     "NotFoundError",
     "ReadOnlyError",
+    "Run",
     "StorageError",
     "Store",
     "UnsupportedFormatError",
     "VerifyReport",
     "__version__",
+    "export_dump",
     "gc",
+    "ingest",
+    "list_runs",
+    "open_run",
     "open_store",
     "verify",
 ]
