@@ -63,6 +63,10 @@ class S3Backend(Backend):
         return self._run(bounded()) if items else []
 
     def _translate(self, exc: BaseException, key: str, doing: str) -> Exception:
+        if _error_code(exc) == "NoSuchBucket":
+            return StorageError(
+                f"bucket {self.bucket!r} does not exist (store {self.url}); create it first"
+            )
         if isinstance(exc, FileNotFoundError) or _error_code(exc) in ("NoSuchKey", "404"):
             return NotFoundError(f"{key!r} not found in store {self.url}")
         if isinstance(exc, OSError | asyncio.TimeoutError) or _error_code(exc):

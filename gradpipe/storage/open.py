@@ -7,8 +7,9 @@ from typing import Any, get_args
 
 import fsspec
 
-from gradpipe.errors import InvalidInputError, NotFoundError, StorageError
+from gradpipe.errors import InvalidInputError, NotFoundError
 from gradpipe.storage._backend import Backend
+from gradpipe.storage._local import TEMP_PREFIX
 from gradpipe.storage.store import MARKER_KEY, Mode, Store, marker_bytes, read_marker
 
 __all__ = ["backend_for_url", "open_store", "reopen_store"]
@@ -96,11 +97,10 @@ def reopen_store(url: str, mode: Mode, storage_options: dict[str, Any] | None) -
 
 def _check_empty(backend: Backend, url: str) -> None:
     try:
-        stray = next(iter(backend.list("")), None)
+        # Temporary files of a writer killed while creating the marker do not count.
+        stray = next((k for k in backend.list("") if TEMP_PREFIX not in k.key), None)
     except (NotFoundError, FileNotFoundError):
         return
-    except StorageError:
-        raise
     if stray is not None:
         raise InvalidInputError(
             f"{url} is not a gradpipe store and is not empty (it holds {stray.key!r}); "

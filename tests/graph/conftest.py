@@ -61,7 +61,12 @@ def special_f32(shape: tuple[int, ...], seed: int) -> np.ndarray:
     return arr.reshape(shape)
 
 
-def numeric_tensors(seed: int, *, bf16: bool) -> dict[str, np.ndarray]:
+INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+
+
+def numeric_tensors(
+    seed: int, *, bf16: bool, ints: tuple[str, ...] = INT_DTYPES
+) -> dict[str, np.ndarray]:
     """Every stored dtype (bfloat16 when the format keeps it), 0-d, empty and multi-chunk tensors.
 
     With ``gradpipe.chunk-bytes`` at 4096, ``big`` (32 KiB) and ``wide``
@@ -71,7 +76,7 @@ def numeric_tensors(seed: int, *, bf16: bool) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     ints = {
         name: rng.integers(np.iinfo(name).min, np.iinfo(name).max, size=(3, 5), dtype=name)
-        for name in ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
+        for name in ints
     }
     out: dict[str, np.ndarray] = {
         "big": rng.standard_normal((64, 64)),  # float64

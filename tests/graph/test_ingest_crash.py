@@ -10,9 +10,10 @@ What is guaranteed, and asserted:
 - with a ``LocalCluster`` of processes, SIGKILLing a worker while the graph runs
   loses its tasks and results; Dask reruns them and the ingest completes in full.
 
-Kill moments are fractions of the measured wall time of an uninterrupted
-``gradpipe ingest`` of the same files, with jitter from a seeded ``random.Random``
-(the seed is in every assertion message).
+Kill moments: as soon as the first block file appears, at fractions of the
+measured wall time of an uninterrupted ``gradpipe ingest`` of the same files
+(with jitter from a seeded ``random.Random``; the seed is in every assertion
+message), and as soon as the new commit is visible.
 """
 
 from __future__ import annotations
@@ -169,12 +170,12 @@ def test_sigkill_client_leaves_a_complete_commit_and_rerun_finishes(
     rng = random.Random(SEED)
     total = len(sample.steps) * len(sample.peers)
     early = EARLY_STEPS * len(sample.peers)
-    # From during start-up to near the end of the commit.
-    fractions = [0.3, 0.6, 0.85, 1.1]
+    # Kill points: as soon as the first block lands (surely mid-graph), at fractions
+    # of the uninterrupted wall time, and as soon as the commit is visible (between
+    # the compare-and-swap and the end of the process).
+    kills: list[str | float] = ["first block", 0.35, 0.7, 0.95, "commit"]
     mid_graph = 0  # rounds whose kill left blocks but no new commit: the interesting case
-    for i, fraction in enumerate(fractions):
-        delay = seconds * fraction * rng.uniform(0.9, 1.1)
-        where = f"seed {SEED}, round {i}, kill after {delay:.3f} s of {seconds:.3f} s"
+    for i, kill in enumerate(kills):
         root = tmp_path / f"store{i}"
         store = gp.open_store(str(root), mode="w")
         before: str | None = None
@@ -186,12 +187,30 @@ def test_sigkill_client_leaves_a_complete_commit_and_rerun_finishes(
             assert before is not None
         blocks_before = _block_files(root)
 
+        def landed(
+            kill: str | float = kill,
+            before: str | None = before,
+            root: Path = root,
+            store: gp.Store = store,
+            blocks_before: int = blocks_before,
+        ) -> bool:
+            if kill == "first block":
+                return _block_files(root) > blocks_before
+            return recorded_id(store, "r") != before
+
         with _client(root, sample) as proc:
-            time.sleep(delay)
+            start = time.perf_counter()
+            if isinstance(kill, float):
+                time.sleep(seconds * kill * rng.uniform(0.9, 1.1))
+            else:
+                while proc.poll() is None and not landed():
+                    time.sleep(0.002)
             finished = proc.poll() is not None
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+        delay = time.perf_counter() - start
+        where = f"seed {SEED}, round {i}: kill at {kill!r} after {delay:.3f} s of {seconds:.3f} s"
         if not finished:
             assert proc.returncode == -signal.SIGKILL, where
 
@@ -205,7 +224,8 @@ def test_sigkill_client_leaves_a_complete_commit_and_rerun_finishes(
             assert _tensor_ids(store) == ids, where
         elif _block_files(root) > blocks_before:
             mid_graph += 1
-        print(where, "finished" if finished else "", now != before, mid_graph)  # DEBUG
+        if kill == "commit":
+            assert now != before, where
         if finished:
             assert proc.returncode == 0, where
             assert now != before, where
