@@ -13,7 +13,13 @@ from typing import Any
 
 from gradpipe.errors import InvalidInputError
 
-__all__ = ["decode_float", "encode_float", "from_json_bytes", "to_json_bytes"]
+__all__ = [
+    "decode_float",
+    "encode_float",
+    "from_json_bytes",
+    "reject_duplicate_keys",
+    "to_json_bytes",
+]
 
 _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
@@ -52,3 +58,17 @@ def from_json_bytes(data: bytes, *, what: str) -> Any:
         return json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidInputError(f"{what} is not valid JSON: {exc}") from None
+
+
+def reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` for :func:`json.loads` that refuses a key given twice.
+
+    Plain JSON parsing keeps the last value silently; in a file header that
+    would hide a tensor or a metadata field.
+    """
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out

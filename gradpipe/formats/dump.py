@@ -36,11 +36,12 @@ import posixpath
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from math import prod
-from typing import IO, TYPE_CHECKING, Any, Final
+from typing import IO, TYPE_CHECKING, Final
 
 import numpy as np
 
 from gradpipe.core.dtypes import DTYPE_NAMES, dtype_name, parse_dtype
+from gradpipe.core.encoding import reject_duplicate_keys
 from gradpipe.errors import InvalidInputError
 from gradpipe.formats import safetensors as st
 
@@ -172,15 +173,6 @@ def _sidecar_value(value: object, *, where: str, key: str) -> str:
     )
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
 def read_sidecar(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, str]:
     """The metadata of ``<path>.json``, or ``{}`` when there is no sidecar."""
     where = path + SIDECAR_SUFFIX
@@ -189,7 +181,7 @@ def read_sidecar(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, str]:
     except FileNotFoundError:
         return {}
     try:
-        data = json.loads(bytes(raw).decode("utf-8"), object_pairs_hook=_no_duplicates)
+        data = json.loads(bytes(raw).decode("utf-8"), object_pairs_hook=reject_duplicate_keys)
     except (UnicodeDecodeError, ValueError) as exc:
         raise InvalidInputError(f"{where}: sidecar is not valid JSON ({exc})") from None
     if not isinstance(data, dict):

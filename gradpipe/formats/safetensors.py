@@ -27,11 +27,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import IO, Final
 
 import numpy as np
 
 from gradpipe.core.dtypes import SAFETENSORS_NAMES, canonical_dtype, dtype_name, parse_dtype
+from gradpipe.core.encoding import reject_duplicate_keys
 from gradpipe.errors import InvalidInputError, UnsupportedFormatError
 
 __all__ = [
@@ -163,15 +164,6 @@ def _parse_entry(name: str, raw: object, data_start: int, *, path: str) -> Tenso
     return TensorEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
 def read_header(f: IO[bytes], *, path: str) -> SafetensorsHeader:
     """Read and strictly validate the header of an open safetensors file.
 
@@ -202,7 +194,7 @@ def read_header(f: IO[bytes], *, path: str) -> SafetensorsHeader:
         raise _invalid(path, f"header length {n} does not fit in a file of {size} bytes")
     raw = _read_exact(f, 8, n, path=path, what="the header")
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=reject_duplicate_keys)
     except (UnicodeDecodeError, ValueError) as exc:
         raise _invalid(path, f"header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):

@@ -90,8 +90,10 @@ def discover_dumps(
     found = fs.glob(glob, detail=True)
     claims: dict[tuple[int, str], DumpFile] = {}
     for candidate, info in sorted(found.items()):
-        if info.get("type") == "directory" or candidate.endswith(".json"):
+        if candidate.endswith(".json"):
             continue  # sidecar metadata files ride along with their dump
+        # A directory named like a dump is kept: reading it fails, and the report
+        # lists it, rather than a (step, peer) silently going missing.
         match = regex.fullmatch(candidate.rstrip("/"))
         if match is None:
             continue

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 from typing import Any, get_args
 
 import fsspec
@@ -90,9 +92,23 @@ def open_store(
     return Store(backend, mode=mode, url=url, storage_options=storage_options)
 
 
+_REOPENED: dict[str, Store] = {}
+_REOPENED_LOCK = threading.Lock()
+
+
 def reopen_store(url: str, mode: Mode, storage_options: dict[str, Any] | None) -> Store:
-    """Open a store received from another process (never re-creates or wipes it)."""
-    return open_store(url, mode="r" if mode == "r" else "a", storage_options=storage_options)
+    """Open a store received from another process (never re-creates or wipes it).
+
+    A Dask worker unpickles the store once per task; opening is cached per
+    process so that costs one marker read, not one per task.
+    """
+    mode = "r" if mode == "r" else "a"
+    key = json.dumps([url, mode, storage_options], sort_keys=True, default=repr)
+    with _REOPENED_LOCK:
+        store = _REOPENED.get(key)
+        if store is None:
+            store = _REOPENED[key] = open_store(url, mode=mode, storage_options=storage_options)
+        return store
 
 
 def _check_empty(backend: Backend, url: str) -> None:
