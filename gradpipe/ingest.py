@@ -128,10 +128,12 @@ def _select(
     todo = []
     for dump in dumps:
         entry = recorded.entry(dump.step, dump.peer)
-        if entry is None or replace:
+        if entry is None:
             todo.append(dump)
         elif entry.fingerprint == dump.fingerprint:
-            report.skipped += 1
+            report.skipped += 1  # also with replace: the same file version is already there
+        elif replace:
+            todo.append(dump)
         else:
             report.failures.append(
                 Failure(

@@ -78,6 +78,7 @@ class Run:
 
     def dump(self, step: int, peer: str) -> Dump:
         """The dump of (step, peer)."""
+        parse_name(peer, what="peer name")  # a malformed name is a usage error, not "missing"
         entry = self.manifest.entry(step, peer)
         if entry is None:
             raise NotFoundError(

@@ -1,0 +1,208 @@
+"""``gradpipe ingest / ls RUN / export / demo``: output, exit codes, --json, --codec."""
+
+from __future__ import annotations
+
+import json
+import struct
+import types
+from pathlib import Path
+
+import pytest
+
+import gradpipe as gp
+from gradpipe.cli import main
+from gradpipe.demo import DEMO_CONFIG
+from gradpipe.formats.safetensors import read_safetensors
+from gradpipe.runs import open_run
+from gradpipe.testing.training import SampleRun, TrainingConfig, write_sample_run
+
+CONFIG = TrainingConfig(vocab_size=3000, embed_dim=8, hidden=16, peers=3, steps=3)
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory: pytest.TempPathFactory) -> SampleRun:
+    return write_sample_run(tmp_path_factory.mktemp("sample"), CONFIG)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]:
+    status, out, _ = run(capsys, *argv, "--json")
+    doc = json.loads(out)  # exactly one JSON document on stdout
+    assert isinstance(doc, dict)
+    return status, doc
+
+
+COMMANDS = ["init", "ls", "ingest", "export", "demo", "verify", "gc"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: gradpipe {command}")
+    assert "--json" in out
+
+
+def test_ingest_ls_export(
+    sample: SampleRun, kit: types.ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = str(tmp_path / "store")
+    status, out, _ = run(capsys, "ingest", store, sample.dump_pattern, "--run", "train")
+    assert status == 0
+    assert "run 'train': 9 dumps ingested, 0 skipped" in out
+
+    status, doc = run_json(capsys, "ingest", store, sample.dump_pattern, "--run", "train")
+    assert status == 0
+    assert (doc["ok"], doc["ingested"], doc["skipped"], doc["blocks_written"]) == (True, 0, 9, 0)
+    assert doc["run_id"] == open_run(gp.open_store(store), "train").id
+
+    status, out, _ = run(capsys, "ls", store, "train")
+    assert status == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("run 'train': 3 steps x 3 peers, 9 dumps, 7 tensors")
+    assert lines[1].split() == ["step", *sample.peers]
+    assert [line.split() for line in lines[2:]] == [[str(s), "x", "x", "x"] for s in sample.steps]
+
+    status, doc = run_json(capsys, "ls", store, "train")
+    assert status == 0
+    assert doc["steps"] == sample.steps
+    assert doc["peers"] == sample.peers
+    assert [(d["step"], d["peer"]) for d in doc["dumps"]] == [
+        (s, p) for s in sample.steps for p in sample.peers
+    ]
+    assert doc["schema"]["embedding.weight"] == {"dtype": "float32", "shape": [3000, 8]}
+
+    status, doc = run_json(capsys, "ls", store)
+    assert status == 0
+    assert [r["ref"] for r in doc["refs"]] == ["runs/train"]
+
+    out_file = tmp_path / "out.safetensors"
+    status, out, _ = run(
+        capsys,
+        "export",
+        store,
+        "--run",
+        "train",
+        "--step",
+        "1",
+        "--peer",
+        "peer2",
+        "-o",
+        str(out_file),
+    )
+    assert status == 0
+    assert "wrote 7 tensors of step 1, peer 'peer2'" in out
+    src = sample.dump_path(1, "peer2")
+    tensors, meta = read_safetensors(out_file)
+    want, want_meta = read_safetensors(src)
+    assert meta == want_meta
+    assert meta["num_examples"] == "128"
+    assert sorted(tensors) == sorted(want)
+    for name, arr in want.items():
+        kit.assert_bit_exact(tensors[name], arr, name)
+    # Same writer, same layout: the export is the very file that was ingested.
+    assert out_file.read_bytes() == Path(src).read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("argv", "status", "word"),
+    [
+        (["--step", "7", "--peer", "peer0"], 1, "no dump for step 7"),
+        (["--step", "1", "--peer", "nobody"], 1, "peer 'nobody'"),
+        (["--step", "1", "--peer", "../x"], 2, "invalid peer name"),
+    ],
+)
+def test_export_errors(
+    argv: list[str],
+    status: int,
+    word: str,
+    sample: SampleRun,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    store = str(tmp_path / "store")
+    assert run(capsys, "ingest", store, sample.dump_pattern, "--run", "train")[0] == 0
+    out_file = tmp_path / "out.safetensors"
+    got, doc = run_json(capsys, "export", store, "--run", "train", *argv, "-o", str(out_file))
+    assert got == status
+    assert doc["ok"] is False
+    assert word in doc["error"]
+    assert not out_file.exists()
+
+
+def test_ls_unknown_run_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = str(tmp_path / "store")
+    assert run(capsys, "init", store)[0] == 0
+    status, doc = run_json(capsys, "ls", store, "nope")
+    assert status == 1
+    assert "no run 'nope'" in doc["error"]
+
+
+def block_codecs(store: gp.Store, block_id: str) -> list[dict]:
+    """The codec chain recorded in a stored block's header."""
+    frame = store._read_frame(block_id, "test")
+    _, _, header_len = struct.unpack_from("<4sBI", frame)
+    start = struct.calcsize("<4sBI")
+    return json.loads(frame[start : start + header_len])["codecs"]
+
+
+def test_codec_option(
+    sample: SampleRun, kit: types.ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = str(tmp_path / "store")
+    status, doc = run_json(
+        capsys, "ingest", url, sample.dump_pattern, "--run", "z", "--codec", "zstd:level=3"
+    )
+    assert status == 0
+    assert doc["ingested"] == 9
+    store = gp.open_store(url)
+    dump = open_run(store, "z").dump(2, "peer0")
+    want, _ = read_safetensors(sample.dump_path(2, "peer0"))
+    blocks = [b for name in dump.names for b in dump.info(name).blocks if b is not None]
+    assert blocks
+    for block in blocks:
+        [codec] = block_codecs(store, block)
+        assert (codec["id"], codec["level"]) == ("zstd", 3)
+    for name, arr in want.items():
+        kit.assert_bit_exact(dump.read(name), arr, name)
+
+
+@pytest.mark.parametrize("spec", ["nonsense", "zstd:level", "zstd:levle=3"])
+def test_bad_codec_exits_2(
+    spec: str, sample: SampleRun, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = str(tmp_path / "store")
+    status, doc = run_json(
+        capsys, "ingest", url, sample.dump_pattern, "--run", "z", "--codec", spec
+    )
+    assert status == 2
+    assert doc["ok"] is False
+    assert spec in doc["error"]
+    assert not (tmp_path / "store" / "refs" / "runs").exists()
+
+
+def test_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's first command, for real: ~100 MiB of dumps generated and ingested."""
+    store = str(tmp_path / "demo")
+    n = DEMO_CONFIG.steps * DEMO_CONFIG.peers
+    status, doc = run_json(capsys, "demo", store)
+    assert status == 0
+    assert (doc["ok"], doc["ingested"], doc["failed"]) == (True, n, 0)
+    assert doc["stored_bytes"] < doc["raw_bytes"]
+    status, listing = run_json(capsys, "ls", store, "demo")
+    assert status == 0
+    assert listing["steps"] == list(range(DEMO_CONFIG.steps))
+    assert listing["peers"] == DEMO_CONFIG.peer_names
+    # Run again: the dumps are there and recorded, nothing to do.
+    status, doc = run_json(capsys, "demo", store)
+    assert status == 0
+    assert (doc["ingested"], doc["skipped"], doc["blocks_written"]) == (0, n, 0)
+    assert gp.verify(gp.open_store(store)).ok
