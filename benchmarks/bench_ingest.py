@@ -321,12 +321,16 @@ def main() -> None:
     print("-" * len(header))
     for row in rows:
         stored = f"{row.stored / MiB:>11.2f}"
-        ratio = f"{logical / row.stored:>7.1f}" if row.stored else f"{'-':>7}"
-        note = f"  ({row.note})" if row.note else ""
+        if row.note:  # a re-ingest: reads and writes next to nothing, rates mean nothing
+            print(
+                f"{row.name:<40} {row.seconds:>7.3f} {'-':>7} {stored} {'-':>7} {'-':>9}"
+                f" {'-':>11} {'-':>10}  (stored: {row.note} bytes)"
+            )
+            continue
         print(
             f"{row.name:<40} {row.seconds:>7.2f} {logical / MiB / row.seconds:>7.0f} {stored}"
-            f" {ratio} {cp.seconds / row.seconds:>9.2f} {zarr.seconds / row.seconds:>11.2f}"
-            f" {row.stored / zarr.stored:>10.3f}{note}"
+            f" {logical / row.stored:>7.1f} {cp.seconds / row.seconds:>9.2f}"
+            f" {zarr.seconds / row.seconds:>11.2f} {row.stored / zarr.stored:>10.3f}"
         )
 
     cli = by_name["gradpipe ingest (CLI)"]

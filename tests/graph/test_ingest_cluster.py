@@ -181,19 +181,16 @@ def _tensor_ids(store: gp.Store, run: str) -> dict[tuple[int, str, str], str]:
 
 @pytest.fixture(scope="module")
 def local_ids(sample: SampleRun, tmp_path_factory: pytest.TempPathFactory) -> dict[Any, str]:
-    """Tensor ids of the sample ingested with local threads (no client exists by default)."""
-    from distributed import default_client
+    """Tensor ids of the sample ingested by ``gradpipe ingest`` on local threads.
 
-    with pytest.raises(ValueError, match="No clients found"):
-        default_client()  # else ingest would use it instead of threads
-    store = gp.open_store(str(tmp_path_factory.mktemp("local") / "store"), mode="w")
-    import dask.config
-
-    with dask.config.set(SETTINGS):
-        report = ingest(store, sample.dump_pattern, run="r")
-    assert report.ok, report.summary()
-    assert report.dashboard is None  # local threads, no cluster
-    ids = _tensor_ids(store, "r")
+    A fresh process, without ``--scheduler`` or ``DASK_SCHEDULER_ADDRESS``, has no
+    client to find: the report's dashboard is None only on the threaded scheduler.
+    """
+    root = tmp_path_factory.mktemp("local") / "store"
+    doc = _cli_ingest(root, sample)
+    _check_doc(doc, sample)
+    assert doc["dashboard"] is None
+    ids = _tensor_ids(gp.open_store(str(root), mode="r"), "r")
     expected = len(sample.steps) * len(sample.peers) * len(sample.config.param_shapes())
     assert len(ids) == expected
     return ids
