@@ -1,6 +1,3 @@
-from importlib.metadata import PackageNotFoundError, version
+"""The version of gradpipe (read by hatch at build time; no importlib.metadata at import)."""
 
-try:
-    __version__ = version("gradpipe")
-except PackageNotFoundError:  # running from a source tree that is not installed
-    __version__ = "0.0.0+unknown"
+__version__ = "0.1.0"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -115,32 +115,57 @@ def _chunk_stats(flat: np.ndarray, bits_nonzero: int | None) -> ChunkStats:
         return ChunkStats(count=0, nonzero=0)
     if flat.dtype == np.bool_:
         flat = flat.view(np.uint8)
+    unsigned = flat.view(np.dtype(f"u{flat.dtype.itemsize}"))
     if bits_nonzero is None:
-        bits_nonzero = bit_nonzero(flat)
-    if not is_float(flat.dtype):
-        total, total_sq = _sum_sq(flat.astype(np.float64))
+        bits_nonzero = int(np.count_nonzero(unsigned))
+    if bits_nonzero == 0:  # all +0 (or False): common in embedding gradients, no pass needed
+        return ChunkStats(count=count, nonzero=0, min=0.0, max=0.0)
+    zeros = count - bits_nonzero
+    values, bits = flat, unsigned
+    if bits_nonzero <= count // _SPARSE_FRACTION:
+        # Sparse (an embedding gradient): two passes pick the non-zero values,
+        # then every statistic runs over a few percent of the chunk.
+        keep = unsigned != 0
+        values, bits = flat[keep], unsigned[keep]
+    stats = _value_stats(values, bits, count)
+    if zeros == 0:
+        return stats
+    # The +0 elements left out above still count for the minimum and maximum.
+    lo = 0.0 if stats.min is None else min(stats.min, 0.0)
+    hi = 0.0 if stats.max is None else max(stats.max, 0.0)
+    return replace(stats, min=lo, max=hi)
+
+
+# Below 1/4 non-zero, selecting the non-zero values first is cheaper than
+# running the statistics over every element.
+_SPARSE_FRACTION = 4
+
+
+def _value_stats(values: np.ndarray, bits: np.ndarray, count: int) -> ChunkStats:
+    """Statistics of ``values`` (all of a chunk or its non-zero part) for a chunk of ``count``."""
+    if not is_float(values.dtype):
+        total, total_sq = _sum_sq(values.astype(np.float64))
         return ChunkStats(
             count=count,
-            nonzero=bits_nonzero,
-            min=float(flat.min()),
-            max=float(flat.max()),
+            nonzero=int(np.count_nonzero(bits)),
+            min=float(values.min()),
+            max=float(values.max()),
             sum=total,
             sumsq=total_sq,
         )
-    wide = flat.astype(np.float64)
+    wide = values.astype(np.float64)
     low, high = float(wide.min()), float(wide.max())
     lo: float | None = low
     hi: float | None = high
     # -0.0 has a bit set but is zero: the one value where bits and value disagree.
-    signbit = np.array(1, np.uint64) << np.uint64(8 * flat.dtype.itemsize - 1)
-    unsigned = flat.view(np.dtype(f"u{flat.dtype.itemsize}"))
-    nonzero = bits_nonzero - int(np.count_nonzero(unsigned == signbit.astype(unsigned.dtype)))
+    signbit = np.array(1, bits.dtype) << np.array(8 * bits.dtype.itemsize - 1, bits.dtype)
+    nonzero = int(np.count_nonzero(bits)) - int(np.count_nonzero(bits == signbit))
     nan = inf = 0
     if not (math.isfinite(low) and math.isfinite(high)):  # min/max see every NaN and Inf
         finite = np.isfinite(wide)
         is_nan = np.isnan(wide)
         nan = int(np.count_nonzero(is_nan))
-        inf = count - int(np.count_nonzero(finite)) - nan
+        inf = wide.size - int(np.count_nonzero(finite)) - nan
         seen = wide[~is_nan]
         lo = float(seen.min()) if seen.size else None
         hi = float(seen.max()) if seen.size else None

@@ -1,0 +1,57 @@
+"""Chunk statistics agree with a plain numpy reference at every density and dtype."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradpipe.core.dtypes import DTYPE_NAMES
+from gradpipe.core.stats import bit_nonzero, chunk_stats
+from gradpipe.testing.store_suite import special_values
+
+
+def _reference(array: np.ndarray) -> dict[str, float | int | None]:
+    with np.errstate(all="ignore"):
+        wide = array.astype(np.float64)
+        finite = wide[np.isfinite(wide)]
+        seen = wide[~np.isnan(wide)]
+        return {
+            "nonzero": int(np.count_nonzero(wide)),
+            "nan": int(np.isnan(wide).sum()),
+            "inf": int(np.isinf(wide).sum()),
+            "min": float(seen.min()) if seen.size else None,
+            "max": float(seen.max()) if seen.size else None,
+            "sum": float(finite.sum()),
+        }
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPE_NAMES),
+    density=st.sampled_from([0.0, 0.001, 0.05, 0.24, 0.26, 0.7, 1.0]),
+    seed=st.integers(0, 2**16),
+    size=st.integers(1, 3000),
+)
+def test_stats_match_numpy(dtype: str, density: float, seed: int, size: int) -> None:
+    array = special_values(dtype, size, seed)
+    array[np.random.default_rng(seed).random(size) >= density] = 0
+    stats = chunk_stats(array)
+    expected = _reference(array)
+    assert stats.count == size
+    for key in ("nonzero", "nan", "inf", "min", "max"):
+        got, want = getattr(stats, key), expected[key]
+        assert got == want or (math.isnan(got) and math.isnan(want)), (key, got, want)
+    if math.isfinite(expected["sum"]):
+        assert math.isclose(stats.sum, expected["sum"], rel_tol=1e-9, abs_tol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int16"])
+def test_given_bit_count_is_used_as_is(dtype: str) -> None:
+    array = np.zeros(100, dtype)
+    array[:3] = 1
+    assert chunk_stats(array, bits_nonzero=bit_nonzero(array)).nonzero == 3
+    assert chunk_stats(np.zeros(100, dtype)).min == 0.0
