@@ -178,9 +178,13 @@ def cmd_demo(args: argparse.Namespace) -> CommandResult:
     from gradpipe.demo import run_demo
 
     report = run_demo(args.store, workers=args.workers)
+    hints = (
+        f"\nnext: gradpipe ls {args.store} demo   |   gradpipe verify {args.store}   |   "
+        f"gradpipe export {args.store} --run demo --step 0 --peer peer0 -o peer0.safetensors"
+    )
     return CommandResult(
         {"store": args.store, **report.to_dict()},
-        report.summary(),
+        report.summary() + hints,
         EXIT_OK if report.ok else EXIT_FAILED,
     )
 
