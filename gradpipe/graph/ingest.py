@@ -192,25 +192,28 @@ def encode_unit(
     """Compute stats, hash, encode and write the chunks of one unit."""
     specs = {t.name: t for t in header.tensors}
     result = UnitResult()
+    owners: list[str] = []  # the tensor of each chunk, in order
+    chunks: list[np.ndarray] = []
     for part in unit.parts:
         spec = specs[part.tensor]
         dtype = parse_dtype(spec.dtype)
+        grid = tensor_chunks(spec.shape, spec.dtype, chunk_bytes)
+        ranges = list(chunk_ranges(spec.shape, grid))
         if unit.whole:
             flat = np.ascontiguousarray(data[part.tensor], dtype=dtype).reshape(-1)
-            ranges = list(
-                chunk_ranges(spec.shape, tensor_chunks(spec.shape, spec.dtype, chunk_bytes))
-            )
-            chunks = [flat[a:b] for a, b in ranges]
+            first = 0
         else:
             base = part.start - unit.start
             flat = data[base : base + (part.stop - part.start)].view(dtype)
-            ranges = list(
-                chunk_ranges(spec.shape, tensor_chunks(spec.shape, spec.dtype, chunk_bytes))
-            )
             first = ranges[part.lo][0] if part.hi > part.lo else 0
-            chunks = [flat[a - first : b - first] for a, b in ranges[part.lo : part.hi]]
-        records = store.write_chunks(chunks, codecs=codecs, stats=result.stats)
-        result.records.setdefault(part.tensor, []).extend(records)
+            ranges = ranges[part.lo : part.hi]
+        chunks.extend(flat[a - first : b - first] for a, b in ranges)
+        owners.extend([part.tensor] * len(ranges))
+        result.records.setdefault(part.tensor, [])
+    # One call for the whole unit: many small tensors share batched round trips.
+    records = store.write_chunks(chunks, codecs=codecs, stats=result.stats)
+    for tensor, record in zip(owners, records, strict=True):
+        result.records[tensor].append(record)
     return result
 
 
@@ -241,7 +244,7 @@ def write_dump(
         stats.add(unit_result.stats)
         for name, recs in unit_result.records.items():
             records.setdefault(name, []).extend(recs)
-    tensors: list[tuple[str, str]] = []
+    manifests: list[TensorManifest] = []
     nonfinite: dict[str, tuple[int, int]] = {}
     for spec in header.tensors:
         recs = records.get(spec.name, [])
@@ -255,16 +258,19 @@ def write_dump(
         summary = manifest.summary()
         if summary.nan or summary.inf:
             nonfinite[spec.name] = (summary.nan, summary.inf)
-        tensors.append((spec.name, store.put_manifest(manifest)))
+        manifests.append(manifest)
+    ids = store.put_manifests(manifests, stats=stats)
+    tensors = [(spec.name, tensor_id) for spec, tensor_id in zip(header.tensors, ids, strict=True)]
     source = {
         "path": dump.path,
         "format": header.format,
         "size": str(header.size),
         "fingerprint": dump.fingerprint,
     }
-    manifest_id = store.put_manifest(
-        DumpManifest(run, dump.step, dump.peer, tuple(tensors), dict(header.metadata), source)
+    dump_manifest = DumpManifest(
+        run, dump.step, dump.peer, tuple(tensors), dict(header.metadata), source
     )
+    [manifest_id] = store.put_manifests([dump_manifest], stats=stats)
     return DumpResult(
         DumpEntry(dump.step, dump.peer, manifest_id, dump.fingerprint),
         {t.name: TensorSchema(t.dtype, t.shape) for t in header.tensors},

@@ -39,8 +39,10 @@ MARKER_KEY: Final = "gradpipe.json"
 STORE_FORMAT: Final = 1
 # Manifests smaller than this are stored uncompressed (readable with `cat`).
 _COMPRESS_MANIFEST_BYTES: Final = 4096
-# Chunks encoded and written per round trip when putting a large tensor.
-_WRITE_WINDOW: Final = 16
+# Blocks encoded and written per batched round trip (one existence check, then
+# concurrent writes on S3): by count for small blocks, by bytes for large ones.
+_WRITE_WINDOW: Final = 64
+_WRITE_WINDOW_BYTES: Final = 64 * 2**20
 
 M = TypeVar("M")
 
@@ -133,7 +135,12 @@ class Store:
         stale = time.time() - get_seconds("storage.touch-after")
         todo: list[tuple[str, bytes]] = []
         level = int(get_setting("codec-level"))
+        seen: set[str] = set()
         for item, key, mtime in zip(items, keys, mtimes, strict=True):
+            if key in seen:  # the same content twice in one batch
+                stats.blocks_reused += 1
+                continue
+            seen.add(key)
             if mtime is not None:
                 stats.blocks_reused += 1
                 if mtime < stale:
@@ -169,9 +176,22 @@ class Store:
     # --- manifests --------------------------------------------------------------
     def put_manifest(self, manifest: Manifest) -> str:
         """Store a manifest; returns its id."""
-        data = encode_manifest(manifest)
-        codecs = () if len(data) < _COMPRESS_MANIFEST_BYTES else (_manifest_codec(),)
-        return self.put_raw(data, codecs)
+        [manifest_id] = self.put_manifests([manifest])
+        return manifest_id
+
+    def put_manifests(
+        self, manifests: Sequence[Manifest], *, stats: WriteStats | None = None
+    ) -> list[str]:
+        """Store several manifests in one batched round trip; returns their ids."""
+        self.check_writable()
+        items = []
+        for manifest in manifests:
+            data = encode_manifest(manifest)
+            codecs = () if len(data) < _COMPRESS_MANIFEST_BYTES else (_manifest_codec(),)
+            items.append(_BlockToWrite(hash_bytes(data), data, codecs, None))
+        for lo in range(0, len(items), _WRITE_WINDOW):
+            self._write_blocks(items[lo : lo + _WRITE_WINDOW], stats or self.write_stats)
+        return [item.block_id for item in items]
 
     def get_manifest(self, manifest_id: str, *, context: str = "") -> Manifest:
         """Read and check a manifest of any type."""
@@ -259,6 +279,7 @@ class Store:
         stats = stats if stats is not None else WriteStats()
         records: list[tuple[str | None, ChunkStats]] = []
         window: list[_BlockToWrite] = []
+        window_bytes = 0
         for chunk in chunks:
             nonzero = bit_nonzero(chunk)
             records.append((None, chunk_stats(chunk, bits_nonzero=nonzero)))
@@ -269,9 +290,10 @@ class Store:
             block_id = hash_bytes(chunk.view(np.uint8))
             records[-1] = (block_id, records[-1][1])
             window.append(_BlockToWrite(block_id, chunk, codecs, nonzero))
-            if len(window) >= _WRITE_WINDOW:
+            window_bytes += chunk.nbytes
+            if len(window) >= _WRITE_WINDOW or window_bytes >= _WRITE_WINDOW_BYTES:
                 self._write_blocks(window, stats)
-                window = []
+                window, window_bytes = [], 0
         if window:
             self._write_blocks(window, stats)
         return records
