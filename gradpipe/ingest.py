@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from gradpipe.graph.discover import DumpFile, discover_dumps
 from gradpipe.graph.ingest import (
     CommitResult,
     Failure,
+    ReadUnit,
     commit_run,
     encode_unit,
     inspect_dumps,
@@ -181,6 +183,7 @@ def build_ingest_graph(
     unit_bytes: int,
     codecs: Sequence[Codec] | None,
     message: str,
+    replace: bool = False,
 ) -> tuple[dict[Hashable, Any], str]:
     """The read/encode/dump/commit graph of ``dumps`` (not computed), and its output key."""
     token = tokenize(
@@ -195,12 +198,15 @@ def build_ingest_graph(
         ):
             read_key = (f"gradpipe-read-{token}", j, k)
             encode_key = (f"gradpipe-encode-{token}", j, k)
-            graph[read_key] = (read_unit, fs, dump, header, unit)
+            # A unit's tasks carry only its own tensors' specs: a dump with
+            # thousands of tensors must not ship its whole header with every task.
+            part = header if unit.whole else _unit_header(header, unit)
+            graph[read_key] = (read_unit, fs, dump, part, unit)
             graph[encode_key] = (
                 encode_unit,
                 store,
                 dump,
-                header,
+                part,
                 unit,
                 read_key,
                 chunk_bytes,
@@ -211,8 +217,14 @@ def build_ingest_graph(
         graph[dump_key] = (write_dump, store, dump, header, run, encoded, chunk_bytes)
         dump_keys.append(dump_key)
     commit_key = f"gradpipe-commit-{token}"
-    graph[commit_key] = (commit_run, store, run, [d for d, _ in dumps], dump_keys, message)
+    graph[commit_key] = (commit_run, store, run, [d for d, _ in dumps], dump_keys, message, replace)
     return graph, commit_key
+
+
+def _unit_header(header: DumpHeader, unit: ReadUnit) -> DumpHeader:
+    names = {part.tensor for part in unit.parts}
+    tensors = tuple(t for t in header.tensors if t.name in names)
+    return dataclasses.replace(header, tensors=tensors, metadata={})
 
 
 def ingest(
@@ -262,7 +274,8 @@ def ingest(
     parse_name(run, what="run name")
     started = time.perf_counter()
     report = IngestReport(run)
-    fs, found = discover_dumps(pattern, storage_options)
+    fs, found, refused = discover_dumps(pattern, storage_options)
+    report.failures.extend(refused)
     recorded = _current_run(store, run)
     todo = _select(recorded, found, replace, report)
     runner = runner_for(client=client, scheduler=scheduler, workers=workers, progress=progress)
@@ -281,6 +294,7 @@ def ingest(
                     unit_bytes=get_bytes("ingest.task-bytes"),
                     codecs=codecs,
                     message=f"ingest {len(good)} dumps from {pattern}",
+                    replace=replace,
                 )
                 [result] = runner.get(graph, [key], name="gradpipe-ingest")
                 _add_commit(report, result)

@@ -10,7 +10,6 @@ import numpy as np
 from gradpipe.core.chunking import dask_chunks
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.manifest import TensorManifest
-from gradpipe.storage.blocks import decode_block
 from gradpipe.storage.store import Store
 
 __all__ = ["lazy_tensor", "load_chunk"]
@@ -22,8 +21,7 @@ def load_chunk(
     """One chunk of a tensor (zeros for a chunk stored as all-zero)."""
     out = np.zeros(shape, dtype=parse_dtype(dtype))
     if block_id is not None:
-        frame = store._read_frame(block_id, context)
-        decode_block(frame, block_id, out=out.reshape(-1), context=context)
+        store.read_chunk(block_id, out.reshape(-1), context=context)
     return out
 
 
@@ -33,7 +31,11 @@ def lazy_tensor(store: Store, manifest: TensorManifest, *, name: str = "tensor")
     from dask.base import tokenize
 
     grid = dask_chunks(manifest.shape, manifest.chunk_shape)
-    token = tokenize(store.url, manifest.blocks, manifest.shape, manifest.chunk_shape)
+    # Everything that defines the array: two tensors differing only in dtype
+    # (or all-zero tensors of one shape) must not share Dask keys.
+    token = tokenize(
+        store.url, manifest.dtype, manifest.shape, manifest.chunk_shape, manifest.blocks
+    )
     key = f"gradpipe-chunk-{token}"
     graph: dict[Any, Any] = {}
     indices = list(itertools.product(*(range(len(c)) for c in grid))) if manifest.size else []

@@ -11,7 +11,7 @@ import fsspec
 from gradpipe.core.names import parse_name
 from gradpipe.errors import InvalidInputError, NotFoundError
 
-__all__ = ["DumpFile", "discover_dumps", "parse_pattern"]
+__all__ = ["DumpFile", "Failure", "discover_dumps", "parse_pattern"]
 
 _FIELD = re.compile(r"\{(step|peer)\}")
 #: Peer name used when the pattern has no ``{peer}`` field (a single-process run).
@@ -27,6 +27,19 @@ class DumpFile:
     path: str
     size: int
     fingerprint: str
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A dump that could not be ingested, and why."""
+
+    path: str
+    step: int
+    peer: str
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "step": self.step, "peer": self.peer, "reason": self.reason}
 
 
 def parse_pattern(pattern: str) -> tuple[str, re.Pattern[str]]:
@@ -78,17 +91,20 @@ def _fingerprint(info: dict[str, Any]) -> str:
 
 def discover_dumps(
     pattern: str, storage_options: dict[str, Any] | None = None
-) -> tuple[fsspec.AbstractFileSystem, list[DumpFile]]:
+) -> tuple[fsspec.AbstractFileSystem, list[DumpFile], list[Failure]]:
     """Expand ``pattern`` into dump files sorted by (step, peer).
 
-    Raises :class:`NotFoundError` when nothing matches and
-    :class:`InvalidInputError` when two files claim the same (step, peer) or
-    a peer name is not usable.
+    Returns the filesystem, the dumps, and the files refused as
+    failures (a peer name that is not usable; two files claiming the
+    same (step, peer), as ``step=7`` and ``step=007`` would): a bad file name
+    never stops the good ones. Raises :class:`NotFoundError` when nothing
+    matches and :class:`InvalidInputError` for a bad pattern.
     """
     fs, path = fsspec.core.url_to_fs(pattern, **(storage_options or {}))
     glob, regex = parse_pattern(path)
     found = fs.glob(glob, detail=True)
-    claims: dict[tuple[int, str], DumpFile] = {}
+    claims: dict[tuple[int, str], list[DumpFile]] = {}
+    refused: list[Failure] = []
     for candidate, info in sorted(found.items()):
         if candidate.endswith(".json"):
             continue  # sidecar metadata files ride along with their dump
@@ -98,17 +114,25 @@ def discover_dumps(
         if match is None:
             continue
         step = int(match["step"])
-        peer = parse_name(
-            match.groupdict().get("peer") or SOLE_PEER, what=f"peer name in {candidate}"
-        )
+        raw_peer = match.groupdict().get("peer") or SOLE_PEER
+        try:
+            peer = parse_name(raw_peer, what=f"peer name in {candidate}")
+        except InvalidInputError as exc:
+            refused.append(Failure(candidate, step, raw_peer, f"{exc}; rename the file"))
+            continue
         dump = DumpFile(step, peer, candidate, int(info.get("size") or 0), _fingerprint(info))
-        other = claims.get((step, peer))
-        if other is not None:
-            raise InvalidInputError(
-                f"{other.path} and {candidate} both claim step {step}, peer {peer!r}; "
-                "remove one or make the pattern more specific"
-            )
-        claims[(step, peer)] = dump
-    if not claims:
+        claims.setdefault((step, peer), []).append(dump)
+    if not claims and not refused:
         raise NotFoundError(f"no dump file matches {pattern!r} (searched {glob!r})")
-    return fs, [claims[key] for key in sorted(claims)]
+    dumps = []
+    for (step, peer), group in sorted(claims.items()):
+        if len(group) == 1:
+            dumps.append(group[0])
+            continue
+        paths = " and ".join(d.path for d in group)
+        reason = (
+            f"{paths} all claim step {step}, peer {peer!r}; remove all but one or make the "
+            "pattern more specific"
+        )
+        refused.extend(Failure(d.path, step, peer, reason) for d in group)
+    return fs, dumps, refused

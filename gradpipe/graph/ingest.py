@@ -30,7 +30,7 @@ from gradpipe.core.manifest import TensorManifest
 from gradpipe.core.runs import DumpEntry, DumpManifest, RunManifest, TensorSchema, merge_run
 from gradpipe.core.stats import ChunkStats
 from gradpipe.formats.dump import DumpHeader, read_byte_range, read_dump_header, read_dump_tensors
-from gradpipe.graph.discover import DumpFile
+from gradpipe.graph.discover import DumpFile, Failure
 from gradpipe.storage.store import Store, WriteStats
 
 __all__ = [
@@ -48,19 +48,6 @@ __all__ = [
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-
-@dataclass(frozen=True, slots=True)
-class Failure:
-    """A dump that could not be ingested, and why."""
-
-    path: str
-    step: int
-    peer: str
-    reason: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "step": self.step, "peer": self.peer, "reason": self.reason}
 
 
 def _isolated(func: Callable[P, R]) -> Callable[P, R | Failure]:
@@ -304,9 +291,19 @@ def schema_conflict(
 
 
 def commit_run(
-    store: Store, run: str, dumps: list[DumpFile], results: list[DumpResult | Failure], message: str
+    store: Store,
+    run: str,
+    dumps: list[DumpFile],
+    results: list[DumpResult | Failure],
+    message: str,
+    replace: bool,
 ) -> CommitResult:
-    """Publish every successful dump into the run with one compare-and-swap."""
+    """Publish every successful dump into the run with one compare-and-swap.
+
+    The run is re-checked as it is at the swap, not as it was when the ingest
+    planned: a concurrent ingest may have recorded the same (step, peer) from
+    another file version, or fixed a tensor's schema differently.
+    """
     failures = [r for r in results if isinstance(r, Failure)]
     done = [r for r in results if isinstance(r, DumpResult)]
     if not done:
@@ -322,11 +319,18 @@ def commit_run(
         for result in done:
             key = (result.entry.step, result.entry.peer)
             why = schema_conflict(schema, result.schema, f"step {key[0]}, peer {key[1]!r}")
+            recorded = base.entry(*key)
+            changed = recorded is not None and recorded.fingerprint != result.entry.fingerprint
+            if why is None and changed and not replace:
+                why = (
+                    f"run {run!r} got step {key[0]}, peer {key[1]!r} from another version "
+                    "of the file while this ingest ran; re-run with --replace to replace it"
+                )
             if why is None:
                 accepted.append(result)
                 for name, spec in result.schema.items():
                     schema.setdefault(name, spec)
-            else:  # a concurrent ingest fixed the schema differently
+            else:
                 refused.append(Failure(paths.get(key, "?"), key[0], key[1], why))
         outcome.update(accepted=accepted, refused=refused)
         if not accepted:

@@ -11,7 +11,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Backend", "KeyInfo", "VersionedBytes"]
+__all__ = ["TEMP_PREFIX", "Backend", "KeyInfo", "VersionedBytes"]
+
+#: Name prefix of a writer's temporary files (backends that need them); gc removes stale ones.
+TEMP_PREFIX = ".tmp."
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,12 +20,10 @@ from pathlib import Path
 from gradpipe.config import get_setting
 from gradpipe.core.ids import hash_bytes
 from gradpipe.errors import ConflictError, NotFoundError, StorageError
-from gradpipe.storage._backend import Backend, KeyInfo, VersionedBytes
+from gradpipe.storage._backend import TEMP_PREFIX, Backend, KeyInfo, VersionedBytes
 
-__all__ = ["TEMP_PREFIX", "LocalBackend"]
+__all__ = ["LocalBackend"]
 
-#: Names of temporary files; gc removes stale ones.
-TEMP_PREFIX = ".tmp."
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -58,11 +56,15 @@ class LocalBackend(Backend):
         except FileNotFoundError:  # first object under this prefix: make its folder
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(temp, _CREATE_FLAGS, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            if self._fsync:
-                f.flush()
-                os.fsync(f.fileno())
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                if self._fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+        except BaseException:
+            temp.unlink(missing_ok=True)  # e.g. a full disk: leave nothing behind
+            raise
         return temp
 
     def write_if_absent(self, key: str, data: bytes | memoryview) -> bool:
@@ -81,9 +83,10 @@ class LocalBackend(Backend):
                 if path.exists():
                     return False
                 os.replace(temp, path)
-                return True
             finally:
                 temp.unlink(missing_ok=True)
+            if self._fsync:  # the new name must survive a power loss, not only the bytes
+                _fsync_dir(path.parent)
         except OSError as exc:
             raise self._error(exc, key, "write") from exc
         return True

@@ -110,7 +110,12 @@ class S3Backend(Backend):
                 raise self._translate(exc, key, "write") from exc
             else:
                 return True
-        return False
+        # Still conflicting: report "exists" only if it does, never on faith.
+        if await self._mtime(key) is not None:
+            return False
+        raise StorageError(
+            f"could not write {key!r} in store {self.url}: concurrent writes kept conflicting"
+        )
 
     def write_if_absent(self, key: str, data: bytes | memoryview) -> bool:
         return self._run(self._create((key, data)))

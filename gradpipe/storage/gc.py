@@ -18,7 +18,7 @@ from typing import Any
 from gradpipe.config import get_seconds
 from gradpipe.core.ids import id_from_block_key
 from gradpipe.errors import IntegrityError
-from gradpipe.storage._local import TEMP_PREFIX
+from gradpipe.storage._backend import TEMP_PREFIX, KeyInfo
 from gradpipe.storage.store import Store
 from gradpipe.storage.walk import walk_reachable
 
@@ -59,22 +59,19 @@ def gc(store: Store, *, grace: float | None = None, dry_run: bool = False) -> Gc
         )
     report = GcReport(dry_run=dry_run, reachable=len(reachable.manifests) + len(reachable.data))
     cutoff = time.time() - grace
+    doomed: list[KeyInfo] = []
     for info in store.backend.list("blocks"):
         block_id = id_from_block_key(info.key)
-        if block_id is not None:
-            if block_id in reachable:
-                continue
-            if info.mtime > cutoff:
-                report.kept_young += 1
-                continue
-            report.deleted += 1
-            report.deleted_bytes += info.size
-        elif info.mtime <= cutoff:
-            report.stray_deleted += 1  # a temporary file left by a killed writer
-        else:
+        if block_id is not None and block_id in reachable:
             continue
-        if not dry_run:
-            store.backend.delete(info.key)
+        if info.mtime > cutoff:
+            report.kept_young += block_id is not None
+            continue
+        doomed.append(info)
+        if len(doomed) >= _DELETE_BATCH:
+            _delete(store, doomed, cutoff, report, dry_run=dry_run)
+            doomed = []
+    _delete(store, doomed, cutoff, report, dry_run=dry_run)
     # A ref swap on local disk renames a temporary file beside the ref; a
     # writer killed before the rename leaves it there. (Lock files stay: one
     # may be held, and deleting it would let two writers lock different files.)
@@ -84,3 +81,29 @@ def gc(store: Store, *, grace: float | None = None, dry_run: bool = False) -> Gc
             if not dry_run:
                 store.backend.delete(info.key)
     return report
+
+
+# Keys re-checked and deleted per round: the listing can be minutes old on a
+# big S3 store, so times are read again just before deleting.
+_DELETE_BATCH = 256
+
+
+def _delete(
+    store: Store, doomed: list[KeyInfo], cutoff: float, report: GcReport, *, dry_run: bool
+) -> None:
+    """Delete listed keys that are still old: a writer may have reused (touched) one since."""
+    if not doomed:
+        return
+    for info, mtime in zip(doomed, store.backend.mtimes([i.key for i in doomed]), strict=True):
+        if mtime is None:
+            continue  # gone already
+        if mtime > cutoff:
+            report.kept_young += 1
+            continue
+        if id_from_block_key(info.key) is None:
+            report.stray_deleted += 1  # a temporary file left by a killed writer
+        else:
+            report.deleted += 1
+            report.deleted_bytes += info.size
+        if not dry_run:
+            store.backend.delete(info.key)

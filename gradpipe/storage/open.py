@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from typing import Any, get_args
 
 import fsspec
+from dask.base import tokenize
 
 from gradpipe.errors import InvalidInputError, NotFoundError
-from gradpipe.storage._backend import Backend
-from gradpipe.storage._local import TEMP_PREFIX
+from gradpipe.storage._backend import TEMP_PREFIX, Backend
+from gradpipe.storage._local import LocalBackend
 from gradpipe.storage.store import MARKER_KEY, Mode, Store, marker_bytes, read_marker
 
 __all__ = ["backend_for_url", "open_store", "reopen_store"]
@@ -89,25 +89,32 @@ def open_store(
     elif mode == "w":
         backend.delete_all()
         backend.write_if_absent(MARKER_KEY, marker_bytes())
-    return Store(backend, mode=mode, url=url, storage_options=storage_options)
+    # Local stores travel as absolute paths: a worker with another working
+    # directory must reach the same store.
+    where = backend.url if isinstance(backend, LocalBackend) else url
+    return Store(backend, mode=mode, url=where, storage_options=storage_options)
 
 
 _REOPENED: dict[str, Store] = {}
+_REOPENED_MAX = 64
 _REOPENED_LOCK = threading.Lock()
 
 
 def reopen_store(url: str, mode: Mode, storage_options: dict[str, Any] | None) -> Store:
-    """Open a store received from another process (never re-creates or wipes it).
+    """Open a store received from another process: it must exist (never created or wiped).
 
     A Dask worker unpickles the store once per task; opening is cached per
     process so that costs one marker read, not one per task.
     """
-    mode = "r" if mode == "r" else "a"
-    key = json.dumps([url, mode, storage_options], sort_keys=True, default=repr)
+    key = tokenize(url, mode == "r", storage_options)
     with _REOPENED_LOCK:
         store = _REOPENED.get(key)
         if store is None:
-            store = _REOPENED[key] = open_store(url, mode=mode, storage_options=storage_options)
+            if len(_REOPENED) >= _REOPENED_MAX:
+                _REOPENED.pop(next(iter(_REOPENED)))
+            store = open_store(url, mode="r", storage_options=storage_options)
+            store.mode = "r" if mode == "r" else "a"
+            _REOPENED[key] = store
         return store
 
 

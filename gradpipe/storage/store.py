@@ -21,6 +21,7 @@ from gradpipe.core.ids import block_key, hash_bytes, parse_id
 from gradpipe.core.manifest import Manifest, TensorManifest, decode_manifest, encode_manifest
 from gradpipe.core.stats import ChunkStats, bit_nonzero, chunk_stats
 from gradpipe.errors import (
+    IntegrityError,
     InvalidInputError,
     NotFoundError,
     ReadOnlyError,
@@ -141,15 +142,25 @@ class Store:
                 stats.blocks_reused += 1
                 continue
             seen.add(key)
-            if mtime is not None:
+            if mtime is not None and (mtime >= stale or self._touch(key)):
                 stats.blocks_reused += 1
-                if mtime < stale:
-                    self.backend.touch(key)
                 continue
-            chain = item.codecs
-            if chain is None:
+            if item.codecs is None:
                 chain = (choose_codec(item.data, item.nonzero, level=level),)
-            todo.append((key, encode_block(item.data, chain)))
+                frame = encode_block(item.data, chain)
+            else:
+                frame = encode_block(item.data, item.codecs)
+                # A block's id promises its logical bytes: a caller's codec chain
+                # that does not give them back (a lossy one) must not be stored.
+                try:
+                    decode_block(frame, item.block_id)
+                except IntegrityError:
+                    names = ", ".join(c.codec_id for c in item.codecs)
+                    raise InvalidInputError(
+                        f"codec chain [{names}] does not round-trip this data bit-exactly; "
+                        "the store keeps data lossless, choose lossless codecs"
+                    ) from None
+            todo.append((key, frame))
         created = self.backend.write_many_if_absent(todo)
         for (_, frame), new in zip(todo, created, strict=True):
             if new:
@@ -158,10 +169,22 @@ class Store:
             else:
                 stats.blocks_reused += 1
 
+    def _touch(self, key: str) -> bool:
+        """Refresh an existing block's time; False if gc removed it meanwhile."""
+        try:
+            self.backend.touch(key)
+        except NotFoundError:
+            return False
+        return True
+
     def get_raw(self, block_id: str, *, context: str = "") -> memoryview:
         """The logical bytes of a block, checked against its id."""
         frame = self._read_frame(block_id, context)
         return decode_block(frame, block_id, context=context)
+
+    def read_chunk(self, block_id: str, out: np.ndarray, *, context: str = "") -> None:
+        """Decode one block into ``out`` (a contiguous array of its logical size), checked."""
+        decode_block(self._read_frame(block_id, context), block_id, out=out, context=context)
 
     def _read_frame(self, block_id: str, context: str) -> bytes:
         try:
@@ -353,7 +376,7 @@ def read_marker(backend: Backend) -> dict[str, Any] | None:
 
 def marker_bytes() -> bytes:
     """The content of a new store's marker."""
-    from gradpipe import __version__
+    from gradpipe._version import __version__
 
     return to_json_bytes(
         {

@@ -286,7 +286,7 @@ def test_python_api_task_names_on_the_scheduler(
     from distributed import get_task_stream
 
     # The graph itself: every key reads well on the dashboard, one commit, one task per dump.
-    fs, dumps = discover_dumps(sample.dump_pattern)
+    fs, dumps, _ = discover_dumps(sample.dump_pattern)
     headers = inspect_dumps(fs, dumps)
     pairs = [(d, h) for d, h in zip(dumps, headers, strict=True)]
     store = gp.open_store(str(tmp_path / "store"), mode="w")

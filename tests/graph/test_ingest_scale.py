@@ -78,7 +78,7 @@ def dumps(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def test_graph_size_is_linear_in_dumps(dumps: tuple[Path, Path], tmp_path: Path) -> None:
     big, _ = dumps
-    fs, found = discover_dumps(_pattern(big))
+    fs, found, _ = discover_dumps(_pattern(big))
     assert len(found) == N
     headers = inspect_dumps(fs, found)
     pairs = list(zip(found, headers, strict=True))
