@@ -15,7 +15,7 @@ from typing import Any
 
 from dask.utils import format_bytes, parse_timedelta
 
-from gradpipe.errors import GradpipeError, InvalidInputError
+from gradpipe.errors import InvalidInputError, UnsupportedFormatError
 
 __all__ = ["main"]
 
@@ -304,9 +304,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         result = args.func(args)
+    except UnsupportedFormatError as exc:  # stored or input data too new: not a usage error
+        return _fail(args, exc, EXIT_FAILED)
     except InvalidInputError as exc:
         return _fail(args, exc, EXIT_USAGE)
-    except GradpipeError as exc:
+    except Exception as exc:  # the contract: a message (and JSON) and exit 1, never a traceback
         return _fail(args, exc, EXIT_FAILED)
     if args.json:
         print(json.dumps(result.doc, indent=2, default=str))

@@ -140,8 +140,14 @@ class Dump:
         return self.store.read_tensor(manifest, context=context)
 
     def read_all(self) -> dict[str, np.ndarray]:
-        """Every tensor of the dump, in the file's order."""
-        return {name: self.read(name) for name in self.names}
+        """Every tensor of the dump, in the file's order (manifests fetched in one batch)."""
+        manifests = self.store.get_manifests([tid for _, tid in self.manifest.tensors])
+        out = {}
+        for (name, _), manifest in zip(self.manifest.tensors, manifests, strict=True):
+            assert isinstance(manifest, TensorManifest)
+            context = f"tensor {name!r} of step {self.step}, peer {self.peer!r}"
+            out[name] = self.store.read_tensor(manifest, context=context)
+        return out
 
     def _tensor_id(self, name: str) -> str:
         try:

@@ -49,8 +49,8 @@ class TensorSchema:
 class DumpManifest:
     """The tensors of one (run, step, peer), with metadata and provenance.
 
-    ``tensors`` keeps the file's order (pairs of name and tensor id), so an
-    export writes the tensors back in the order they came.
+    ``tensors`` keeps the file's order (pairs of name and tensor id), so the
+    dump lists its tensors as the file did.
     """
 
     type: ClassVar[str] = "dump"
@@ -70,7 +70,7 @@ class DumpManifest:
         for _, tensor_id in self.tensors:
             parse_id(tensor_id)
 
-    @property
+    @cached_property
     def tensor_ids(self) -> dict[str, str]:
         """Tensor name → tensor id."""
         return dict(self.tensors)

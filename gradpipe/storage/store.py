@@ -222,6 +222,19 @@ class Store:
         what = f"manifest {manifest_id}" + (f" ({context})" if context else "")
         return decode_manifest(bytes(data), what=what)
 
+    def get_manifests(self, manifest_ids: Sequence[str], *, context: str = "") -> list[Manifest]:
+        """Read and check several manifests in one batched round trip."""
+        frames = self.backend.read_many([block_key(parse_id(i)) for i in manifest_ids])
+        out = []
+        for manifest_id, frame in zip(manifest_ids, frames, strict=True):
+            if isinstance(frame, Exception):
+                out.append(self.get_manifest(manifest_id, context=context))  # the precise error
+                continue
+            what = f"manifest {manifest_id}" + (f" ({context})" if context else "")
+            data = decode_block(frame, manifest_id, context=context)
+            out.append(decode_manifest(bytes(data), what=what))
+        return out
+
     def _get_typed(self, manifest_id: str, cls: type[M], context: str) -> M:
         manifest = self.get_manifest(manifest_id, context=context)
         if not isinstance(manifest, cls):
