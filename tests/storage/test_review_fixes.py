@@ -60,6 +60,7 @@ def test_lazy_keys_differ_by_dtype(tmp_path: Path) -> None:
     import dask
 
     got_a, got_b = dask.compute(lazy_a, lazy_b)
+    assert got_a.dtype == np.float32
     assert got_b.dtype == np.int32
     assert got_b.tobytes() == floats.tobytes()
 
