@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from math import prod
@@ -347,7 +347,9 @@ def write_safetensors(
             _write(f, prepared, meta)
         return
     target = Path(path.removeprefix("file://"))
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+    # Not mkstemp: its 0600 would outlive the rename; a new file gets the umask's mode.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             _write(f, prepared, meta)
