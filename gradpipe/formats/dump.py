@@ -261,12 +261,19 @@ def read_dump_header(fs: fsspec.AbstractFileSystem, path: str) -> DumpHeader:
         else:
             from gradpipe.formats.torch import load_torch
 
-            tensors, metadata = load_torch(f, path=path, stem=_stem(path))
+            # A local file is memory-mapped: its header costs no data read.
+            source: IO[bytes] | str = path if _is_local(fs) else f
+            tensors, metadata = load_torch(source, path=path, stem=_stem(path))
             specs = tuple(
                 TensorSpec(k, dtype_name(a.dtype), a.shape, None) for k, a in tensors.items()
             )
     metadata.update(read_sidecar(fs, path))
     return DumpHeader(path, fmt, specs, metadata, size)
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return "file" in protocols or "local" in protocols
 
 
 def read_byte_range(fs: fsspec.AbstractFileSystem, path: str, start: int, stop: int) -> np.ndarray:

@@ -67,7 +67,7 @@ def _summary(exc: BaseException) -> str:
     return line if len(line) <= 200 else line[:197] + "..."
 
 
-def _load(f: IO[bytes], path: str) -> object:
+def _load(f: IO[bytes] | str, path: str) -> object:
     try:
         import torch
     except ImportError:
@@ -76,6 +76,13 @@ def _load(f: IO[bytes], path: str) -> object:
             "pip install 'gradpipe[torch]'"
         ) from None
     try:
+        if isinstance(f, str):
+            try:
+                return torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as exc:
+                if "mmap" not in str(exc):
+                    raise
+                # A legacy (non-zip) file cannot be mapped: read it.
         return torch.load(f, map_location="cpu", weights_only=True)
     except OSError:
         raise  # the storage backend failed, not the file: let the caller see it
@@ -163,14 +170,17 @@ class _Flattener:
 
 
 def load_torch(
-    f: IO[bytes], *, path: str, stem: str
+    f: IO[bytes] | str, *, path: str, stem: str
 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Load a PyTorch file as flat ``(tensors, metadata)``.
 
     Parameters
     ----------
-    f : binary file object
-        Seekable, positioned at the start.
+    f : binary file object or local file name
+        A file object must be seekable, positioned at the start. A local file
+        name is memory-mapped where torch can (zip-format files): tensors are
+        then read only when their data is touched, so reading just the names,
+        dtypes and shapes costs next to nothing.
     path : str
         Name of the file, for error messages.
     stem : str
