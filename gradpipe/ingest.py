@@ -6,7 +6,7 @@ import dataclasses
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dask.base import tokenize
 from dask.utils import format_bytes
@@ -32,6 +32,9 @@ from gradpipe.graph.ingest import (
     write_dump,
 )
 from gradpipe.storage.store import Store, WriteStats
+
+if TYPE_CHECKING:
+    from distributed import Client
 
 __all__ = ["IngestReport", "build_ingest_graph", "ingest"]
 
@@ -232,7 +235,7 @@ def ingest(
     pattern: str,
     *,
     run: str,
-    client: Any = None,
+    client: Client | None = None,
     scheduler: str | None = None,
     workers: int | None = None,
     codecs: Sequence[Codec] | None = None,

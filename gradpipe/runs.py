@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -14,6 +14,9 @@ from gradpipe.core.names import parse_name
 from gradpipe.core.runs import DumpEntry, DumpManifest, RunManifest, TensorSchema
 from gradpipe.errors import NotFoundError
 from gradpipe.storage.store import Store
+
+if TYPE_CHECKING:
+    from dask.array import Array as DaskArray
 
 __all__ = ["Dump", "Run", "export_dump", "list_runs", "open_run"]
 
@@ -89,7 +92,9 @@ class Run:
         assert isinstance(manifest, DumpManifest)
         return Dump(self.store, entry.dump, manifest)
 
-    def read(self, name: str, *, step: int, peer: str, lazy: bool = False) -> Any:
+    def read(
+        self, name: str, *, step: int, peer: str, lazy: bool = False
+    ) -> np.ndarray | DaskArray:
         """One tensor of one dump (numpy, or a dask.array with ``lazy=True``)."""
         return self.dump(step, peer).read(name, lazy=lazy)
 
@@ -129,7 +134,7 @@ class Dump:
         """Dtype, shape, chunks and statistics of a tensor; reads no data."""
         return self.store.tensor_info(self._tensor_id(name))
 
-    def read(self, name: str, *, lazy: bool = False) -> Any:
+    def read(self, name: str, *, lazy: bool = False) -> np.ndarray | DaskArray:
         """A tensor as numpy (bit-exact) or, with ``lazy=True``, as a dask.array."""
         manifest = self.info(name)
         context = f"tensor {name!r} of step {self.step}, peer {self.peer!r}"

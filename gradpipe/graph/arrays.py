@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -11,6 +11,9 @@ from gradpipe.core.chunking import dask_chunks
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.manifest import TensorManifest
 from gradpipe.storage.store import Store
+
+if TYPE_CHECKING:
+    from dask.array import Array as DaskArray
 
 __all__ = ["lazy_tensor", "load_chunk"]
 
@@ -25,7 +28,7 @@ def load_chunk(
     return out
 
 
-def lazy_tensor(store: Store, manifest: TensorManifest, *, name: str = "tensor") -> Any:
+def lazy_tensor(store: Store, manifest: TensorManifest, *, name: str = "tensor") -> DaskArray:
     """A ``dask.array`` reading ``manifest``'s chunks on demand (one task per chunk)."""
     import dask.array as da
     from dask.base import tokenize
@@ -50,5 +53,6 @@ def lazy_tensor(store: Store, manifest: TensorManifest, *, name: str = "tensor")
             f"{name}, chunk {i}",
         )
     if not indices:
-        return da.zeros(manifest.shape, dtype=parse_dtype(manifest.dtype), chunks=grid or ())
+        empty: DaskArray = da.zeros(manifest.shape, dtype=parse_dtype(manifest.dtype), chunks=grid)
+        return empty
     return da.Array(graph, key, grid, dtype=parse_dtype(manifest.dtype))

@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from typing import Any, Final, Literal, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 from numcodecs.abc import Codec
 
 import gradpipe.core.runs  # noqa: F401 - registers the run and dump manifests
@@ -246,7 +247,7 @@ class Store:
     # --- tensors ----------------------------------------------------------------
     def put_tensor(
         self,
-        array: Any,
+        array: npt.ArrayLike,
         *,
         chunk_bytes: int | None = None,
         codecs: Sequence[Codec] | None = None,
