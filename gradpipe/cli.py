@@ -122,6 +122,7 @@ def cmd_ingest(args: argparse.Namespace) -> CommandResult:
         codecs=_parse_codecs(args.codec),
         replace=args.replace,
         progress=not args.json and sys.stderr.isatty(),
+        dashboard=args.dashboard,
     )
     doc = {"store": store.url, **report.to_dict()}
     return CommandResult(doc, report.summary(), EXIT_OK if report.ok else EXIT_FAILED)
@@ -271,6 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         help="fixed codec chain, e.g. 'zstd:level=5' or 'gradpipe_bytegroup:dtype=float32' "
         "(default: auto, lossless per chunk)",
+    )
+    p.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="without --scheduler: run on an in-process Dask cluster and print its dashboard link",
     )
     p.add_argument(
         "--replace",

@@ -3,7 +3,7 @@
 ``gradpipe demo STORE`` trains the small model of :mod:`gradpipe.testing`
 (sparse embedding + dense layers, Adam, several peers with unequal example
 counts), writes one safetensors dump per (step, peer) next to the store, and
-ingests them with Dask — the same code path as ``gradpipe ingest``.
+ingests them on a local Dask cluster — the same code path as ``gradpipe ingest``.
 """
 
 from __future__ import annotations
@@ -29,9 +29,17 @@ DEMO_CONFIG = TrainingConfig(
 
 
 def run_demo(
-    store_url: str, *, workers: int | None = None, config: TrainingConfig = DEMO_CONFIG
+    store_url: str,
+    *,
+    workers: int | None = None,
+    config: TrainingConfig = DEMO_CONFIG,
+    dashboard: bool = True,
 ) -> IngestReport:
-    """Generate the sample run beside ``store_url`` (if not there yet) and ingest it."""
+    """Generate the sample run beside ``store_url`` (if not there yet) and ingest it.
+
+    The ingest runs on an in-process Dask ``LocalCluster`` (``dashboard=True``),
+    the embedded default of the README's first command.
+    """
     dumps_dir = Path(os.path.abspath(store_url.removeprefix("file://"))).with_name(
         Path(store_url).name + "-dumps"
     )
@@ -39,4 +47,4 @@ def run_demo(
         write_sample_run(dumps_dir, config)
     store = open_store(store_url, mode="a")
     pattern = str(dumps_dir / "dumps" / "step={step}" / "peer={peer}.safetensors")
-    return ingest(store, pattern, run="demo", workers=workers)
+    return ingest(store, pattern, run="demo", workers=workers, dashboard=dashboard)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -243,6 +244,7 @@ def ingest(
     storage_options: dict[str, Any] | None = None,
     replace: bool = False,
     progress: bool = False,
+    dashboard: bool = False,
 ) -> IngestReport:
     """Ingest the dumps matching ``pattern`` into ``run``.
 
@@ -266,6 +268,11 @@ def ingest(
         fsspec options for reading the dump files.
     replace : bool
         Replace dumps already recorded from a different version of the file.
+    progress : bool
+        Show a progress bar (and the dashboard link, when there is one).
+    dashboard : bool
+        Without a cluster, run on an in-process ``LocalCluster`` whose
+        dashboard shows the work (``report.dashboard`` has the link).
 
     Returns
     -------
@@ -281,8 +288,12 @@ def ingest(
     report.failures.extend(refused)
     recorded = _current_run(store, run)
     todo = _select(recorded, found, replace, report)
-    runner = runner_for(client=client, scheduler=scheduler, workers=workers, progress=progress)
+    runner = runner_for(
+        client=client, scheduler=scheduler, workers=workers, progress=progress, dashboard=dashboard
+    )
     report.dashboard = runner.dashboard_link
+    if progress and report.dashboard:
+        print(f"dashboard: {report.dashboard}", file=sys.stderr)
     try:
         if todo:
             headers = _inspect(runner, fs, todo)

@@ -28,10 +28,15 @@ class Runner:
     workers: int | None = None
     progress: bool = False
     owns_client: bool = False
+    cluster: Any = None  # a LocalCluster this runner started, closed with it
 
     @property
     def dashboard_link(self) -> str | None:
         """The Dask dashboard of the cluster, when there is one."""
+        if self.cluster is not None:
+            # An in-process cluster's link would name its inproc host; it serves on loopback.
+            port = self.cluster.scheduler.services["dashboard"].port
+            return f"http://127.0.0.1:{port}/status"
         return getattr(self.client, "dashboard_link", None) if self.client else None
 
     def get(
@@ -58,6 +63,9 @@ class Runner:
         if self.owns_client and self.client is not None:
             self.client.close()
             self.client = None
+        if self.cluster is not None:
+            self.cluster.close()
+            self.cluster = None
 
 
 @contextlib.contextmanager
@@ -77,8 +85,14 @@ def runner_for(
     scheduler: str | None = None,
     workers: int | None = None,
     progress: bool = False,
+    dashboard: bool = False,
 ) -> Runner:
-    """The runner for the caller's choice of client or scheduler address."""
+    """The runner for the caller's choice of client or scheduler address.
+
+    With ``dashboard=True`` and no cluster given, the work runs on an
+    in-process ``LocalCluster`` of threads (as fast as plain threads here,
+    measured) so that it can be watched on the Dask dashboard.
+    """
     if client is not None:
         return Runner(client, workers, progress)
     address = scheduler or os.environ.get("DASK_SCHEDULER_ADDRESS")
@@ -86,6 +100,16 @@ def runner_for(
         from distributed import Client
 
         return Runner(Client(address), workers, progress, owns_client=True)
+    if dashboard:
+        from distributed import Client, LocalCluster
+
+        cluster = LocalCluster(
+            n_workers=1,
+            threads_per_worker=workers or os.cpu_count() or 1,
+            processes=False,
+            dashboard_address="127.0.0.1:0",
+        )
+        return Runner(Client(cluster), workers, progress, owns_client=True, cluster=cluster)
     if "distributed" in sys.modules:  # a default client can only exist if it was imported
         from distributed import default_client
 
