@@ -66,17 +66,34 @@ def cmd_ls(args: argparse.Namespace) -> CommandResult:
     if args.run is not None:
         return _ls_run(store, args.run)
     refs = store.refs.list()
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"ref": name, "target": e.target, "time": e.time, "message": e.message}
         for name, e in refs.items()
     ]
     if not rows:
         return CommandResult({"store": store.url, "refs": []}, f"{store.url}: no refs yet")
+    _describe_runs(store, rows)
     width = max(len(r["ref"]) for r in rows)
     lines = [
-        f"{r['ref']:<{width}}  {r['target'][:19]}…  {r['time'][:19]}  {r['message']}" for r in rows
+        f"{r['ref']:<{width}}  {r['target'][:19]}…  {r['time'][:19]}  "
+        + (f"{r['summary']}  " if "summary" in r else "")
+        + r["message"]
+        for r in rows
     ]
     return CommandResult({"store": store.url, "refs": rows}, "\n".join(lines))
+
+
+def _describe_runs(store: Any, rows: list[dict[str, Any]]) -> None:
+    """Add steps x peers to the rows of run refs (their manifests read in one batch)."""
+    from gradpipe.core.runs import RunManifest
+
+    runs = [r for r in rows if r["ref"].startswith("runs/")]
+    for row, manifest in zip(runs, store.get_manifests([r["target"] for r in runs]), strict=True):
+        if isinstance(manifest, RunManifest):
+            row.update(
+                steps=len(manifest.steps), peers=len(manifest.peers), dumps=len(manifest.dumps)
+            )
+            row["summary"] = f"{row['steps']} steps x {row['peers']} peers"
 
 
 def _ls_run(store: Any, name: str) -> CommandResult:
