@@ -56,7 +56,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -177,15 +177,26 @@ def best_of(repeat: int, once: Callable[[int], tuple[float, int]]) -> tuple[floa
     return min(results, key=lambda r: r[0])
 
 
+def data_config(args: argparse.Namespace) -> tuple[TrainingConfig, str]:
+    """The training run to dump: sparse (a big embedding) or dense (big dense layers)."""
+    if args.data == "sparse":
+        config = TrainingConfig.for_dump_size(args.mib)
+        return config, f"TrainingConfig.for_dump_size({args.mib:g})"
+    one_step = TrainingConfig(vocab_size=2_000, embed_dim=64, hidden=2_048, steps=1)
+    steps = max(1, round(args.mib * MiB / one_step.dump_bytes()))
+    config = replace(one_step, steps=steps)
+    return config, f"dense TrainingConfig(vocab_size=2000, hidden=2048, steps={steps})"
+
+
 def run(args: argparse.Namespace, tmp: Path) -> tuple[list[Row], int, str]:
-    config = TrainingConfig.for_dump_size(args.mib)
+    config, what = data_config(args)
     seconds, sample = timed(lambda: write_sample_run(tmp / "sample", config))
     n = len(dump_files(sample))
     logical = config.dump_bytes()
     pattern = sample.dump_pattern
     source = Path(sample.directory) / "dumps"
     desc = (
-        f"data: write_sample_run(TrainingConfig.for_dump_size({args.mib:g})): "
+        f"data: write_sample_run({what}): "
         f"{len(sample.steps)} steps x {len(sample.peers)} peers = {n} safetensors dumps, "
         f"{logical / MiB:.0f} MiB of float32 tensors ({disk_bytes(source) / MiB:.0f} MiB of "
         f"files), embedding {config.vocab_size}x{config.embed_dim}; generated in {seconds:.0f} s"
@@ -293,6 +304,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=float, default=500, help="MiB of dumps (default 500)")
     parser.add_argument("--repeat", type=int, default=3, help="best of N runs (default 3)")
+    parser.add_argument(
+        "--data",
+        choices=["sparse", "dense"],
+        default="sparse",
+        help="sparse: embedding gradients with few touched rows (default); dense: big dense layers",
+    )
     parser.add_argument("--skip-s3", action="store_true", help="no S3 row")
     parser.add_argument("--skip-cluster", action="store_true", help="no LocalCluster row")
     args = parser.parse_args()
