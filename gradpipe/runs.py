@@ -137,7 +137,7 @@ class Dump:
     def read(self, name: str, *, lazy: bool = False) -> np.ndarray | DaskArray:
         """A tensor as numpy (bit-exact) or, with ``lazy=True``, as a dask.array."""
         manifest = self.info(name)
-        context = f"tensor {name!r} of step {self.step}, peer {self.peer!r}"
+        context = self._where(name)
         if lazy:
             from gradpipe.graph.arrays import lazy_tensor
 
@@ -150,9 +150,11 @@ class Dump:
         out = {}
         for (name, _), manifest in zip(self.manifest.tensors, manifests, strict=True):
             assert isinstance(manifest, TensorManifest)
-            context = f"tensor {name!r} of step {self.step}, peer {self.peer!r}"
-            out[name] = self.store.read_tensor(manifest, context=context)
+            out[name] = self.store.read_tensor(manifest, context=self._where(name))
         return out
+
+    def _where(self, name: str) -> str:
+        return f"tensor {name!r} of step {self.step}, peer {self.peer!r}"
 
     def _tensor_id(self, name: str) -> str:
         try:

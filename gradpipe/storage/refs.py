@@ -57,7 +57,8 @@ class Refs:
     def _key(self, name: str) -> str:
         return f"refs/{parse_ref_name(name)}"
 
-    def _read(self, name: str) -> tuple[VersionedBytes | None, RefEntry | None]:
+    def read(self, name: str) -> tuple[VersionedBytes | None, RefEntry | None]:
+        """The ref's stored bytes (with their CAS token) and its decoded entry, one read."""
         current = self._store.backend.read_versioned(self._key(name))
         if current is None:
             return None, None
@@ -77,7 +78,7 @@ class Refs:
 
     def entry(self, name: str) -> RefEntry | None:
         """The current entry of ``name`` (None if it never existed or was deleted)."""
-        _, entry = self._read(name)
+        _, entry = self.read(name)
         return entry if entry is not None and entry.target is not None else None
 
     def get(self, name: str) -> str:
@@ -128,7 +129,7 @@ class Refs:
         self._store.check_writable()
         key = self._key(name)
         for _attempt in range(_MAX_ATTEMPTS):
-            current, entry = self._read(name)
+            current, entry = self.read(name)
             target = decide(entry.target if entry else None)
             new = RefEntry(
                 ref=name,
@@ -156,7 +157,7 @@ class Refs:
 
     def history(self, name: str) -> Iterator[RefEntry]:
         """Entries of ``name``, newest first (deletions included, target None)."""
-        current, entry = self._read(name)
+        current, entry = self.read(name)
         if current is None or entry is None:
             raise NotFoundError(f"ref {name!r} does not exist in store {self._store.url}")
         while entry is not None:
@@ -167,16 +168,21 @@ class Refs:
             assert isinstance(previous, RefEntry)
             entry = previous
 
-    def list(self, kind: str | None = None) -> dict[str, RefEntry]:
-        """Current entries of all live refs (optionally of one kind), by name."""
+    def names(self, kind: str | None = None) -> list[str]:
+        """Names of every stored ref (deleted ones included), optionally of one kind."""
         prefix = "refs" if kind is None else f"refs/{parse_name(kind, what='ref kind')}"
-        out: dict[str, RefEntry] = {}
+        out = []
         for info in self._store.backend.list(prefix):
             parts = info.key.split("/")
-            if len(parts) != 3 or parts[2].startswith("."):
-                continue  # lock and temporary files
-            name = f"{parts[1]}/{parts[2]}"
+            if len(parts) == 3 and not parts[2].startswith("."):  # not lock or temporary files
+                out.append(f"{parts[1]}/{parts[2]}")
+        return sorted(out)
+
+    def list(self, kind: str | None = None) -> dict[str, RefEntry]:
+        """Current entries of all live refs (optionally of one kind), by name."""
+        out: dict[str, RefEntry] = {}
+        for name in self.names(kind):
             entry = self.entry(name)
             if entry is not None:
                 out[name] = entry
-        return dict(sorted(out.items()))
+        return out

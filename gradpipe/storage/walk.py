@@ -46,19 +46,14 @@ def _roots(store: Store, found: Reachable) -> Iterator[tuple[str, str]]:
     A ref that cannot be read is recorded in ``found.problems``, not raised:
     verify must report it and gc must refuse to run.
     """
-    for info in store.backend.list("refs"):
-        parts = info.key.split("/")
-        if len(parts) != 3 or parts[2].startswith("."):
-            continue
-        name = f"{parts[1]}/{parts[2]}"
-        current = store.backend.read_versioned(info.key)
-        if current is None:
-            continue
+    for name in store.refs.names():
         try:
-            entry = store.refs.entry(name)
+            current, entry = store.refs.read(name)
         except GradpipeError as exc:
             kind = "unreadable" if isinstance(exc, UnsupportedFormatError) else "corrupt"
-            found.problems.append(Problem(kind, info.key, f"ref {name!r}", str(exc)))
+            found.problems.append(Problem(kind, f"refs/{name}", f"ref {name!r}", str(exc)))
+            continue
+        if current is None:
             continue
         # The current entry was written as a block too; it heads the history.
         yield hash_bytes(current.data), f"history of ref {name!r}"
