@@ -59,7 +59,8 @@ import fsspec
 import numpy as np
 
 from gradpipe import open_store
-from gradpipe.storage.store import MARKER_KEY, Store
+from gradpipe.storage.marker import MARKER_KEY
+from gradpipe.storage.store import Store
 
 CHUNK_BYTES = 4 << 20
 EMBED_DIM = 64

@@ -85,7 +85,7 @@ def cmd_ls(args: argparse.Namespace) -> CommandResult:
 
 def _describe_runs(store: Any, rows: list[dict[str, Any]]) -> None:
     """Add steps x peers to the rows of run refs (their manifests read in one batch)."""
-    from gradpipe.core.runs import RunManifest
+    from gradpipe.core.run_manifest import RunManifest
 
     runs = [r for r in rows if r["ref"].startswith("runs/")]
     for row, manifest in zip(runs, store.get_manifests([r["target"] for r in runs]), strict=True):

@@ -35,9 +35,21 @@ DEFAULTS: Final[dict[str, Any]] = {
             "task-bytes": "32 MiB",
         },
         "gc": {
-            # Unreferenced blocks younger than this are kept: writes in flight.
+            # Unreferenced blocks younger than this are kept, whatever the lock
+            # says: a margin for writes that took no lease (see docs/design/003).
             "grace": "24h",
         },
+        "lock": {
+            # A lock object not refreshed for this long belongs to a dead
+            # holder and is ignored (holders refresh every quarter of it).
+            "ttl": "5m",
+            # How long a writer waits for gc (and gc for writers) before giving up.
+            "wait": "10m",
+            # Pause between looks at the lock while waiting (jittered).
+            "poll": "1s",
+        },
+        # Largest tensor one dump file may hold, in bytes, whatever its format.
+        "max-tensor-bytes": "64 GiB",
     }
 }
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 __all__ = [
     "ConflictError",
+    "FormatError",
     "GradpipeError",
     "IntegrityError",
     "InvalidInputError",
+    "LockedError",
     "NotFoundError",
     "ReadOnlyError",
     "StorageError",
@@ -36,7 +38,11 @@ class InvalidInputError(GradpipeError, ValueError):
     """An argument, a name or an input file is not acceptable."""
 
 
-class UnsupportedFormatError(InvalidInputError):
+class FormatError(GradpipeError):
+    """Data is in a format, or a version of one, that this gradpipe cannot read."""
+
+
+class UnsupportedFormatError(FormatError):
     """Data was written by a newer gradpipe, or is not in a format gradpipe knows."""
 
 
@@ -46,6 +52,10 @@ class IntegrityError(GradpipeError):
 
 class ConflictError(GradpipeError):
     """A compare-and-swap lost: someone else moved the ref first."""
+
+
+class LockedError(ConflictError):
+    """The store is locked by another job (gc holds it exclusively, or writers hold it)."""
 
 
 class ReadOnlyError(GradpipeError, PermissionError):

@@ -15,7 +15,7 @@ from numcodecs.abc import Codec
 
 from gradpipe.config import get_bytes
 from gradpipe.core.names import parse_name
-from gradpipe.core.runs import RunManifest, TensorSchema
+from gradpipe.core.run_manifest import RunManifest, TensorSchema
 from gradpipe.errors import NotFoundError
 from gradpipe.formats.dump import DumpHeader
 from gradpipe.graph.compute import Runner, runner_for
@@ -32,7 +32,9 @@ from gradpipe.graph.ingest import (
     schema_conflict,
     write_dump,
 )
-from gradpipe.storage.store import Store, WriteStats
+from gradpipe.storage.blocks import WriteStats
+from gradpipe.storage.catalog import read_run, run_ref
+from gradpipe.storage.store import Store
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -116,15 +118,6 @@ class IngestReport:
         if self.dashboard:
             lines.append(f"dashboard: {self.dashboard}")
         return "\n".join(lines)
-
-
-def _current_run(store: Store, run: str) -> RunManifest:
-    try:
-        manifest = store.get_manifest(store.refs.get(f"runs/{run}"), context=f"run {run!r}")
-    except NotFoundError:
-        return RunManifest(run)
-    assert isinstance(manifest, RunManifest)
-    return manifest
 
 
 def _select(
@@ -286,7 +279,7 @@ def ingest(
     report = IngestReport(run)
     fs, found, refused = discover_dumps(pattern, storage_options)
     report.failures.extend(refused)
-    recorded = _current_run(store, run)
+    _, recorded = read_run(store, run, missing_ok=True)
     todo = _select(recorded, found, replace, report)
     runner = runner_for(
         client=client, scheduler=scheduler, workers=workers, progress=progress, dashboard=dashboard
@@ -324,7 +317,7 @@ def ingest(
 def recorded_id(store: Store, run: str) -> str | None:
     """The manifest id the run ref points at, if the run exists."""
     try:
-        return store.refs.get(f"runs/{run}")
+        return store.refs.get(run_ref(run))
     except NotFoundError:
         return None
 

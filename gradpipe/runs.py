@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gradpipe.core.manifest import TensorManifest
 from gradpipe.core.names import parse_name
-from gradpipe.core.runs import DumpEntry, DumpManifest, RunManifest, TensorSchema
+from gradpipe.core.run_manifest import DumpEntry, DumpManifest, RunManifest, TensorSchema
+from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import NotFoundError
+from gradpipe.storage.catalog import list_runs, read_run
 from gradpipe.storage.store import Store
 
 if TYPE_CHECKING:
@@ -21,21 +22,10 @@ if TYPE_CHECKING:
 __all__ = ["Dump", "Run", "export_dump", "list_runs", "open_run"]
 
 
-def list_runs(store: Store) -> list[str]:
-    """Names of the runs in a store."""
-    return [name.split("/", 1)[1] for name in store.refs.list("runs")]
-
-
 def open_run(store: Store, run: str) -> Run:
     """A run of the store, as recorded now."""
-    parse_name(run, what="run name")
-    try:
-        run_id = store.refs.get(f"runs/{run}")
-    except NotFoundError:
-        known = ", ".join(list_runs(store)) or "none"
-        raise NotFoundError(f"no run {run!r} in store {store.url} (runs: {known})") from None
-    manifest = store.get_manifest(run_id, context=f"run {run!r}")
-    assert isinstance(manifest, RunManifest)
+    run_id, manifest = read_run(store, run)
+    assert run_id is not None  # read_run raises for a missing run
     return Run(store, run_id, manifest)
 
 
@@ -88,8 +78,9 @@ class Run:
                 f"run {self.name!r} has no dump for step {step}, peer {peer!r} "
                 f"(steps {_span(self.steps)}, peers {', '.join(self.peers) or 'none'})"
             )
-        manifest = self.store.get_manifest(entry.dump, context=f"run {self.name!r} step {step}")
-        assert isinstance(manifest, DumpManifest)
+        manifest = self.store.get_typed(
+            entry.dump, DumpManifest, context=f"run {self.name!r} step {step}, peer {peer!r}"
+        )
         return Dump(self.store, entry.dump, manifest)
 
     def read(
@@ -146,10 +137,13 @@ class Dump:
 
     def read_all(self) -> dict[str, np.ndarray]:
         """Every tensor of the dump, in the file's order (manifests fetched in one batch)."""
-        manifests = self.store.get_manifests([tid for _, tid in self.manifest.tensors])
+        manifests = self.store.get_typed_many(
+            [tid for _, tid in self.manifest.tensors],
+            TensorManifest,
+            context=f"step {self.step}, peer {self.peer!r}",
+        )
         out = {}
         for (name, _), manifest in zip(self.manifest.tensors, manifests, strict=True):
-            assert isinstance(manifest, TensorManifest)
             out[name] = self.store.read_tensor(manifest, context=self._where(name))
         return out
 

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import dask.config
 import pytest
 
 import gradpipe as gp
@@ -55,3 +56,16 @@ def _no_aws_config_files(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Non
     # A developer's ~/.aws must not change what the tests see.
     monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+
+
+@pytest.fixture(autouse=True)
+def _short_lock_ttl(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Leases expire in seconds, not minutes: tests kill writers and then run gc.
+
+    A killed writer's lock blocks gc until its ttl passes, by design; the
+    subprocesses tests start read the same setting from the environment.
+    """
+    monkeypatch.setenv("DASK_GRADPIPE__LOCK__TTL", "6s")
+    monkeypatch.setenv("DASK_GRADPIPE__LOCK__POLL", "0.05s")
+    with dask.config.set({"gradpipe.lock.ttl": "6s", "gradpipe.lock.poll": "0.05s"}):
+        yield

@@ -68,6 +68,8 @@ def test_error_tree_mixes_in_builtins() -> None:
     assert issubclass(errors.NotFoundError, KeyError)
     assert issubclass(errors.InvalidInputError, ValueError)
     assert issubclass(errors.StorageError, OSError)
-    assert issubclass(errors.UnsupportedFormatError, errors.InvalidInputError)
+    assert issubclass(errors.UnsupportedFormatError, errors.FormatError)
+    assert not issubclass(errors.FormatError, ValueError)
+    assert issubclass(errors.LockedError, errors.ConflictError)
     # KeyError quotes its message; ours reads like every other error.
     assert str(errors.NotFoundError("no run 'x'")) == "no run 'x'"

@@ -14,7 +14,49 @@ from collections.abc import Iterator, Sequence
 
 from gradpipe.errors import InvalidInputError
 
-__all__ = ["choose_chunk_shape", "chunk_count", "chunk_ranges", "dask_chunks", "parse_chunk_shape"]
+__all__ = [
+    "MAX_DIMS",
+    "choose_chunk_shape",
+    "chunk_count",
+    "chunk_ranges",
+    "dask_chunks",
+    "parse_chunk_shape",
+    "parse_shape",
+]
+
+#: numpy's limit on the number of dimensions.
+MAX_DIMS = 64
+# numpy refuses arrays whose extent (the product of the dimensions, zeros
+# counted as one) times the item size does not fit a signed 64-bit index.
+_MAX_EXTENT_BYTES = 2**63 - 1
+
+
+def parse_shape(shape: object, itemsize: int = 1, *, where: str = "tensor") -> tuple[int, ...]:
+    """Validate a tensor shape: numpy must be able to build an array of it.
+
+    Every dimension is an integer >= 0, there are at most 64 of them, and the
+    product of the dimensions (zeros counted as one, as numpy does) times the
+    item size fits in a signed 64-bit index, so a shape such as
+    ``(2**32, 2**32, 0)`` is refused here instead of failing on export.
+
+    >>> parse_shape([3, 0, 2])
+    (3, 0, 2)
+    """
+    if not isinstance(shape, list | tuple) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise InvalidInputError(f"{where}: bad shape {shape!r}; expected integers >= 0")
+    if len(shape) > MAX_DIMS:
+        raise InvalidInputError(f"{where}: shape has {len(shape)} dimensions, numpy allows 64")
+    extent = itemsize
+    for d in shape:
+        extent *= max(d, 1)
+    if extent > _MAX_EXTENT_BYTES:
+        raise InvalidInputError(
+            f"{where}: shape {list(shape)} is too large for any array (its extent exceeds "
+            "2**63 bytes, even where a zero dimension leaves no elements); fix the writer"
+        )
+    return tuple(shape)
 
 
 def choose_chunk_shape(shape: Sequence[int], itemsize: int, target_bytes: int) -> tuple[int, ...]:

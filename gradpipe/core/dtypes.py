@@ -20,6 +20,7 @@ __all__ = [
     "SAFETENSORS_NAMES",
     "bfloat16",
     "canonical_dtype",
+    "check_values",
     "dtype_name",
     "is_float",
     "parse_dtype",
@@ -118,3 +119,19 @@ def is_float(dtype: np.dtype) -> bool:
 def _is_bfloat16(dtype: np.dtype) -> bool:
     # Compare by name first: no need to import ml_dtypes to reject float32.
     return dtype.name == "bfloat16" and dtype == bfloat16()
+
+
+def check_values(array: np.ndarray, *, where: str) -> None:
+    """Refuse bit patterns a dtype cannot hold: a bool byte other than 0 and 1.
+
+    numpy shows byte 0x02 as ``True`` but writes it back as 0x02, and every
+    reader of the bool format refuses it; the store must not accept what it
+    cannot give back. Every path that writes tensor bytes calls this.
+    """
+    if array.dtype.kind == "b" and array.size:
+        raw = array.reshape(-1).view(np.uint8)
+        if int(raw.max()) > 1:
+            raise InvalidInputError(
+                f"{where}: bool tensor holds bytes other than 0 and 1 (e.g. {int(raw.max())}); "
+                "fix the writer, or store it as uint8"
+            )

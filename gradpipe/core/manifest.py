@@ -1,64 +1,90 @@
 """Manifests: the structured objects of a store, themselves stored as blocks.
 
-Every manifest is a frozen dataclass with ``to_dict``/``from_dict`` and a
-canonical JSON encoding, so it has exactly one id and a whole object graph is
-verifiable from its root id. Each carries ``type`` and ``format``; a reader
-refuses a format newer than it knows instead of misreading it.
+Every manifest is a frozen dataclass deriving from :class:`Manifest`, with
+``to_dict``/``from_dict`` and a canonical JSON encoding, so it has exactly one
+id and a whole object graph is verifiable from its root id. Each stored
+manifest carries ``type`` and ``format``; a reader refuses a format newer than
+it knows instead of misreading it.
+
+The types a store may hold are listed in one explicit table,
+:data:`MANIFEST_TYPES`, and imported only when a manifest of that type is first
+decoded (numcodecs' codec registry and xarray's backend entry points work the
+same way): a type is never known merely because some module happened to be
+imported first.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Final, Protocol, TypeVar
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any, ClassVar, Final, Self
 
-from gradpipe.core.chunking import chunk_count, chunk_ranges, parse_chunk_shape
-from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.encoding import from_json_bytes, to_json_bytes
-from gradpipe.core.ids import parse_id
-from gradpipe.core.names import parse_ref_name
-from gradpipe.core.stats import ChunkStats, merge_stats
-from gradpipe.errors import InvalidInputError, UnsupportedFormatError
+from gradpipe.errors import IntegrityError, UnsupportedFormatError
 
 __all__ = [
     "FORMAT_VERSION",
+    "MANIFEST_TYPES",
     "Manifest",
-    "RefEntry",
-    "TensorManifest",
     "decode_manifest",
     "encode_manifest",
-    "register_manifest",
+    "manifest_class",
 ]
 
 #: The manifest format this version of gradpipe writes and the newest it reads.
 FORMAT_VERSION: Final = 1
 
+#: Every manifest type, by its stored ``type``: ``"module:Class"``, imported on first use.
+MANIFEST_TYPES: Final[dict[str, str]] = {
+    "dump": "gradpipe.core.run_manifest:DumpManifest",
+    "ref": "gradpipe.core.ref_entry:RefEntry",
+    "run": "gradpipe.core.run_manifest:RunManifest",
+    "tensor": "gradpipe.core.tensor_manifest:TensorManifest",
+}
+_LOADED: dict[str, type[Manifest]] = {}
 
-class Manifest(Protocol):
-    """What every manifest type provides."""
 
+class Manifest(ABC):
+    """What every manifest type provides; subclasses are frozen dataclasses."""
+
+    #: The stored ``type`` (a key of :data:`MANIFEST_TYPES`).
     type: ClassVar[str]
 
-    def to_dict(self) -> dict[str, Any]: ...
+    @abstractmethod
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-able fields (without ``type`` and ``format``)."""
+
+    @classmethod
+    @abstractmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        """Parse what :meth:`to_dict` produced; raises on malformed input."""
 
     def manifest_children(self) -> Iterator[str]:
         """Ids of the manifests this one links to (walked by verify and gc)."""
-        ...
+        return iter(())
 
     def data_children(self) -> Iterator[str]:
         """Ids of the data blocks this one links to."""
-        ...
+        return iter(())
 
 
-M = TypeVar("M", bound=type)
-_TYPES: dict[str, Callable[[dict[str, Any]], Manifest]] = {}
-
-
-def register_manifest(cls: M) -> M:
-    """Class decorator: make a manifest type decodable by :func:`decode_manifest`."""
-    _TYPES[cls.type] = cls.from_dict  # type: ignore[attr-defined]
-    return cls
+def manifest_class(kind: str, *, what: str = "manifest") -> type[Manifest]:
+    """The class of a stored manifest type (imported on first use)."""
+    cls = _LOADED.get(kind)
+    if cls is not None:
+        return cls
+    try:
+        module_name, _, attr = MANIFEST_TYPES[kind].partition(":")
+    except KeyError:
+        raise UnsupportedFormatError(
+            f"{what} has unknown type {kind!r}; it was written by a newer gradpipe, upgrade it"
+        ) from None
+    loaded = getattr(importlib.import_module(module_name), attr)
+    if not (isinstance(loaded, type) and issubclass(loaded, Manifest) and loaded.type == kind):
+        raise TypeError(f"MANIFEST_TYPES[{kind!r}] names {loaded!r}, not its manifest class")
+    _LOADED[kind] = loaded
+    return loaded
 
 
 def encode_manifest(manifest: Manifest) -> bytes:
@@ -67,161 +93,31 @@ def encode_manifest(manifest: Manifest) -> bytes:
 
 
 def decode_manifest(data: bytes, *, what: str = "manifest") -> Manifest:
-    """Parse manifest bytes of any registered type."""
-    doc = from_json_bytes(data, what=what)
+    """Parse stored manifest bytes of any known type.
+
+    Raises :class:`IntegrityError` for bytes that are not a well-formed
+    manifest (stored data is damaged, not a bad argument) and
+    :class:`UnsupportedFormatError` for a newer format or an unknown type.
+    """
+    try:
+        doc = from_json_bytes(data, what=what)
+    except UnsupportedFormatError:
+        raise
+    except Exception as exc:
+        raise IntegrityError(f"{what} is not valid JSON: {exc}") from None
     if not isinstance(doc, dict) or "type" not in doc or "format" not in doc:
-        raise InvalidInputError(f"{what} is not a gradpipe manifest")
+        raise IntegrityError(f"{what} is not a gradpipe manifest (no type and format)")
     version = doc.pop("format")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise IntegrityError(f"{what} has a malformed format field {version!r}")
+    if version > FORMAT_VERSION:
         raise UnsupportedFormatError(
             f"{what} has format {version!r}, newer than this gradpipe reads "
             f"({FORMAT_VERSION}); upgrade gradpipe"
         )
     kind = doc.pop("type")
+    cls = manifest_class(str(kind), what=what)
     try:
-        parse = _TYPES[kind]
-    except KeyError:
-        raise UnsupportedFormatError(
-            f"{what} has unknown type {kind!r}; it was written by a newer gradpipe"
-        ) from None
-    try:
-        return parse(doc)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InvalidInputError(f"{what} of type {kind!r} is malformed: {exc!r}") from None
-
-
-@register_manifest
-@dataclass(frozen=True)
-class TensorManifest:
-    """A stored tensor: dtype, shape, chunk grid, one block id per chunk, chunk stats.
-
-    ``blocks[i]`` is ``None`` for a chunk whose bytes are all zero: it takes no block.
-    """
-
-    type: ClassVar[str] = "tensor"
-
-    dtype: str
-    shape: tuple[int, ...]
-    chunk_shape: tuple[int, ...]
-    blocks: tuple[str | None, ...]
-    stats: tuple[ChunkStats, ...]
-
-    def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
-        if any(n < 0 for n in self.shape):
-            raise InvalidInputError(f"negative dimension in shape {self.shape}")
-        parse_chunk_shape(self.shape, self.chunk_shape)
-        n = chunk_count(self.shape, self.chunk_shape)
-        if len(self.blocks) != n or len(self.stats) != n:
-            raise InvalidInputError(
-                f"tensor of shape {self.shape} in chunks {self.chunk_shape} has {n} chunks, "
-                f"manifest lists {len(self.blocks)} blocks and {len(self.stats)} stats"
-            )
-
-    @property
-    def size(self) -> int:
-        """Number of elements."""
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Logical (uncompressed) size in bytes."""
-        return self.size * parse_dtype(self.dtype).itemsize
-
-    def chunk_ranges(self) -> list[tuple[int, int]]:
-        """Flat element range of every chunk."""
-        return list(chunk_ranges(self.shape, self.chunk_shape))
-
-    def summary(self) -> ChunkStats:
-        """Statistics of the whole tensor, merged from the chunks."""
-        return merge_stats(self.stats)
-
-    def manifest_children(self) -> Iterator[str]:
-        return iter(())
-
-    def data_children(self) -> Iterator[str]:
-        return (b for b in self.blocks if b is not None)
-
-    def to_dict(self) -> dict[str, Any]:
-        columns: dict[str, list[Any]] = {"block": list(self.blocks)}
-        for record in self.stats:
-            for key, value in record.to_dict().items():
-                columns.setdefault(key, []).append(value)
-        return {
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "chunk_shape": list(self.chunk_shape),
-            "chunks": columns,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TensorManifest:
-        shape = tuple(int(n) for n in data["shape"])
-        chunk_shape = tuple(int(n) for n in data["chunk_shape"])
-        columns = data["chunks"]
-        blocks = tuple(None if b is None else parse_id(b) for b in columns["block"])
-        counts = [stop - start for start, stop in chunk_ranges(shape, chunk_shape)]
-        keys = [k for k in columns if k != "block"]
-        stats = tuple(
-            ChunkStats.from_dict({k: columns[k][i] for k in keys}, count=count)
-            for i, count in enumerate(counts)
-        )
-        return cls(data["dtype"], shape, chunk_shape, blocks, stats)
-
-
-@register_manifest
-@dataclass(frozen=True)
-class RefEntry:
-    """One state of a ref: what it points at, and the entry it replaced.
-
-    Entries chain through ``previous`` into the ref's history (its reflog).
-    ``write_id`` is unique per attempted update, so a writer whose response was
-    lost can tell its own landed write from someone else's.
-    """
-
-    type: ClassVar[str] = "ref"
-
-    ref: str
-    target: str | None
-    previous: str | None
-    time: str
-    write_id: str
-    message: str = ""
-    meta: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        parse_ref_name(self.ref)
-        if self.target is not None:
-            parse_id(self.target)
-        if self.previous is not None:
-            parse_id(self.previous)
-
-    def manifest_children(self) -> Iterator[str]:
-        # The history chain is kept; old targets are not roots (see docs on gc).
-        return iter(() if self.previous is None else (self.previous,))
-
-    def data_children(self) -> Iterator[str]:
-        return iter(())
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "ref": self.ref,
-            "target": self.target,
-            "previous": self.previous,
-            "time": self.time,
-            "write_id": self.write_id,
-            "message": self.message,
-            "meta": dict(self.meta),
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RefEntry:
-        return cls(
-            ref=data["ref"],
-            target=data["target"],
-            previous=data["previous"],
-            time=data["time"],
-            write_id=data["write_id"],
-            message=data.get("message", ""),
-            meta={str(k): str(v) for k, v in data.get("meta", {}).items()},
-        )
+        return cls.from_dict(doc)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise IntegrityError(f"{what} of type {kind!r} is malformed: {exc!r}") from None

@@ -9,7 +9,7 @@ import numpy as np
 
 from gradpipe.core.chunking import dask_chunks
 from gradpipe.core.dtypes import parse_dtype
-from gradpipe.core.manifest import TensorManifest
+from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.storage.store import Store
 
 if TYPE_CHECKING:

@@ -24,14 +24,17 @@ from typing import Any, ParamSpec, TypeVar
 import numpy as np
 from numcodecs.abc import Codec
 
+from gradpipe.core.chunk_stats import ChunkStats
 from gradpipe.core.chunking import choose_chunk_shape, chunk_ranges
 from gradpipe.core.dtypes import parse_dtype
-from gradpipe.core.manifest import TensorManifest
-from gradpipe.core.runs import DumpEntry, DumpManifest, RunManifest, TensorSchema, merge_run
-from gradpipe.core.stats import ChunkStats
+from gradpipe.core.run_manifest import DumpEntry, DumpManifest, RunManifest, TensorSchema, merge_run
+from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.formats.dump import DumpHeader, read_byte_range, read_dump_header, read_dump_tensors
 from gradpipe.graph.discover import DumpFile, Failure
-from gradpipe.storage.store import Store, WriteStats
+from gradpipe.storage.blocks import WriteStats
+from gradpipe.storage.catalog import read_run_at, run_ref
+from gradpipe.storage.store import Store
+from gradpipe.storage.tensors import write_chunks
 
 __all__ = [
     "CommitResult",
@@ -198,7 +201,7 @@ def encode_unit(
         owners.extend([part.tensor] * len(ranges))
         result.records.setdefault(part.tensor, [])
     # One call for the whole unit: many small tensors share batched round trips.
-    records = store.write_chunks(chunks, codecs=codecs, stats=result.stats)
+    records = write_chunks(store, chunks, codecs=codecs, stats=result.stats, where=dump.path)
     for tensor, record in zip(owners, records, strict=True):
         result.records[tensor].append(record)
     return result
@@ -311,8 +314,7 @@ def commit_run(
     outcome: dict[str, Any] = {}
 
     def decide(current: str | None) -> str | None:
-        base = store.get_manifest(current) if current else RunManifest(run)
-        assert isinstance(base, RunManifest)
+        base = read_run_at(store, current, run) if current else RunManifest(run)
         schema = dict(base.schema)
         accepted, refused = [], []
         paths = {(d.step, d.peer): d.path for d in dumps}
@@ -338,5 +340,5 @@ def commit_run(
         merged = merge_run(base, [r.entry for r in accepted], schema)
         return store.put_manifest(merged)
 
-    entry = store.refs.update(f"runs/{run}", decide, message=message)
+    entry = store.refs.update(run_ref(run), decide, message=message)
     return CommitResult(entry.target, outcome["accepted"], failures + outcome["refused"])

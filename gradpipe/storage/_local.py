@@ -20,11 +20,16 @@ from pathlib import Path
 from gradpipe.config import get_setting
 from gradpipe.core.ids import hash_bytes
 from gradpipe.errors import ConflictError, NotFoundError, StorageError
-from gradpipe.storage._backend import TEMP_PREFIX, Backend, KeyInfo, VersionedBytes
+from gradpipe.storage.backend import TEMP_PREFIX, Backend, KeyInfo, VersionedBytes
 
-__all__ = ["LocalBackend"]
+__all__ = ["LocalBackend", "from_url"]
 
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+
+
+def from_url(url: str, path: str, storage_options: dict[str, object]) -> LocalBackend:
+    """The backend of a local path or ``file://`` URL (``storage_options`` unused)."""
+    return LocalBackend(os.path.abspath(os.path.expanduser(path)))
 
 
 class LocalBackend(Backend):

@@ -15,13 +15,28 @@ from typing import Any, TypeVar
 from fsspec.asyn import sync
 
 from gradpipe.config import get_setting
-from gradpipe.errors import ConflictError, NotFoundError, StorageError
-from gradpipe.storage._backend import Backend, KeyInfo, VersionedBytes
+from gradpipe.errors import ConflictError, InvalidInputError, NotFoundError, StorageError
+from gradpipe.storage.backend import Backend, KeyInfo, VersionedBytes
 
-__all__ = ["S3Backend"]
+__all__ = ["S3Backend", "from_url"]
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+def from_url(url: str, path: str, storage_options: dict[str, Any]) -> S3Backend:
+    """The backend of an ``s3://bucket/prefix`` URL."""
+    import fsspec
+
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **storage_options)
+    except ImportError:
+        raise InvalidInputError(
+            f"{url}: S3 stores need s3fs; install it with `pip install 'gradpipe[s3]'`"
+        ) from None
+    if not root.strip("/"):
+        raise InvalidInputError(f"{url}: name a bucket, as in s3://bucket/prefix")
+    return S3Backend(fs, root)
 
 
 def _error_code(exc: BaseException) -> str:
@@ -166,6 +181,23 @@ class S3Backend(Backend):
             translated = self._translate(exc, key, "delete")
             if not isinstance(translated, NotFoundError):
                 raise translated from exc
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        async def bulk(batch: Sequence[str]) -> None:
+            objects = [{"Key": self._key(k)} for k in batch]
+            response = await self._call("delete_objects", Delete={"Objects": objects})
+            errors = [e for e in response.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                first = errors[0]
+                raise StorageError(
+                    f"could not delete {len(errors)} key(s) in store {self.url}, e.g. "
+                    f"{first.get('Key')!r}: {first.get('Code')} {first.get('Message', '')}"
+                )
+
+        batches = [keys[i : i + 1000] for i in range(0, len(keys), 1000)]
+        for result in self._gather(bulk, batches):
+            if isinstance(result, Exception):
+                raise self._translate(result, "", "delete") from result
 
     def list(self, prefix: str) -> Iterator[KeyInfo]:
         top = f"{self.root}/{prefix}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 import numcodecs
@@ -26,12 +27,42 @@ from gradpipe.core.encoding import from_json_bytes, to_json_bytes
 from gradpipe.core.ids import hash_bytes
 from gradpipe.errors import GradpipeError, IntegrityError, UnsupportedFormatError
 
-__all__ = ["BLOCK_VERSION", "decode_block", "encode_block"]
+__all__ = ["BLOCK_VERSION", "BlockToWrite", "WriteStats", "decode_block", "encode_block"]
 
 _MAGIC: Final = b"GPBK"
 #: Version of the block layout this gradpipe writes and the newest it reads.
 BLOCK_VERSION: Final = 1
 _PREFIX: Final = struct.Struct("<4sBI")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockToWrite:
+    """A block a writer wants stored: its id, logical bytes and how to encode them."""
+
+    block_id: str
+    data: Any  # logical bytes: bytes or a 1-D array
+    codecs: Sequence[Codec] | None  # None: the lossless policy chooses per block
+    nonzero: int | None  # elements with non-zero bits, if known (helps the policy)
+
+
+@dataclass
+class WriteStats:
+    """What a store's writes did, for reports (mutable, accumulates)."""
+
+    blocks_written: int = 0
+    blocks_reused: int = 0
+    zero_chunks: int = 0
+    logical_bytes: int = 0
+    stored_bytes: int = 0
+
+    def add(self, other: WriteStats) -> None:
+        """Accumulate ``other`` into this one."""
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def to_dict(self) -> dict[str, int]:
+        """JSON-able form."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
 
 def encode_block(data: bytes | memoryview | np.ndarray, codecs: Sequence[Codec] = ()) -> bytes:

@@ -1,12 +1,21 @@
-"""``gc``: delete blocks nothing reachable uses, once they are old enough.
+"""``gc``: delete blocks nothing reachable uses, while no writer can reuse them.
 
-Safety rests on two rules. Only blocks older than the grace period go, so a
-job that has written blocks but not yet committed its ref keeps them. And a
-writer that finds a block already present refreshes its time when it is
-older than ``gradpipe.storage.touch-after`` (see ``Store._write_blocks``), so
-an old unreferenced block that a new commit is about to reuse is young
-again before gc can judge it. Keep the grace period longer than your
-longest job plus ``touch-after``.
+gc works in two phases (``docs/design/003-gc-safety.md`` has the argument):
+
+1. **Mark, unlocked.** Walk everything reachable from the refs and list the
+   blocks; the candidates are the blocks that are unreachable and older than
+   the grace period. Writers carry on meanwhile.
+2. **Sweep, exclusive.** Take the store lock exclusively: new writers wait,
+   and gc waits until every writer's lease has ended (or expired: its holder
+   died). Then re-read the refs and walk again, incrementally (manifests are
+   immutable, so only new ones are read), re-check each candidate's time,
+   and delete what is still unreachable and old, in bulk. Stale lock objects
+   and temporary files of killed writers go too.
+
+Every job that writes blocks holds a writer's lease from its first existence
+check to its last ref update, so no block a job has decided to reuse can be
+judged garbage while the job runs; the grace period is a second margin for
+writers that took no lease.
 """
 
 from __future__ import annotations
@@ -15,14 +24,20 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from dask.utils import format_bytes
+
 from gradpipe.config import get_seconds
 from gradpipe.core.ids import id_from_block_key
 from gradpipe.errors import IntegrityError
-from gradpipe.storage._backend import TEMP_PREFIX, KeyInfo
+from gradpipe.storage.backend import TEMP_PREFIX, KeyInfo
+from gradpipe.storage.locks import Lease
 from gradpipe.storage.store import Store
-from gradpipe.storage.walk import walk_reachable
+from gradpipe.storage.walk import Reachable, walk_reachable
 
 __all__ = ["GcReport", "gc"]
+
+# Keys deleted per bulk request (S3 takes up to 1,000 per DeleteObjects).
+_DELETE_BATCH = 1000
 
 
 @dataclass
@@ -34,76 +49,166 @@ class GcReport:
     deleted: int = 0
     deleted_bytes: int = 0
     kept_young: int = 0
+    unreferenced: int = 0
     stray_deleted: int = 0
+    stale_locks_deleted: int = 0
+    waited_seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """gc either finishes or raises: a report is always a success."""
+        return True
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (what ``gradpipe gc --json`` prints)."""
-        return dict(self.__dict__)
+        return {"ok": self.ok, **self.__dict__, "waited_seconds": round(self.waited_seconds, 3)}
+
+    def summary(self) -> str:
+        """A few lines for people."""
+        verb = "would delete" if self.dry_run else "deleted"
+        lines = [
+            f"{verb} {self.deleted} unreferenced block(s), {format_bytes(self.deleted_bytes)}; "
+            f"kept {self.reachable} reachable and {self.kept_young} unreferenced younger than "
+            "the grace period",
+            f"{verb} {self.stray_deleted} temporary file(s) of killed writers and "
+            f"{self.stale_locks_deleted} lock(s) of dead jobs",
+        ]
+        if self.dry_run and self.unreferenced:
+            lines.append(
+                f"{self.unreferenced} block(s) are unreferenced (nothing reachable from a ref "
+                "uses them, e.g. tensors put without a name): gc deletes them once older than "
+                "the grace period"
+            )
+        if self.waited_seconds >= 1:
+            lines.append(f"waited {self.waited_seconds:.0f} s for running jobs to finish")
+        return "\n".join(lines)
 
 
-def gc(store: Store, *, grace: float | None = None, dry_run: bool = False) -> GcReport:
+def gc(
+    store: Store,
+    *,
+    grace: float | None = None,
+    dry_run: bool = False,
+    wait: float | None = None,
+) -> GcReport:
     """Delete unreferenced blocks older than ``grace`` seconds.
 
-    ``grace`` defaults to ``gradpipe.gc.grace`` (24 hours). Refuses to run
-    when a reachable manifest is missing or corrupt: its children cannot be
-    known, and deleting them would make a repair impossible.
+    Parameters
+    ----------
+    store : Store
+        A writable store.
+    grace : float, optional
+        Seconds an unreferenced block is kept after its last write or reuse
+        (default ``gradpipe.gc.grace``, 24 hours). Safe at any value, 0
+        included: running jobs are protected by their leases, not by time.
+    dry_run : bool
+        Report what would be deleted; take no lock and delete nothing.
+    wait : float, optional
+        Seconds to wait for running writers before giving up with
+        :class:`~gradpipe.errors.LockedError` (default ``gradpipe.lock.wait``).
+
+    Raises
+    ------
+    IntegrityError
+        When a reachable manifest is missing or corrupt: its children cannot
+        be known, and deleting them would make a repair impossible.
+    LockedError
+        When writers kept the store busy for longer than ``wait``.
     """
     store.check_writable()
     grace = get_seconds("gc.grace") if grace is None else float(grace)
-    reachable = walk_reachable(store)
+    report = GcReport(dry_run=dry_run)
+    marked = _checked_walk(store, None)
+    candidates = _candidates(store, marked, time.time() - grace, report)
+    if dry_run:
+        report.reachable = len(marked.manifests) + len(marked.data)
+        report.deleted = sum(1 for c in candidates if id_from_block_key(c.key) is not None)
+        report.stray_deleted = len(candidates) - report.deleted
+        report.deleted_bytes = sum(
+            c.size for c in candidates if id_from_block_key(c.key) is not None
+        )
+        report.unreferenced = report.deleted + report.kept_young
+        report.stray_deleted += len(_ref_strays(store, time.time() - grace))
+        report.stale_locks_deleted = len(store.lock.stale_locks(time.time()))
+        return report
+    started = time.monotonic()
+    with store.lock.exclusive("gc", wait=wait) as lease:
+        report.waited_seconds = time.monotonic() - started
+        reachable = _checked_walk(store, marked)
+        report.reachable = len(reachable.manifests) + len(reachable.data)
+        cutoff = lease.backend_now() - grace
+        doomed = [c for c in candidates if id_from_block_key(c.key) not in reachable]
+        _sweep(store, lease, doomed, cutoff, report)
+        _sweep_strays(store, lease, cutoff, report)
+    return report
+
+
+def _checked_walk(store: Store, known: Reachable | None) -> Reachable:
+    reachable = walk_reachable(store, known=known)
     if reachable.problems:
         first = reachable.problems[0]
         raise IntegrityError(
             f"gc stopped before deleting anything: {len(reachable.problems)} reachable "
             f"object(s) are damaged, first {first.id} ({first.context}); run `gradpipe verify`"
         )
-    report = GcReport(dry_run=dry_run, reachable=len(reachable.manifests) + len(reachable.data))
-    cutoff = time.time() - grace
-    doomed: list[KeyInfo] = []
+    return reachable
+
+
+def _candidates(store: Store, marked: Reachable, cutoff: float, report: GcReport) -> list[KeyInfo]:
+    """Listed blocks that are unreachable and old, plus temporary files of killed writers."""
+    out = []
     for info in store.backend.list("blocks"):
         block_id = id_from_block_key(info.key)
-        if block_id is not None and block_id in reachable:
+        if block_id is not None and block_id in marked:
             continue
         if info.mtime > cutoff:
             report.kept_young += block_id is not None
             continue
-        doomed.append(info)
-        if len(doomed) >= _DELETE_BATCH:
-            _delete(store, doomed, cutoff, report, dry_run=dry_run)
-            doomed = []
-    _delete(store, doomed, cutoff, report, dry_run=dry_run)
-    # A ref swap on local disk renames a temporary file beside the ref; a
-    # writer killed before the rename leaves it there. (Lock files stay: one
-    # may be held, and deleting it would let two writers lock different files.)
-    for info in store.backend.list("refs"):
-        if info.key.rsplit("/", 1)[-1].startswith(TEMP_PREFIX) and info.mtime <= cutoff:
-            report.stray_deleted += 1
-            if not dry_run:
-                store.backend.delete(info.key)
-    return report
+        out.append(info)
+    return out
 
 
-# Keys re-checked and deleted per round: the listing can be minutes old on a
-# big S3 store, so times are read again just before deleting.
-_DELETE_BATCH = 256
-
-
-def _delete(
-    store: Store, doomed: list[KeyInfo], cutoff: float, report: GcReport, *, dry_run: bool
+def _sweep(
+    store: Store, lease: Lease, doomed: list[KeyInfo], cutoff: float, report: GcReport
 ) -> None:
-    """Delete listed keys that are still old: a writer may have reused (touched) one since."""
-    if not doomed:
-        return
-    for info, mtime in zip(doomed, store.backend.mtimes([i.key for i in doomed]), strict=True):
-        if mtime is None:
-            continue  # gone already
-        if mtime > cutoff:
-            report.kept_young += 1
-            continue
-        if id_from_block_key(info.key) is None:
-            report.stray_deleted += 1  # a temporary file left by a killed writer
-        else:
-            report.deleted += 1
-            report.deleted_bytes += info.size
-        if not dry_run:
-            store.backend.delete(info.key)
+    """Delete candidates that are still old: a job may have reused one before we locked."""
+    for lo in range(0, len(doomed), _DELETE_BATCH):
+        batch = doomed[lo : lo + _DELETE_BATCH]
+        mtimes = store.backend.mtimes([i.key for i in batch])
+        keys = []
+        for info, mtime in zip(batch, mtimes, strict=True):
+            if mtime is None:
+                continue  # gone already
+            if mtime > cutoff:
+                report.kept_young += 1
+                continue
+            if id_from_block_key(info.key) is None:
+                report.stray_deleted += 1
+            else:
+                report.deleted += 1
+                report.deleted_bytes += info.size
+            keys.append(info.key)
+        # Deleting is only safe while we still hold the store: if our lock
+        # lapsed (a stalled gc), writers may be running again.
+        lease.check()
+        store.backend.delete_many(keys)
+
+
+def _ref_strays(store: Store, cutoff: float) -> list[str]:
+    return [
+        i.key
+        for i in store.backend.list("refs")
+        if i.key.rsplit("/", 1)[-1].startswith(TEMP_PREFIX) and i.mtime <= cutoff
+    ]
+
+
+def _sweep_strays(store: Store, lease: Lease, cutoff: float, report: GcReport) -> None:
+    # A ref swap on local disk renames a temporary file beside the ref; a
+    # writer killed before the rename leaves it there. (Ref lock files stay:
+    # one may be held, and deleting it would let two writers lock different files.)
+    strays = _ref_strays(store, cutoff)
+    stale = [i.key for i in store.lock.stale_locks(lease.backend_now())]
+    lease.check()
+    store.backend.delete_many(strays + stale)
+    report.stray_deleted += len(strays)
+    report.stale_locks_deleted = len(stale)

@@ -16,16 +16,11 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Final
 
 from gradpipe.core.ids import hash_bytes
-from gradpipe.core.manifest import RefEntry, decode_manifest, encode_manifest
+from gradpipe.core.manifest import decode_manifest, encode_manifest
 from gradpipe.core.names import parse_name, parse_ref_name
-from gradpipe.errors import (
-    ConflictError,
-    IntegrityError,
-    InvalidInputError,
-    NotFoundError,
-    UnsupportedFormatError,
-)
-from gradpipe.storage._backend import VersionedBytes
+from gradpipe.core.ref_entry import RefEntry
+from gradpipe.errors import ConflictError, IntegrityError, NotFoundError, StorageError
+from gradpipe.storage.backend import VersionedBytes
 
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
@@ -42,6 +37,8 @@ class _Any:
 ANY: Final = _Any()
 
 _MAX_ATTEMPTS: Final = 64
+# Swaps whose outcome was unknown (no reply) retried before the error is raised.
+_MAX_LOST_REPLIES: Final = 4
 
 
 def _now() -> str:
@@ -63,15 +60,9 @@ class Refs:
         if current is None:
             return None, None
         try:
-            entry = decode_manifest(current.data, what=f"ref {name!r}")
-        except UnsupportedFormatError:
-            raise
-        except InvalidInputError as exc:
-            # Damaged stored bytes, not a bad argument: say so, so that verify
-            # reports it and the CLI exits 1, not 2.
-            raise IntegrityError(
-                f"ref {name!r} in store {self._store.url} is damaged: {exc}"
-            ) from None
+            entry = decode_manifest(current.data, what=f"ref {name!r} in store {self._store.url}")
+        except IntegrityError as exc:
+            raise IntegrityError(f"{exc}; the ref is damaged, run `gradpipe verify`") from None
         if not isinstance(entry, RefEntry) or entry.ref != name:
             raise IntegrityError(f"ref {name!r} in store {self._store.url} holds a foreign entry")
         return current, entry
@@ -128,32 +119,47 @@ class Refs:
         """
         self._store.check_writable()
         key = self._key(name)
-        for _attempt in range(_MAX_ATTEMPTS):
-            current, entry = self.read(name)
-            target = decide(entry.target if entry else None)
-            new = RefEntry(
-                ref=name,
-                target=target,
-                previous=hash_bytes(current.data) if current else None,
-                time=_now(),
-                write_id=uuid.uuid4().hex,
-                message=message,
-                meta=dict(meta or {}),
-            )
-            data = encode_manifest(new)
-            self._store.put_raw(data)  # the history entry, before it becomes visible
-            try:
-                self._store.backend.swap(key, data, current.token if current else None)
-            except ConflictError:
-                landed = self._store.backend.read_versioned(key)
-                if landed is not None and landed.data == data:
-                    return new  # our write landed; only its reply was lost
-                continue
-            return new
+        with self._store.writing(f"update ref {name}"):
+            for _attempt in range(_MAX_ATTEMPTS):
+                current, entry = self.read(name)
+                target = decide(entry.target if entry else None)
+                new = RefEntry(
+                    ref=name,
+                    target=target,
+                    previous=hash_bytes(current.data) if current else None,
+                    time=_now(),
+                    write_id=uuid.uuid4().hex,
+                    message=message,
+                    meta=dict(meta or {}),
+                )
+                data = encode_manifest(new)
+                self._store.put_raw(data)  # the history entry, before it becomes visible
+                # Publishing is only safe while our lease holds: a writer that was
+                # suspended past the lock's ttl may have been taken for dead by gc.
+                self._store.lock.check()
+                try:
+                    self._store.backend.swap(key, data, current.token if current else None)
+                except (ConflictError, StorageError) as exc:
+                    # A conflict, or no reply at all: the swap may still have landed
+                    # (a retry that collided with our own first attempt). Our bytes,
+                    # with their unique write id, tell.
+                    if self._landed(key, data):
+                        return new
+                    if isinstance(exc, StorageError) and _attempt >= _MAX_LOST_REPLIES:
+                        raise
+                    continue
+                return new
         raise ConflictError(
             f"ref {name!r} in store {self._store.url} kept moving; gave up after "
             f"{_MAX_ATTEMPTS} attempts"
         )
+
+    def _landed(self, key: str, data: bytes) -> bool:
+        try:
+            landed = self._store.backend.read_versioned(key)
+        except StorageError:
+            return False
+        return landed is not None and landed.data == data
 
     def history(self, name: str) -> Iterator[RefEntry]:
         """Entries of ``name``, newest first (deletions included, target None)."""
@@ -164,9 +170,9 @@ class Refs:
             yield entry
             if entry.previous is None:
                 return
-            previous = self._store.get_manifest(entry.previous, context=f"history of ref {name!r}")
-            assert isinstance(previous, RefEntry)
-            entry = previous
+            entry = self._store.get_typed(
+                entry.previous, RefEntry, context=f"history of ref {name!r}"
+            )
 
     def names(self, kind: str | None = None) -> list[str]:
         """Names of every stored ref (deleted ones included), optionally of one kind."""

@@ -1,76 +1,48 @@
-"""The content-addressed store: blocks, manifests, tensors and refs over fsspec."""
+"""The content-addressed store: blocks, manifests and refs over one backend.
+
+:class:`Store` is deliberately thin: the byte layout of blocks lives in
+:mod:`~gradpipe.storage.blocks`, tensors in :mod:`~gradpipe.storage.tensors`,
+refs in :mod:`~gradpipe.storage.refs`, the store lock in
+:mod:`~gradpipe.storage.locks` and the marker in :mod:`~gradpipe.storage.marker`.
+"""
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Final, Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
+from dask.base import tokenize
 from numcodecs.abc import Codec
 
-import gradpipe.core.runs  # noqa: F401 - registers the run and dump manifests
 from gradpipe.codecs import choose_codec
-from gradpipe.config import get_bytes, get_seconds, get_setting
-from gradpipe.core.chunking import choose_chunk_shape, chunk_ranges
-from gradpipe.core.dtypes import canonical_dtype, dtype_name, parse_dtype
-from gradpipe.core.encoding import from_json_bytes, to_json_bytes
+from gradpipe.config import get_seconds, get_setting
 from gradpipe.core.ids import block_key, hash_bytes, parse_id
-from gradpipe.core.manifest import Manifest, TensorManifest, decode_manifest, encode_manifest
-from gradpipe.core.stats import ChunkStats, bit_nonzero, chunk_stats
-from gradpipe.errors import (
-    IntegrityError,
-    InvalidInputError,
-    NotFoundError,
-    ReadOnlyError,
-    UnsupportedFormatError,
-)
-from gradpipe.storage._backend import Backend
-from gradpipe.storage.blocks import decode_block, encode_block
+from gradpipe.core.manifest import Manifest, decode_manifest, encode_manifest
+from gradpipe.core.names import parse_name
+from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.errors import IntegrityError, InvalidInputError, NotFoundError, ReadOnlyError
+from gradpipe.storage import tensors as _tensors
+from gradpipe.storage.backend import Backend
+from gradpipe.storage.blocks import BlockToWrite, WriteStats, decode_block, encode_block
+from gradpipe.storage.locks import Lease, StoreLock
+from gradpipe.storage.marker import read_marker
 from gradpipe.storage.refs import Refs
+from gradpipe.storage.registry import backend_for_url
 
-__all__ = ["MARKER_KEY", "STORE_FORMAT", "Mode", "Store", "WriteStats"]
+__all__ = ["Mode", "Store", "WriteStats", "reopen_store"]
 
-Mode = Literal["r", "a", "w", "w-"]
-#: The key whose presence makes a directory or prefix a gradpipe store.
-MARKER_KEY: Final = "gradpipe.json"
-#: Store layout version this gradpipe writes and the newest it reads.
-STORE_FORMAT: Final = 1
+#: ``"r"`` read only; ``"r+"`` read and write an existing store; ``"a"`` read and
+#: write, creating the store if absent; ``"w"`` create or empty; ``"w-"`` create only.
+Mode = Literal["r", "r+", "a", "w", "w-"]
 # Manifests smaller than this are stored uncompressed (readable with `cat`).
 _COMPRESS_MANIFEST_BYTES: Final = 4096
-# Blocks encoded and written per batched round trip (one existence check, then
-# concurrent writes on S3): by count for small blocks, by bytes for large ones.
-_WRITE_WINDOW: Final = 64
-_WRITE_WINDOW_BYTES: Final = 64 * 2**20
 
-M = TypeVar("M")
-
-
-@dataclass(frozen=True, slots=True)
-class _BlockToWrite:
-    block_id: str
-    data: Any  # logical bytes: bytes or a 1-D array
-    codecs: Sequence[Codec] | None  # None: the policy chooses
-    nonzero: int | None  # elements with non-zero bits, if known
-
-
-@dataclass
-class WriteStats:
-    """What a store's writes did, for reports (mutable, accumulates)."""
-
-    blocks_written: int = 0
-    blocks_reused: int = 0
-    zero_chunks: int = 0
-    logical_bytes: int = 0
-    stored_bytes: int = 0
-
-    def add(self, other: WriteStats) -> None:
-        """Accumulate ``other`` into this one."""
-        for name in self.__dataclass_fields__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+M = TypeVar("M", bound=Manifest)
 
 
 class Store:
@@ -93,14 +65,13 @@ class Store:
         self.url = url
         self.storage_options = dict(storage_options or {})
         self.refs = Refs(self)
+        self.lock = StoreLock(self)
         self.write_stats = WriteStats()
 
     def __repr__(self) -> str:
         return f"<gradpipe.Store {self.url!r} mode={self.mode!r}>"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        from gradpipe.storage.open import reopen_store
-
         return (reopen_store, (self.url, self.mode, self.storage_options))
 
     @property
@@ -113,6 +84,18 @@ class Store:
         if not self.writable:
             raise ReadOnlyError(f"store {self.url} is open read-only; open it with mode='a'")
 
+    def writing(self, purpose: str) -> AbstractContextManager[Lease | None]:
+        """Hold a writer's lease on the store for the ``with`` block.
+
+        Every job that writes blocks and then publishes them with a ref holds
+        one from its first existence check to its last ref update, so that
+        gc, which takes the store exclusively, cannot delete a block the job
+        is about to reference (see ``docs/design/003-gc-safety.md``).
+        Re-entrant: nested calls share the outer lease.
+        """
+        self.check_writable()
+        return self.lock.shared(purpose)
+
     # --- blocks -----------------------------------------------------------------
     def has_blocks(self, ids: Sequence[str]) -> list[bool]:
         """Whether each block exists (one batched round trip where the backend allows)."""
@@ -122,15 +105,15 @@ class Store:
         """Store logical bytes as one block; returns its id."""
         self.check_writable()
         block_id = hash_bytes(data)
-        self._write_blocks([_BlockToWrite(block_id, data, codecs, None)], self.write_stats)
+        self.write_blocks([BlockToWrite(block_id, data, codecs, None)], self.write_stats)
         return block_id
 
-    def _write_blocks(self, items: Sequence[_BlockToWrite], stats: WriteStats) -> None:
-        """Write blocks that may exist already.
+    def write_blocks(self, items: Sequence[BlockToWrite], stats: WriteStats) -> None:
+        """Write blocks that may exist already; counts go to ``stats``.
 
         Existing blocks are not re-encoded. An existing block older than
-        ``storage.touch-after`` gets a fresh time so a concurrent gc, which
-        only deletes old unreferenced blocks, cannot take it from under us.
+        ``storage.touch-after`` gets a fresh time, so that the grace period
+        of gc counts from its last use, not its first write.
         """
         keys = [block_key(item.block_id) for item in items]
         mtimes = self.backend.mtimes(keys)
@@ -146,22 +129,7 @@ class Store:
             if mtime is not None and (mtime >= stale or self._touch(key)):
                 stats.blocks_reused += 1
                 continue
-            if item.codecs is None:
-                chain = (choose_codec(item.data, item.nonzero, level=level),)
-                frame = encode_block(item.data, chain)
-            else:
-                frame = encode_block(item.data, item.codecs)
-                # A block's id promises its logical bytes: a caller's codec chain
-                # that does not give them back (a lossy one) must not be stored.
-                try:
-                    decode_block(frame, item.block_id)
-                except IntegrityError:
-                    names = ", ".join(c.codec_id for c in item.codecs)
-                    raise InvalidInputError(
-                        f"codec chain [{names}] does not round-trip this data bit-exactly; "
-                        "the store keeps data lossless, choose lossless codecs"
-                    ) from None
-            todo.append((key, frame))
+            todo.append((key, self._encode(item, level)))
         created = self.backend.write_many_if_absent(todo)
         for (_, frame), new in zip(todo, created, strict=True):
             if new:
@@ -170,8 +138,24 @@ class Store:
             else:
                 stats.blocks_reused += 1
 
+    def _encode(self, item: BlockToWrite, level: int) -> bytes:
+        if item.codecs is None:
+            return encode_block(item.data, (choose_codec(item.data, item.nonzero, level=level),))
+        frame = encode_block(item.data, item.codecs)
+        # A block's id promises its logical bytes: a caller's codec chain that
+        # does not give them back (a lossy one) must not be stored.
+        try:
+            decode_block(frame, item.block_id)
+        except IntegrityError:
+            names = ", ".join(c.codec_id for c in item.codecs)
+            raise InvalidInputError(
+                f"codec chain [{names}] does not round-trip this data bit-exactly; "
+                "the store keeps data lossless, choose lossless codecs"
+            ) from None
+        return frame
+
     def _touch(self, key: str) -> bool:
-        """Refresh an existing block's time; False if gc removed it meanwhile."""
+        """Refresh an existing block's time; False if it was removed meanwhile."""
         try:
             self.backend.touch(key)
         except NotFoundError:
@@ -187,15 +171,19 @@ class Store:
         """Decode one block into ``out`` (a contiguous array of its logical size), checked."""
         decode_block(self._read_frame(block_id, context), block_id, out=out, context=context)
 
+    def missing_block(self, block_id: str, context: str = "") -> NotFoundError:
+        """The error for a block that is not in the store, naming what needed it."""
+        where = f" ({context})" if context else ""
+        return NotFoundError(
+            f"block {block_id}{where} is missing from store {self.url}; "
+            "run `gradpipe verify` to see what else is affected"
+        )
+
     def _read_frame(self, block_id: str, context: str) -> bytes:
         try:
             return self.backend.read(block_key(block_id))
         except NotFoundError:
-            where = f" ({context})" if context else ""
-            raise NotFoundError(
-                f"block {block_id}{where} is missing from store {self.url}; "
-                "run `gradpipe verify` to see what else is affected"
-            ) from None
+            raise self.missing_block(block_id, context) from None
 
     # --- manifests --------------------------------------------------------------
     def put_manifest(self, manifest: Manifest) -> str:
@@ -212,16 +200,16 @@ class Store:
         for manifest in manifests:
             data = encode_manifest(manifest)
             codecs = () if len(data) < _COMPRESS_MANIFEST_BYTES else (_manifest_codec(),)
-            items.append(_BlockToWrite(hash_bytes(data), data, codecs, None))
-        for lo in range(0, len(items), _WRITE_WINDOW):
-            self._write_blocks(items[lo : lo + _WRITE_WINDOW], stats or self.write_stats)
+            items.append(BlockToWrite(hash_bytes(data), data, codecs, None))
+        window = _tensors.WRITE_WINDOW
+        for lo in range(0, len(items), window):
+            self.write_blocks(items[lo : lo + window], stats or self.write_stats)
         return [item.block_id for item in items]
 
     def get_manifest(self, manifest_id: str, *, context: str = "") -> Manifest:
         """Read and check a manifest of any type."""
         data = self.get_raw(parse_id(manifest_id), context=context)
-        what = f"manifest {manifest_id}" + (f" ({context})" if context else "")
-        return decode_manifest(bytes(data), what=what)
+        return decode_manifest(bytes(data), what=_what(manifest_id, context))
 
     def get_manifests(self, manifest_ids: Sequence[str], *, context: str = "") -> list[Manifest]:
         """Read and check several manifests in one batched round trip."""
@@ -231,24 +219,31 @@ class Store:
             if isinstance(frame, Exception):
                 out.append(self.get_manifest(manifest_id, context=context))  # the precise error
                 continue
-            what = f"manifest {manifest_id}" + (f" ({context})" if context else "")
             data = decode_block(frame, manifest_id, context=context)
-            out.append(decode_manifest(bytes(data), what=what))
+            out.append(decode_manifest(bytes(data), what=_what(manifest_id, context)))
         return out
 
-    def _get_typed(self, manifest_id: str, cls: type[M], context: str) -> M:
-        manifest = self.get_manifest(manifest_id, context=context)
-        if not isinstance(manifest, cls):
-            raise InvalidInputError(
-                f"{manifest_id} is a {type(manifest).type} manifest, not a {cls.type}"  # type: ignore[attr-defined]
-            )
-        return manifest
+    def get_typed(self, manifest_id: str, cls: type[M], *, context: str = "") -> M:
+        """Read a manifest that must be of type ``cls``.
+
+        Raises :class:`IntegrityError` naming ``context`` when the id holds
+        another kind of manifest (a ref moved by hand, say).
+        """
+        return _typed(self.get_manifest(manifest_id, context=context), manifest_id, cls, context)
+
+    def get_typed_many(
+        self, manifest_ids: Sequence[str], cls: type[M], *, context: str = ""
+    ) -> list[M]:
+        """:meth:`get_typed` for several ids, in one batched round trip."""
+        manifests = self.get_manifests(manifest_ids, context=context)
+        return [_typed(m, i, cls, context) for m, i in zip(manifests, manifest_ids, strict=True)]
 
     # --- tensors ----------------------------------------------------------------
     def put_tensor(
         self,
         array: npt.ArrayLike,
         *,
+        name: str | None = None,
         chunk_bytes: int | None = None,
         codecs: Sequence[Codec] | None = None,
     ) -> str:
@@ -259,6 +254,12 @@ class Store:
         array : array_like
             Any shape (0-d and empty included) of a gradpipe dtype: bool,
             (u)int8-64, float16, bfloat16, float32, float64.
+        name : str, optional
+            Keep the tensor under the ref ``tensors/<name>``; a later put with
+            the same name moves the ref (its history is kept). **Without a
+            name nothing references the tensor**: ``gradpipe gc`` deletes its
+            blocks once they are older than the grace period, and
+            ``gradpipe verify`` does not check them unless given ``--all``.
         chunk_bytes : int, optional
             Target raw bytes per chunk (default ``gradpipe.chunk-bytes``).
         codecs : sequence of numcodecs codecs, optional
@@ -269,14 +270,30 @@ class Store:
         --------
         >>> import numpy as np, tempfile, gradpipe as gp
         >>> store = gp.open_store(tempfile.mkdtemp(), mode="w")
-        >>> tid = store.put_tensor(np.arange(6, dtype="float32").reshape(2, 3))
+        >>> tid = store.put_tensor(np.arange(6, dtype="float32").reshape(2, 3), name="w")
         >>> store.get_tensor(tid)
         array([[0., 1., 2.],
                [3., 4., 5.]], dtype=float32)
+        >>> store.refs.get("tensors/w") == tid
+        True
         """
         self.check_writable()
-        manifest = self.write_tensor(np.asarray(array), chunk_bytes=chunk_bytes, codecs=codecs)
-        return self.put_manifest(manifest)
+        if name is not None:
+            parse_name(name, what="tensor name")
+        where = f"tensor {name!r}" if name else "tensor"
+        with self.writing(f"put tensor {name}" if name else "put tensor"):
+            manifest = _tensors.write_tensor(
+                self,
+                np.asarray(array),
+                chunk_bytes=chunk_bytes,
+                codecs=codecs,
+                stats=self.write_stats,
+                where=where,
+            )
+            tensor_id = self.put_manifest(manifest)
+            if name is not None:
+                self.refs.set(f"tensors/{name}", tensor_id, message="put_tensor")
+        return tensor_id
 
     def write_tensor(
         self,
@@ -286,58 +303,13 @@ class Store:
         codecs: Sequence[Codec] | None = None,
     ) -> TensorManifest:
         """Write the chunks of ``array`` and return its (not yet stored) manifest."""
-        dtype = canonical_dtype(array.dtype)
-        flat = np.ascontiguousarray(array, dtype=dtype).reshape(-1)
-        target = chunk_bytes if chunk_bytes is not None else get_bytes("chunk-bytes")
-        chunk_shape = choose_chunk_shape(array.shape, dtype.itemsize, target)
-        chunks = (flat[start:stop] for start, stop in chunk_ranges(array.shape, chunk_shape))
-        records = self.write_chunks(chunks, codecs=codecs, stats=self.write_stats)
-        return TensorManifest(
-            dtype_name(dtype),
-            array.shape,
-            chunk_shape,
-            tuple(block for block, _ in records),
-            tuple(stat for _, stat in records),
+        return _tensors.write_tensor(
+            self, array, chunk_bytes=chunk_bytes, codecs=codecs, stats=self.write_stats
         )
-
-    def write_chunks(
-        self,
-        chunks: Iterable[np.ndarray],
-        *,
-        codecs: Sequence[Codec] | None = None,
-        stats: WriteStats | None = None,
-    ) -> list[tuple[str | None, ChunkStats]]:
-        """Write 1-D chunks (canonical little-endian); per chunk, its block id and stats.
-
-        All-zero chunks take no block (id None). ``codecs=None`` lets the
-        policy choose a lossless codec per chunk. Counts go to ``stats``.
-        """
-        self.check_writable()
-        stats = stats if stats is not None else WriteStats()
-        records: list[tuple[str | None, ChunkStats]] = []
-        window: list[_BlockToWrite] = []
-        window_bytes = 0
-        for chunk in chunks:
-            nonzero = bit_nonzero(chunk)
-            records.append((None, chunk_stats(chunk, bits_nonzero=nonzero)))
-            stats.logical_bytes += chunk.nbytes
-            if nonzero == 0:
-                stats.zero_chunks += 1  # all-zero bytes: no block at all
-                continue
-            block_id = hash_bytes(chunk.view(np.uint8))
-            records[-1] = (block_id, records[-1][1])
-            window.append(_BlockToWrite(block_id, chunk, codecs, nonzero))
-            window_bytes += chunk.nbytes
-            if len(window) >= _WRITE_WINDOW or window_bytes >= _WRITE_WINDOW_BYTES:
-                self._write_blocks(window, stats)
-                window, window_bytes = [], 0
-        if window:
-            self._write_blocks(window, stats)
-        return records
 
     def tensor_info(self, tensor_id: str) -> TensorManifest:
         """The manifest of a stored tensor (dtype, shape, chunks, stats); reads no data."""
-        return self._get_typed(tensor_id, TensorManifest, context="tensor")
+        return self.get_typed(tensor_id, TensorManifest, context="tensor")
 
     def get_tensor(self, tensor_id: str) -> np.ndarray:
         """Read a stored tensor, bit-exact, checking every block against its id."""
@@ -346,22 +318,21 @@ class Store:
 
     def read_tensor(self, manifest: TensorManifest, *, context: str = "") -> np.ndarray:
         """Read the tensor a manifest describes."""
-        dtype = parse_dtype(manifest.dtype)
-        out = np.zeros(manifest.size, dtype=dtype)
-        ranges = manifest.chunk_ranges()
-        wanted = [(i, b) for i, b in enumerate(manifest.blocks) if b is not None]
-        for lo in range(0, len(wanted), _WRITE_WINDOW):
-            batch = wanted[lo : lo + _WRITE_WINDOW]
-            frames = self.backend.read_many([block_key(b) for _, b in batch])
-            for (i, block_id), frame in zip(batch, frames, strict=True):
-                where = f"{context}, chunk {i}" if context else f"chunk {i}"
-                if isinstance(frame, NotFoundError):
-                    self._read_frame(block_id, where)  # raises the error that names the tensor
-                if isinstance(frame, Exception):
-                    raise frame
-                start, stop = ranges[i]
-                decode_block(frame, block_id, out=out[start:stop], context=where)
-        return out.reshape(manifest.shape)
+        return _tensors.read_tensor(self, manifest, context=context)
+
+
+def _what(manifest_id: str, context: str) -> str:
+    return f"manifest {manifest_id}" + (f" ({context})" if context else "")
+
+
+def _typed(manifest: Manifest, manifest_id: str, cls: type[M], context: str) -> M:
+    if not isinstance(manifest, cls):
+        raise IntegrityError(
+            f"{_what(manifest_id, context)} is a {manifest.type} manifest where a {cls.type} "
+            "was expected; a ref points at the wrong object. Run `gradpipe verify`, and move "
+            "the ref back with its history (`gradpipe log`)"
+        )
+    return manifest
 
 
 def _manifest_codec() -> Codec:
@@ -370,33 +341,31 @@ def _manifest_codec() -> Codec:
     return Zstd(level=3)
 
 
-def read_marker(backend: Backend) -> dict[str, Any] | None:
-    """The store marker, None if there is none; checks the layout version."""
-    try:
-        data = backend.read(MARKER_KEY)
-    except NotFoundError:
-        return None
-    doc = from_json_bytes(data, what=f"{backend.url}/{MARKER_KEY}")
-    if not isinstance(doc, dict) or doc.get("gradpipe") != "store":
-        raise InvalidInputError(f"{backend.url} has a {MARKER_KEY} that is not gradpipe's")
-    version = doc.get("format")
-    if not isinstance(version, int) or version > STORE_FORMAT:
-        raise UnsupportedFormatError(
-            f"store {backend.url} has format {version!r}, newer than this gradpipe reads "
-            f"({STORE_FORMAT}); upgrade gradpipe"
-        )
-    return doc
+_REOPENED: dict[str, Store] = {}
+_REOPENED_MAX = 64
+_REOPENED_LOCK = threading.Lock()
 
 
-def marker_bytes() -> bytes:
-    """The content of a new store's marker."""
-    from gradpipe._version import __version__
+def reopen_store(url: str, mode: Mode, storage_options: dict[str, Any] | None) -> Store:
+    """Open a store received from another process: it must exist (never created or wiped).
 
-    return to_json_bytes(
-        {
-            "gradpipe": "store",
-            "format": STORE_FORMAT,
-            "created": datetime.now(UTC).isoformat(timespec="seconds"),
-            "created_by": f"gradpipe {__version__}",
-        }
-    )
+    A Dask worker unpickles the store once per task; opening is cached per
+    process so that costs one marker read, not one per task.
+    """
+    key = tokenize(url, mode == "r", storage_options)
+    with _REOPENED_LOCK:
+        store = _REOPENED.get(key)
+        if store is None:
+            if len(_REOPENED) >= _REOPENED_MAX:
+                _REOPENED.pop(next(iter(_REOPENED)))
+            backend = backend_for_url(url, storage_options)
+            if read_marker(backend) is None:
+                raise NotFoundError(f"no gradpipe store at {url} (it was sent to this process)")
+            store = Store(
+                backend,
+                mode="r" if mode == "r" else "r+",
+                url=url,
+                storage_options=storage_options,
+            )
+            _REOPENED[key] = store
+        return store

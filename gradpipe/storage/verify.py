@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dask.utils import format_bytes
+
 from gradpipe.core.ids import block_key, id_from_block_key
 from gradpipe.errors import IntegrityError, NotFoundError, UnsupportedFormatError
 from gradpipe.storage.blocks import decode_block
@@ -24,6 +26,7 @@ class VerifyReport:
     blocks: int = 0
     bytes: int = 0
     unreferenced: int = 0
+    unchecked: int = 0
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -39,26 +42,44 @@ class VerifyReport:
             "blocks": self.blocks,
             "bytes": self.bytes,
             "unreferenced": self.unreferenced,
+            "unchecked": self.unchecked,
             "problems": [p.to_dict() for p in self.problems],
         }
+
+    def summary(self) -> str:
+        """A few lines for people."""
+        head = (
+            f"checked {self.manifests} manifests and {self.blocks} blocks "
+            f"({format_bytes(self.bytes)} of data)"
+        )
+        lines = [f"{head}: all good" if self.ok else f"{head}: {len(self.problems)} problem(s)"]
+        lines += [f"  {p.kind:<10} {p.id}  needed by {p.context}" for p in self.problems]
+        if self.unchecked:
+            lines.append(
+                f"{self.unchecked} unreferenced block(s) not checked (nothing reachable from a "
+                "ref uses them; gc deletes them after the grace period); --all checks them too"
+            )
+        return "\n".join(lines)
 
 
 def verify(store: Store, *, all_blocks: bool = False) -> VerifyReport:
     """Check every object reachable from the store's refs.
 
     Manifests are parsed and data blocks decoded, and every one is hashed
-    and compared with its id. With ``all_blocks=True`` blocks that nothing
-    references are checked too.
+    and compared with its id. Blocks that nothing references are counted
+    (one listing) and, with ``all_blocks=True``, checked too.
     """
     reachable = walk_reachable(store)
     report = VerifyReport(manifests=len(reachable.manifests), problems=list(reachable.problems))
     todo = list(reachable.data.items())
-    if all_blocks:
-        for info in store.backend.list("blocks"):
-            block_id = id_from_block_key(info.key)
-            if block_id is not None and block_id not in reachable:
+    for info in store.backend.list("blocks"):
+        block_id = id_from_block_key(info.key)
+        if block_id is not None and block_id not in reachable:
+            report.unreferenced += 1
+            if all_blocks:
                 todo.append((block_id, "unreferenced"))
-                report.unreferenced += 1
+            else:
+                report.unchecked += 1
     for lo in range(0, len(todo), _BATCH):
         batch = todo[lo : lo + _BATCH]
         frames = store.backend.read_many([block_key(block_id) for block_id, _ in batch])

@@ -65,7 +65,7 @@ def _roots(store: Store, found: Reachable) -> Iterator[tuple[str, str]]:
 _BATCH = 256
 
 
-def walk_reachable(store: Store) -> Reachable:
+def walk_reachable(store: Store, *, known: Reachable | None = None) -> Reachable:
     """Read every manifest reachable from the refs (checking each) and collect ids.
 
     The walk goes level by level (refs, runs, dumps, tensors), fetching each
@@ -73,8 +73,15 @@ def walk_reachable(store: Store) -> Reachable:
     per level instead of one request after another. Data blocks are
     collected, not read: :func:`gradpipe.storage.verify.verify` reads them,
     gc does not need to.
+
+    With ``known`` (an earlier walk), manifests already walked are not read
+    again: they are immutable, so their children are known. gc walks once
+    without the lock and again, incrementally, while holding it.
     """
     found = Reachable()
+    if known is not None:
+        found.manifests.update(known.manifests)
+        found.data.update(known.data)
     level: list[tuple[str, str]] = list(_roots(store, found))
     while level:
         wanted: dict[str, str] = {}

@@ -5,11 +5,13 @@ import math
 import numpy as np
 import pytest
 
+from gradpipe.core.chunk_stats import ChunkStats, chunk_stats, merge_stats
 from gradpipe.core.encoding import to_json_bytes
-from gradpipe.core.manifest import RefEntry, TensorManifest, decode_manifest, encode_manifest
+from gradpipe.core.manifest import decode_manifest, encode_manifest
 from gradpipe.core.names import parse_name, parse_ref_name
-from gradpipe.core.stats import ChunkStats, chunk_stats, merge_stats
-from gradpipe.errors import InvalidInputError, UnsupportedFormatError
+from gradpipe.core.ref_entry import RefEntry
+from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.errors import IntegrityError, InvalidInputError, UnsupportedFormatError
 
 ID = "b3:" + "ab" * 32
 
@@ -41,8 +43,10 @@ def test_newer_format_and_unknown_type_are_refused() -> None:
         decode_manifest(to_json_bytes(doc))
     with pytest.raises(UnsupportedFormatError, match="unknown type"):
         decode_manifest(to_json_bytes({"type": "hologram", "format": 1}))
-    with pytest.raises(InvalidInputError, match="malformed"):
+    with pytest.raises(IntegrityError, match="malformed"):
         decode_manifest(to_json_bytes({"type": "tensor", "format": 1, "dtype": "float32"}))
+    with pytest.raises(IntegrityError, match="format field"):
+        decode_manifest(to_json_bytes({"type": "tensor", "format": "1"}))
 
 
 def test_ref_entry_round_trip() -> None:

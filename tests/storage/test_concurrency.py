@@ -20,7 +20,8 @@ import pytest
 
 import gradpipe as gp
 from gradpipe.core.ids import hash_bytes
-from gradpipe.core.manifest import RefEntry, encode_manifest
+from gradpipe.core.manifest import encode_manifest
+from gradpipe.core.ref_entry import RefEntry
 
 WRITERS = 8
 REF = "runs/race"

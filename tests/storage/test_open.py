@@ -13,6 +13,7 @@ import pytest
 import gradpipe as gp
 from gradpipe.core.encoding import to_json_bytes
 from gradpipe.errors import (
+    IntegrityError,
     InvalidInputError,
     NotFoundError,
     ReadOnlyError,
@@ -102,9 +103,37 @@ def test_foreign_location_is_never_written(store_url: str, mode: str) -> None:
 def test_foreign_marker_is_refused(tmp_path: Path) -> None:
     root = tmp_path / "s"
     put_file(str(root), "gradpipe.json", b'{"hello": "world"}')
-    with pytest.raises(InvalidInputError, match="not gradpipe's"):
+    with pytest.raises(IntegrityError, match="not gradpipe's"):
         gp.open_store(root, mode="w")
     assert tree(root) == {"gradpipe.json": b'{"hello": "world"}'}
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b"\x00garbage{", "damaged"),
+        (b'{"gradpipe": "store"}', "damaged: its 'format' is None"),
+        (b'{"gradpipe": "store", "format": "1"}', "damaged"),
+    ],
+)
+def test_damaged_marker_is_an_integrity_error_not_an_upgrade(
+    tmp_path: Path, content: bytes, match: str
+) -> None:
+    root = tmp_path / "s"
+    put_file(str(root), "gradpipe.json", content)
+    for mode in ("r", "r+", "a"):
+        with pytest.raises(IntegrityError, match=match) as info:
+            gp.open_store(root, mode=mode)  # type: ignore[arg-type]
+        assert "upgrade" not in str(info.value)
+    assert tree(root) == {"gradpipe.json": content}
+
+
+def test_mode_r_plus_never_creates(tmp_path: Path) -> None:
+    with pytest.raises(NotFoundError, match="no gradpipe store"):
+        gp.open_store(tmp_path / "typo", mode="r+")
+    assert not (tmp_path / "typo").exists()
+    gp.open_store(tmp_path / "s", mode="a")
+    assert gp.open_store(tmp_path / "s", mode="r+").writable
 
 
 @pytest.mark.parametrize("mode", ["r", "a", "w", "w-"])

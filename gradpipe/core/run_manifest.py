@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.ids import parse_id
-from gradpipe.core.manifest import register_manifest
+from gradpipe.core.manifest import Manifest
 from gradpipe.core.names import parse_name
 from gradpipe.errors import InvalidInputError
 
@@ -44,9 +44,8 @@ class TensorSchema:
         return cls(str(data["dtype"]), tuple(int(n) for n in data["shape"]))
 
 
-@register_manifest
 @dataclass(frozen=True)
-class DumpManifest:
+class DumpManifest(Manifest):
     """The tensors of one (run, step, peer), with metadata and provenance.
 
     ``tensors`` keeps the file's order (pairs of name and tensor id), so the
@@ -77,9 +76,6 @@ class DumpManifest:
 
     def manifest_children(self) -> Iterator[str]:
         return (tensor_id for _, tensor_id in self.tensors)
-
-    def data_children(self) -> Iterator[str]:
-        return iter(())
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -127,9 +123,8 @@ class DumpEntry:
         )
 
 
-@register_manifest
 @dataclass(frozen=True)
-class RunManifest:
+class RunManifest(Manifest):
     """A run: its dumps in (step, peer) order and the schema they share."""
 
     type: ClassVar[str] = "run"
@@ -164,9 +159,6 @@ class RunManifest:
 
     def manifest_children(self) -> Iterator[str]:
         return (d.dump for d in self.dumps)
-
-    def data_children(self) -> Iterator[str]:
-        return iter(())
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gradpipe.core.chunk_stats import bit_nonzero, chunk_stats
 from gradpipe.core.dtypes import DTYPE_NAMES
-from gradpipe.core.stats import bit_nonzero, chunk_stats
 from gradpipe.testing.store_suite import special_values
 
 

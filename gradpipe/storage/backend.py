@@ -73,6 +73,11 @@ class Backend(ABC):
     def delete(self, key: str) -> None:
         """Remove ``key``; absent keys are not an error."""
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """:meth:`delete` for several keys (one bulk request where the backend has one)."""
+        for key in keys:
+            self.delete(key)
+
     @abstractmethod
     def list(self, prefix: str) -> Iterator[KeyInfo]:
         """Every key under ``prefix`` (a folder, without trailing slash)."""

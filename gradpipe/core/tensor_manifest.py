@@ -1,0 +1,90 @@
+"""The manifest of a stored tensor: dtype, shape, chunk grid, one block per chunk, stats."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from gradpipe.core.chunk_stats import ChunkStats, merge_stats
+from gradpipe.core.chunking import chunk_count, chunk_ranges, parse_chunk_shape, parse_shape
+from gradpipe.core.dtypes import parse_dtype
+from gradpipe.core.ids import parse_id
+from gradpipe.core.manifest import Manifest
+from gradpipe.errors import InvalidInputError
+
+__all__ = ["TensorManifest"]
+
+
+@dataclass(frozen=True)
+class TensorManifest(Manifest):
+    """A stored tensor: dtype, shape, chunk grid, one block id per chunk, chunk stats.
+
+    ``blocks[i]`` is ``None`` for a chunk whose bytes are all zero: it takes no block.
+    """
+
+    type: ClassVar[str] = "tensor"
+
+    dtype: str
+    shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+    blocks: tuple[str | None, ...]
+    stats: tuple[ChunkStats, ...]
+
+    def __post_init__(self) -> None:
+        parse_shape(self.shape, parse_dtype(self.dtype).itemsize, where=f"{self.dtype} tensor")
+        parse_chunk_shape(self.shape, self.chunk_shape)
+        n = chunk_count(self.shape, self.chunk_shape)
+        if len(self.blocks) != n or len(self.stats) != n:
+            raise InvalidInputError(
+                f"tensor of shape {self.shape} in chunks {self.chunk_shape} has {n} chunks, "
+                f"manifest lists {len(self.blocks)} blocks and {len(self.stats)} stats"
+            )
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Logical (uncompressed) size in bytes."""
+        return self.size * parse_dtype(self.dtype).itemsize
+
+    def chunk_ranges(self) -> list[tuple[int, int]]:
+        """Flat element range of every chunk."""
+        return list(chunk_ranges(self.shape, self.chunk_shape))
+
+    def summary(self) -> ChunkStats:
+        """Statistics of the whole tensor, merged from the chunks."""
+        return merge_stats(self.stats)
+
+    def data_children(self) -> Iterator[str]:
+        return (b for b in self.blocks if b is not None)
+
+    def to_dict(self) -> dict[str, Any]:
+        columns: dict[str, list[Any]] = {"block": list(self.blocks)}
+        for record in self.stats:
+            for key, value in record.to_dict().items():
+                columns.setdefault(key, []).append(value)
+        return {
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "chunk_shape": list(self.chunk_shape),
+            "chunks": columns,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TensorManifest:
+        shape = tuple(int(n) for n in data["shape"])
+        chunk_shape = tuple(int(n) for n in data["chunk_shape"])
+        columns = data["chunks"]
+        blocks = tuple(None if b is None else parse_id(b) for b in columns["block"])
+        counts = [stop - start for start, stop in chunk_ranges(shape, chunk_shape)]
+        keys = [k for k in columns if k != "block"]
+        stats = tuple(
+            ChunkStats.from_dict({k: columns[k][i] for k in keys}, count=count)
+            for i, count in enumerate(counts)
+        )
+        return cls(data["dtype"], shape, chunk_shape, blocks, stats)

@@ -1,0 +1,52 @@
+"""The named objects of a store, read through their refs: one loader per kind.
+
+Every part of gradpipe that needs a run's manifest (ingest, browsing, export,
+the CLI) reads it here, so a missing run, a damaged ref or a ref that points at
+the wrong kind of object gives the same clear error everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gradpipe.core.names import parse_name
+from gradpipe.core.run_manifest import RunManifest
+from gradpipe.errors import NotFoundError
+
+if TYPE_CHECKING:
+    from gradpipe.storage.store import Store
+
+__all__ = ["list_runs", "read_run", "run_ref"]
+
+
+def run_ref(run: str) -> str:
+    """The ref that names a run: ``runs/<run>``."""
+    return f"runs/{parse_name(run, what='run name')}"
+
+
+def list_runs(store: Store) -> list[str]:
+    """Names of the runs in a store."""
+    return [name.split("/", 1)[1] for name in store.refs.list("runs")]
+
+
+def read_run(store: Store, run: str, *, missing_ok: bool = False) -> tuple[str | None, RunManifest]:
+    """The id and manifest a run's ref points at.
+
+    With ``missing_ok``, a run that does not exist yet reads as ``(None, an
+    empty run)``; otherwise it raises :class:`NotFoundError` listing the runs
+    there are.
+    """
+    ref = run_ref(run)
+    try:
+        run_id = store.refs.get(ref)
+    except NotFoundError:
+        if missing_ok:
+            return None, RunManifest(run)
+        known = ", ".join(list_runs(store)) or "none"
+        raise NotFoundError(f"no run {run!r} in store {store.url} (runs: {known})") from None
+    return run_id, read_run_at(store, run_id, run)
+
+
+def read_run_at(store: Store, run_id: str, run: str) -> RunManifest:
+    """The run manifest with id ``run_id`` (a state of run ``run``)."""
+    return store.get_typed(run_id, RunManifest, context=f"run {run!r}")
