@@ -181,6 +181,7 @@ def build_ingest_graph(
     codecs: Sequence[Codec] | None,
     message: str,
     replace: bool = False,
+    lease: str | None = None,
 ) -> tuple[dict[Hashable, Any], str]:
     """The read/encode/dump/commit graph of ``dumps`` (not computed), and its output key."""
     token = tokenize(
@@ -214,7 +215,16 @@ def build_ingest_graph(
         graph[dump_key] = (write_dump, store, dump, header, run, encoded, chunk_bytes)
         dump_keys.append(dump_key)
     commit_key = f"gradpipe-commit-{token}"
-    graph[commit_key] = (commit_run, store, run, [d for d, _ in dumps], dump_keys, message, replace)
+    graph[commit_key] = (
+        commit_run,
+        store,
+        run,
+        [d for d, _ in dumps],
+        dump_keys,
+        message,
+        replace,
+        lease,
+    )
     return graph, commit_key
 
 
@@ -292,18 +302,22 @@ def ingest(
             headers = _inspect(runner, fs, todo)
             good = _check_schema(recorded, todo, headers, report)
             if good:
-                graph, key = build_ingest_graph(
-                    store,
-                    run,
-                    fs,
-                    good,
-                    chunk_bytes=chunk_bytes or get_bytes("chunk-bytes"),
-                    unit_bytes=get_bytes("ingest.task-bytes"),
-                    codecs=codecs,
-                    message=f"ingest {len(good)} dumps from {pattern}",
-                    replace=replace,
-                )
-                [result] = runner.get(graph, [key], name="gradpipe-ingest")
+                # The lease covers every dedup decision up to the commit: gc cannot
+                # delete a block this ingest found present and will reference.
+                with store.writing(f"ingest into run {run}") as lease:
+                    graph, key = build_ingest_graph(
+                        store,
+                        run,
+                        fs,
+                        good,
+                        chunk_bytes=chunk_bytes or get_bytes("chunk-bytes"),
+                        unit_bytes=get_bytes("ingest.task-bytes"),
+                        codecs=codecs,
+                        message=f"ingest {len(good)} dumps from {pattern}",
+                        replace=replace,
+                        lease=lease.key if lease is not None else None,
+                    )
+                    [result] = runner.get(graph, [key], name="gradpipe-ingest")
                 _add_commit(report, result)
     finally:
         runner.close()

@@ -300,6 +300,7 @@ def commit_run(
     results: list[DumpResult | Failure],
     message: str,
     replace: bool,
+    lease: str | None = None,
 ) -> CommitResult:
     """Publish every successful dump into the run with one compare-and-swap.
 
@@ -340,5 +341,7 @@ def commit_run(
         merged = merge_run(base, [r.entry for r in accepted], schema)
         return store.put_manifest(merged)
 
-    entry = store.refs.update(run_ref(run), decide, message=message)
+    # Publish under the client's lease (checked fresh first), not a new one of our own.
+    with store.lock.join(lease):
+        entry = store.refs.update(run_ref(run), decide, message=message)
     return CommitResult(entry.target, outcome["accepted"], failures + outcome["refused"])
