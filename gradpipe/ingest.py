@@ -24,7 +24,7 @@ from gradpipe.formats.dump import DumpHeader
 from gradpipe.graph.discover import DumpFile, Failure, discover_dumps
 from gradpipe.graph.ingest import build_ingest_graph, build_inspect_graph
 from gradpipe.graph.ingest_tasks import CommitResult, schema_conflict
-from gradpipe.graph.runner import Runner, use_runner
+from gradpipe.graph.runner import Runner, RunnerOptions, check_runner_options, use_runner
 from gradpipe.storage.blocks import WriteStats
 from gradpipe.storage.catalog import read_run, run_ref
 from gradpipe.storage.store import Store
@@ -225,20 +225,21 @@ def ingest(
     """
     store.check_writable()
     parse_name(run, what="run name")
+    options: RunnerOptions = {
+        "client": client,
+        "scheduler": scheduler,
+        "workers": workers,
+        "dashboard": dashboard,
+        "progress": progress,
+    }
+    check_runner_options(runner, **options)
     started = time.perf_counter()
     report = IngestReport(run)
     fs, found, refused = discover_dumps(pattern, storage_options)
     report.failures.extend(refused)
     _, recorded = read_run(store, run, missing_ok=True)
     todo = _select(recorded, found, replace, report)
-    with use_runner(
-        runner,
-        client=client,
-        scheduler=scheduler,
-        workers=workers,
-        dashboard=dashboard,
-        progress=progress,
-    ) as active:
+    with use_runner(runner, **options) as active:
         report.dashboard = active.dashboard_link
         good = _check_schema(recorded, todo, _inspect(active, fs, todo), report) if todo else []
         if good:
@@ -305,6 +306,8 @@ def _write(
             lease=lease.key if lease is not None else None,
         )
         [result] = runner.get(graph, [key], name="gradpipe-ingest")
+    if not isinstance(result, CommitResult):  # our own graph's invariant, not data
+        raise TypeError(f"the commit task returned {type(result).__name__}, not CommitResult")
     return result
 
 

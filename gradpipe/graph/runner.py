@@ -26,14 +26,31 @@ import os
 import sys
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from gradpipe.errors import InvalidInputError
 
 if TYPE_CHECKING:
     from distributed import Client, LocalCluster
 
-__all__ = ["Runner", "parse_workers", "runner", "use_runner"]
+__all__ = [
+    "Runner",
+    "RunnerOptions",
+    "check_runner_options",
+    "parse_workers",
+    "runner",
+    "use_runner",
+]
+
+
+class RunnerOptions(TypedDict, total=False):
+    """An operation's conveniences for a temporary runner (the arguments of :func:`runner`)."""
+
+    client: Client | None
+    scheduler: str | None
+    workers: int | None
+    dashboard: bool
+    progress: bool
 
 
 class Runner:
@@ -85,7 +102,9 @@ class Runner:
         """The Dask dashboard of the cluster, when there is one."""
         if self._cluster is not None:
             # An in-process cluster's link would name its inproc host; it serves on loopback.
-            port = self._cluster.scheduler.services["dashboard"].port
+            scheduler = self._cluster.scheduler
+            assert scheduler is not None  # a running LocalCluster has its scheduler in-process
+            port = scheduler.services["dashboard"].port
             return f"http://127.0.0.1:{port}/status"
         link = getattr(self._client, "dashboard_link", None)
         return str(link) if link else None
@@ -265,39 +284,34 @@ def runner(
     return Runner(workers=workers, progress=progress)
 
 
+def check_runner_options(given: Runner | None, **options: Unpack[RunnerOptions]) -> None:
+    """Refuse an operation's runner conveniences passed together with a runner.
+
+    Operations call it first, before any work, so the mistake costs nothing.
+    """
+    parse_workers(options.get("workers"))
+    if given is None:
+        return
+    clashing = [name for name, value in options.items() if value not in (None, False)]
+    if clashing:
+        raise InvalidInputError(
+            f"pass runner= or {'/'.join(f'{n}=' for n in clashing)}, not both: the runner "
+            "already decides where and how graphs run (give them to gradpipe.runner())"
+        )
+
+
 @contextlib.contextmanager
-def use_runner(
-    given: Runner | None,
-    *,
-    client: Client | None = None,
-    scheduler: str | None = None,
-    workers: int | None = None,
-    dashboard: bool = False,
-    progress: bool = False,
-) -> Iterator[Runner]:
+def use_runner(given: Runner | None, **options: Unpack[RunnerOptions]) -> Iterator[Runner]:
     """The runner an operation computes on: ``given`` (left open), or a new one closed after.
 
-    The keyword arguments are an operation's conveniences for building a
-    temporary runner (as :func:`runner` takes them); passing any of them with a
-    runner is refused, since the runner already decides where and how graphs run.
+    ``options`` are an operation's conveniences for building a temporary runner
+    (the arguments of :func:`runner`); passing any of them with a runner is
+    refused (:func:`check_runner_options`), since the runner already decides
+    where and how graphs run.
     """
+    check_runner_options(given, **options)
     if given is not None:
-        options = {
-            "client": client,
-            "scheduler": scheduler,
-            "workers": workers,
-            "dashboard": dashboard,
-            "progress": progress,
-        }
-        clashing = [name for name, value in options.items() if value not in (None, False)]
-        if clashing:
-            raise InvalidInputError(
-                f"pass runner= or {'/'.join(f'{n}=' for n in clashing)}, not both: the runner "
-                "already decides where and how graphs run (give them to gradpipe.runner())"
-            )
         yield given
         return
-    with runner(
-        client, scheduler=scheduler, workers=workers, dashboard=dashboard, progress=progress
-    ) as temporary:
+    with runner(**options) as temporary:
         yield temporary
