@@ -1,15 +1,18 @@
-"""``ingest``: gradient dumps into a run of the store, as a Dask graph."""
+"""``ingest``: gradient dumps into a run of the store.
+
+The user operation: find the dumps, skip those already recorded, check the
+headers against the run's schema, then compute the write graph under a
+writer's lease and report. The graphs themselves are built in
+:mod:`gradpipe.graph.ingest` and computed by a :class:`~gradpipe.graph.runner.Runner`.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import sys
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dask.base import tokenize
 from dask.utils import format_bytes
 from numcodecs.abc import Codec
 
@@ -18,20 +21,10 @@ from gradpipe.core.names import parse_name
 from gradpipe.core.run_manifest import RunManifest, TensorSchema
 from gradpipe.errors import NotFoundError
 from gradpipe.formats.dump import DumpHeader
-from gradpipe.graph.compute import Runner, runner_for
-from gradpipe.graph.discover import DumpFile, discover_dumps
-from gradpipe.graph.ingest import (
-    CommitResult,
-    Failure,
-    ReadUnit,
-    commit_run,
-    encode_unit,
-    inspect_dumps,
-    plan_units,
-    read_unit,
-    schema_conflict,
-    write_dump,
-)
+from gradpipe.graph.discover import DumpFile, Failure, discover_dumps
+from gradpipe.graph.ingest import build_ingest_graph, build_inspect_graph
+from gradpipe.graph.ingest_tasks import CommitResult, schema_conflict
+from gradpipe.graph.runner import Runner, RunnerOptions, check_runner_options, use_runner
 from gradpipe.storage.blocks import WriteStats
 from gradpipe.storage.catalog import read_run, run_ref
 from gradpipe.storage.store import Store
@@ -39,10 +32,9 @@ from gradpipe.storage.store import Store
 if TYPE_CHECKING:
     from distributed import Client
 
-__all__ = ["IngestReport", "build_ingest_graph", "ingest"]
+    from gradpipe.core.report import Report
 
-# Dump headers read per inspect task: enough to amortise a task, few enough to spread.
-_HEADERS_PER_TASK = 16
+__all__ = ["IngestReport", "ingest", "recorded_id"]
 
 
 @dataclass
@@ -170,84 +162,21 @@ def _check_schema(
     return good
 
 
-def build_ingest_graph(
-    store: Store,
-    run: str,
-    fs: Any,
-    dumps: Sequence[tuple[DumpFile, DumpHeader]],
-    *,
-    chunk_bytes: int,
-    unit_bytes: int,
-    codecs: Sequence[Codec] | None,
-    message: str,
-    replace: bool = False,
-    lease: str | None = None,
-) -> tuple[dict[Hashable, Any], str]:
-    """The read/encode/dump/commit graph of ``dumps`` (not computed), and its output key."""
-    token = tokenize(
-        store.url, run, [(d.path, d.fingerprint) for d, _ in dumps], chunk_bytes, codecs
-    )
-    graph: dict[Hashable, Any] = {}
-    dump_keys = []
-    for j, (dump, header) in enumerate(dumps):
-        encoded = []
-        for k, unit in enumerate(
-            plan_units(header, chunk_bytes=chunk_bytes, unit_bytes=unit_bytes)
-        ):
-            read_key = (f"gradpipe-read-{token}", j, k)
-            encode_key = (f"gradpipe-encode-{token}", j, k)
-            # A unit's tasks carry only its own tensors' specs: a dump with
-            # thousands of tensors must not ship its whole header with every task.
-            part = header if unit.whole else _unit_header(header, unit)
-            graph[read_key] = (read_unit, fs, dump, part, unit)
-            graph[encode_key] = (
-                encode_unit,
-                store,
-                dump,
-                part,
-                unit,
-                read_key,
-                chunk_bytes,
-                codecs,
-            )
-            encoded.append(encode_key)
-        dump_key = (f"gradpipe-dump-{token}", j)
-        graph[dump_key] = (write_dump, store, dump, header, run, encoded, chunk_bytes)
-        dump_keys.append(dump_key)
-    commit_key = f"gradpipe-commit-{token}"
-    graph[commit_key] = (
-        commit_run,
-        store,
-        run,
-        [d for d, _ in dumps],
-        dump_keys,
-        message,
-        replace,
-        lease,
-    )
-    return graph, commit_key
-
-
-def _unit_header(header: DumpHeader, unit: ReadUnit) -> DumpHeader:
-    names = {part.tensor for part in unit.parts}
-    tensors = tuple(t for t in header.tensors if t.name in names)
-    return dataclasses.replace(header, tensors=tensors, metadata={})
-
-
 def ingest(
     store: Store,
     pattern: str,
     *,
     run: str,
+    runner: Runner | None = None,
     client: Client | None = None,
     scheduler: str | None = None,
     workers: int | None = None,
+    dashboard: bool = False,
+    progress: bool = False,
     codecs: Sequence[Codec] | None = None,
     chunk_bytes: int | None = None,
     storage_options: dict[str, Any] | None = None,
     replace: bool = False,
-    progress: bool = False,
-    dashboard: bool = False,
 ) -> IngestReport:
     """Ingest the dumps matching ``pattern`` into ``run``.
 
@@ -260,67 +189,73 @@ def ingest(
         e.g. ``"dumps/step={step}/peer={peer}.safetensors"``.
     run : str
         Name of the run to add the dumps to (created if new).
+    runner : Runner, optional
+        Where the graphs run (see :func:`gradpipe.runner`); it is left open, so
+        one runner serves many operations. Without one, a temporary runner is
+        built from the next four arguments and closed before returning.
     client, scheduler : optional
         A ``distributed.Client``, or the address of a scheduler; by default a
         client already running in this process, else local threads.
     workers : int, optional
         Threads for the local scheduler.
+    dashboard : bool
+        Without a cluster, run on an in-process ``LocalCluster`` whose
+        dashboard shows the work (``report.dashboard`` has the link).
+    progress : bool
+        Show a progress bar (and the dashboard link, when there is one).
     codecs : sequence of numcodecs codecs, optional
         A fixed codec chain; by default the lossless policy picks per chunk.
     storage_options : dict, optional
         fsspec options for reading the dump files.
     replace : bool
         Replace dumps already recorded from a different version of the file.
-    progress : bool
-        Show a progress bar (and the dashboard link, when there is one).
-    dashboard : bool
-        Without a cluster, run on an in-process ``LocalCluster`` whose
-        dashboard shows the work (``report.dashboard`` has the link).
 
     Returns
     -------
     IngestReport
         Counts, bytes and failures. Bad dumps never stop good ones: they are
         listed in ``report.failures`` and everything else is committed.
+
+    Examples
+    --------
+    >>> import gradpipe as gp
+    >>> with gp.runner(dashboard=True) as runner:  # doctest: +SKIP
+    ...     for run in ("a", "b"):
+    ...         gp.ingest(store, f"{run}/step={{step}}/peer={{peer}}.npz", run=run, runner=runner)
     """
     store.check_writable()
     parse_name(run, what="run name")
+    options: RunnerOptions = {
+        "client": client,
+        "scheduler": scheduler,
+        "workers": workers,
+        "dashboard": dashboard,
+        "progress": progress,
+    }
+    check_runner_options(runner, **options)
     started = time.perf_counter()
     report = IngestReport(run)
     fs, found, refused = discover_dumps(pattern, storage_options)
     report.failures.extend(refused)
     _, recorded = read_run(store, run, missing_ok=True)
     todo = _select(recorded, found, replace, report)
-    runner = runner_for(
-        client=client, scheduler=scheduler, workers=workers, progress=progress, dashboard=dashboard
-    )
-    report.dashboard = runner.dashboard_link
-    if progress and report.dashboard:
-        print(f"dashboard: {report.dashboard}", file=sys.stderr)
-    try:
-        if todo:
-            headers = _inspect(runner, fs, todo)
-            good = _check_schema(recorded, todo, headers, report)
-            if good:
-                # The lease covers every dedup decision up to the commit: gc cannot
-                # delete a block this ingest found present and will reference.
-                with store.writing(f"ingest into run {run}") as lease:
-                    graph, key = build_ingest_graph(
-                        store,
-                        run,
-                        fs,
-                        good,
-                        chunk_bytes=chunk_bytes or get_bytes("chunk-bytes"),
-                        unit_bytes=get_bytes("ingest.task-bytes"),
-                        codecs=codecs,
-                        message=f"ingest {len(good)} dumps from {pattern}",
-                        replace=replace,
-                        lease=lease.key if lease is not None else None,
-                    )
-                    [result] = runner.get(graph, [key], name="gradpipe-ingest")
-                _add_commit(report, result)
-    finally:
-        runner.close()
+    with use_runner(runner, **options) as active:
+        report.dashboard = active.dashboard_link
+        good = _check_schema(recorded, todo, _inspect(active, fs, todo), report) if todo else []
+        if good:
+            message = f"ingest {len(good)} dumps from {pattern}"
+            result = _write(
+                store,
+                active,
+                run,
+                fs,
+                good,
+                message=message,
+                chunk_bytes=chunk_bytes,
+                codecs=codecs,
+                replace=replace,
+            )
+            _add_commit(report, result)
     if report.run_id is None:
         report.run_id = recorded_id(store, run)
     report.failures.sort(key=lambda f: (f.step, f.peer))
@@ -337,16 +272,43 @@ def recorded_id(store: Store, run: str) -> str | None:
 
 
 def _inspect(runner: Runner, fs: Any, dumps: list[DumpFile]) -> list[DumpHeader | Failure]:
-    token = tokenize(fs, [(d.path, d.fingerprint) for d in dumps])
-    graph: dict[Hashable, Any] = {}
-    for i in range(0, len(dumps), _HEADERS_PER_TASK):
-        graph[(f"gradpipe-inspect-{token}", i)] = (
-            inspect_dumps,
-            fs,
-            dumps[i : i + _HEADERS_PER_TASK],
-        )
-    batches = runner.get(graph, list(graph), name="gradpipe-inspect")
+    graph, keys = build_inspect_graph(fs, dumps)
+    batches = runner.get(graph, keys, name="gradpipe-inspect")
     return [header for batch in batches for header in batch]
+
+
+def _write(
+    store: Store,
+    runner: Runner,
+    run: str,
+    fs: Any,
+    dumps: list[tuple[DumpFile, DumpHeader]],
+    *,
+    message: str,
+    chunk_bytes: int | None,
+    codecs: Sequence[Codec] | None,
+    replace: bool,
+) -> CommitResult:
+    """Build and compute the write graph: the one place an ingest writes to the store."""
+    # The lease covers every dedup decision up to the commit: gc cannot
+    # delete a block this ingest found present and will reference.
+    with store.writing(f"ingest into run {run}") as lease:
+        graph, key = build_ingest_graph(
+            store,
+            run,
+            fs,
+            dumps,
+            chunk_bytes=chunk_bytes or get_bytes("chunk-bytes"),
+            unit_bytes=get_bytes("ingest.task-bytes"),
+            codecs=codecs,
+            message=message,
+            replace=replace,
+            lease=lease.key if lease is not None else None,
+        )
+        [result] = runner.get(graph, [key], name="gradpipe-ingest")
+    if not isinstance(result, CommitResult):  # our own graph's invariant, not data
+        raise TypeError(f"the commit task returned {type(result).__name__}, not CommitResult")
+    return result
 
 
 def _add_commit(report: IngestReport, result: CommitResult) -> None:
@@ -362,3 +324,8 @@ def _add_commit(report: IngestReport, result: CommitResult) -> None:
                 f"tensor {name!r} of step {done.entry.step}, peer {done.entry.peer!r} has "
                 f"{nan} NaN and {inf} Inf values (stored bit-exact)"
             )
+
+
+if TYPE_CHECKING:
+    # mypy checks that the report has the shape every operation's report shares.
+    _IS_A_REPORT: type[Report] = IngestReport

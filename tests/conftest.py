@@ -1,16 +1,30 @@
-"""Shared fixtures: stores on local disk and on a real S3 server on loopback."""
+"""Shared fixtures: stores on local disk and on a real S3 server on loopback, and dump files.
+
+The dump helpers (files in every format, bit-exact comparisons) are reached
+through the ``kit`` fixture: with ``--import-mode=importlib`` a test module
+cannot import a conftest.
+"""
 
 from __future__ import annotations
 
+import io
+import json
 import os
+import sys
+import types
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import dask.config
+import fsspec
+import numpy as np
 import pytest
 
 import gradpipe as gp
+from gradpipe.core.dtypes import bfloat16, dtype_name
+from gradpipe.formats.safetensors import write_safetensors
 from gradpipe.testing.s3server import S3Server
 
 BUCKET = "gradpipe-test"
@@ -69,3 +83,174 @@ def _short_lock_ttl(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("DASK_GRADPIPE__LOCK__POLL", "0.05s")
     with dask.config.set({"gradpipe.lock.ttl": "6s", "gradpipe.lock.poll": "0.05s"}):
         yield
+
+
+# --- dump files ----------------------------------------------------------------
+#: Bit patterns of float32 values a careless reader would change: NaN payloads
+#: (quiet, signalling, negative), infinities, -0.0 and a subnormal.
+SPECIAL_F32 = np.array(
+    [0x7FC00001, 0xFFC12345, 0x7F800001, 0x7F800000, 0xFF800000, 0x80000000, 0x00000001],
+    dtype="<u4",
+)
+
+
+def canonical(arr: np.ndarray) -> np.ndarray:
+    """What gradpipe stores for ``arr``: C order, little-endian, the same bits."""
+    arr = np.asarray(arr)
+    if arr.dtype.byteorder == ">":
+        arr = arr.byteswap().view(arr.dtype.newbyteorder("<"))
+    return arr.copy(order="C") if not arr.flags.c_contiguous else arr
+
+
+def assert_bit_exact(got: np.ndarray, want: np.ndarray, what: str = "") -> None:
+    """Same dtype, shape and bytes (NaN payloads and -0.0 included)."""
+    want = canonical(want)
+    assert isinstance(got, np.ndarray), what
+    assert dtype_name(got.dtype) == dtype_name(want.dtype), what
+    assert got.dtype.byteorder != ">", what
+    assert got.shape == want.shape, what
+    assert np.ascontiguousarray(got).tobytes() == want.tobytes(), what
+
+
+def assert_all_bit_exact(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, arr in want.items():
+        assert_bit_exact(got[name], arr, name)
+
+
+def special_f32(shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """Random float32 values with the special bit patterns sprinkled in."""
+    rng = np.random.default_rng(seed)
+    arr = rng.standard_normal(shape).astype("<f4").reshape(-1)
+    bits = arr.view("<u4")
+    bits[: SPECIAL_F32.size] = SPECIAL_F32[: bits.size]
+    return arr.reshape(shape)
+
+
+INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+
+
+def numeric_tensors(
+    seed: int, *, bf16: bool, ints: tuple[str, ...] = INT_DTYPES
+) -> dict[str, np.ndarray]:
+    """Every stored dtype (bfloat16 when the format keeps it), 0-d, empty and multi-chunk tensors.
+
+    With ``gradpipe.chunk-bytes`` at 4096, ``big`` (32 KiB) and ``wide``
+    (10 KiB, 25 rows per chunk) span several chunks and ``big`` more than one
+    read unit of 16 KiB.
+    """
+    rng = np.random.default_rng(seed)
+    ints = {
+        name: rng.integers(np.iinfo(name).min, np.iinfo(name).max, size=(3, 5), dtype=name)
+        for name in ints
+    }
+    out: dict[str, np.ndarray] = {
+        "big": rng.standard_normal((64, 64)),  # float64
+        "wide": special_f32((64, 40), seed),
+        "half": rng.standard_normal(17).astype("<f2"),
+        "mask": rng.random((4, 4)) > 0.5,
+        "scalar": np.array(seed * 1.5 + 0.25, dtype="<f8"),
+        "count": np.array(seed, dtype="<i8"),
+        "empty": np.zeros((0, 3), dtype="<f4"),
+        **{f"i.{k}": v for k, v in ints.items()},
+    }
+    if bf16:
+        words = rng.integers(0, 1 << 16, size=(6, 7), dtype="<u2")
+        words[0, :3] = [0x7FC1, 0xFF81, 0x8000]  # NaN payloads and -0.0
+        out["bf16"] = words.view(bfloat16())
+    return out
+
+
+def npz_bytes(tensors: Mapping[str, np.ndarray], *, compressed: bool) -> bytes:
+    buf = io.BytesIO()
+    (np.savez_compressed if compressed else np.savez)(buf, **tensors)
+    return buf.getvalue()
+
+
+def npy_bytes(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+def safetensors_bytes(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
+    buf = io.BytesIO()
+    write_safetensors(buf, tensors, metadata)
+    return buf.getvalue()
+
+
+def torch_tensor(arr: np.ndarray):  # type: ignore[no-untyped-def]
+    import torch
+
+    if arr.dtype == bfloat16():
+        return torch.from_numpy(arr.view("<i2").copy()).view(torch.bfloat16)
+    return torch.from_numpy(arr.copy())
+
+
+def torch_bytes(obj: object) -> bytes:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+@dataclass
+class Place:
+    """Where one test keeps its dump files and its store: local disk or the S3 bucket."""
+
+    kind: str
+    root: str  # directory or s3://bucket/prefix of the dump files
+    store_url: str
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        return fsspec.core.url_to_fs(self.root)[0]
+
+    def url(self, relative: str) -> str:
+        return f"{self.root}/{relative}"
+
+    def path(self, relative: str) -> str:
+        """The path gradpipe records for a dump (an S3 URL loses its protocol)."""
+        return fsspec.core.url_to_fs(self.url(relative))[1]
+
+    def write(self, relative: str, data: bytes) -> str:
+        url = self.url(relative)
+        if self.kind == "local":
+            Path(url).parent.mkdir(parents=True, exist_ok=True)
+            Path(url).write_bytes(data)
+        else:
+            with fsspec.open(url, "wb") as f:
+                f.write(data)
+        return url
+
+    def write_sidecar(self, relative: str, meta: Mapping[str, object]) -> None:
+        self.write(relative + ".json", json.dumps(meta).encode())
+
+
+@pytest.fixture(params=["local", "s3"])
+def place(request: pytest.FixtureRequest, tmp_path: Path) -> Place:
+    """Dumps and store together, on local disk and on the loopback S3 server."""
+    if request.param == "local":
+        return Place("local", str(tmp_path / "dumps"), str(tmp_path / "store"))
+    request.getfixturevalue("s3")
+    prefix = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}"
+    return Place("s3", f"{prefix}/dumps", f"{prefix}/store")
+
+
+@pytest.fixture
+def local(tmp_path: Path) -> Place:
+    return Place("local", str(tmp_path / "dumps"), str(tmp_path / "store"))
+
+
+@pytest.fixture
+def small_chunks() -> Iterator[None]:
+    """Chunks of 4 KiB and read units of 16 KiB: several of each per dump."""
+    with dask.config.set({"gradpipe.chunk-bytes": 4096, "gradpipe.ingest.task-bytes": 16384}):
+        yield
+
+
+@pytest.fixture(scope="session")
+def kit() -> types.ModuleType:
+    """This module: its helpers, for test modules (importlib mode cannot import conftest)."""
+    return sys.modules[__name__]

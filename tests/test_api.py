@@ -5,27 +5,46 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 import gradpipe as gp
 from gradpipe import errors
+from gradpipe.core.ids import block_key
 
 PUBLIC = [
+    "ChunkStats",
     "ConflictError",
     "Dump",
+    "DumpEntry",
+    "DumpManifest",
+    "Failure",
+    "FormatError",
     "GcReport",
     "GradpipeError",
     "IngestReport",
     "IntegrityError",
     "InvalidInputError",
+    "Lease",
+    "LockedError",
     "NotFoundError",
+    "Problem",
     "ReadOnlyError",
+    "RefEntry",
+    "Refs",
+    "Report",
     "Run",
+    "RunManifest",
+    "Runner",
     "StorageError",
     "Store",
+    "TensorManifest",
+    "TensorSchema",
     "UnsupportedFormatError",
     "VerifyReport",
+    "WriteStats",
     "__version__",
     "export_dump",
     "gc",
@@ -33,6 +52,7 @@ PUBLIC = [
     "list_runs",
     "open_run",
     "open_store",
+    "runner",
     "verify",
 ]
 
@@ -42,6 +62,48 @@ def test_public_names() -> None:
     assert sorted(gp.__all__) == gp.__all__
     for name in gp.__all__:
         assert hasattr(gp, name)
+
+
+def test_public_calls_return_exported_types(tmp_path: Path) -> None:
+    """What the public calls return is of the types exported here (so users can annotate it)."""
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    np.savez(dumps / "step=1.npz", w=np.arange(6, dtype=np.float32).reshape(2, 3))
+    (dumps / "step=2.npz").write_bytes(b"not a zip")
+    store = gp.open_store(tmp_path / "store", mode="w")
+    with gp.runner(workers=2) as runner:
+        assert isinstance(runner, gp.Runner)
+        report = gp.ingest(store, str(dumps / "step={step}.npz"), run="r", runner=runner)
+    assert isinstance(report, gp.Report)
+    assert isinstance(report.writes, gp.WriteStats)
+    [failure] = report.failures
+    assert isinstance(failure, gp.Failure)
+    assert failure.step == 2
+    run = gp.open_run(store, "r")
+    assert isinstance(run.manifest, gp.RunManifest)
+    [entry] = run
+    assert isinstance(entry, gp.DumpEntry)
+    assert isinstance(run.schema["w"], gp.TensorSchema)
+    dump = run.dump(1, entry.peer)
+    assert isinstance(dump.manifest, gp.DumpManifest)
+    info = dump.info("w")
+    assert isinstance(info, gp.TensorManifest)
+    assert isinstance(info.summary(), gp.ChunkStats)
+    assert isinstance(store.refs, gp.Refs)
+    assert isinstance(store.refs.entry("runs/r"), gp.RefEntry)
+    with store.writing("api test") as lease:
+        assert isinstance(lease, gp.Lease)
+    verified = gp.verify(store)
+    assert isinstance(verified, gp.VerifyReport)
+    assert isinstance(gp.gc(store, dry_run=True), gp.GcReport)
+    block = info.blocks[0]
+    assert block is not None
+    store.backend.delete(block_key(block))
+    [problem] = gp.verify(store).problems
+    assert isinstance(problem, gp.Problem)
+    assert problem.id == block
+    assert issubclass(gp.UnsupportedFormatError, gp.FormatError)
+    assert issubclass(gp.LockedError, gp.ConflictError)
 
 
 def test_import_is_light() -> None:

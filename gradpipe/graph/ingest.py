@@ -1,347 +1,128 @@
-"""The ingest graph: dump files in, chunks encoded on workers, one commit out.
+"""Builders of the ingest graphs: dump files in, chunks encoded on workers, one commit out.
 
-Shape of the graph, per batch of dumps::
+An ingest computes two graphs, one after the other::
 
-    gradpipe-inspect   headers of a few dumps            (phase 1, computed first)
-    gradpipe-read      one ranged read of tens of MiB    ┐ per read unit
-    gradpipe-encode    stats, hash, codec, write blocks  ┘
-    gradpipe-dump      tensor + dump manifests           per dump
-    gradpipe-commit    one compare-and-swap of the run   per ingest
+    build_inspect_graph   gradpipe-inspect   headers of a few dumps per task
+    build_ingest_graph    gradpipe-read      one ranged read of tens of MiB    ┐ per read unit
+                          gradpipe-encode    stats, hash, codec, write blocks  ┘
+                          gradpipe-dump      tensor + dump manifests           per dump
+                          gradpipe-commit    one compare-and-swap of the run   per ingest
 
-Tasks take paths, store URLs and small plans, never arrays from the client;
-the only arrays in flight are a read task's bytes, handed to its encode task.
-A task that fails on a bad dump returns a :class:`Failure` instead of raising,
-so every good dump of the batch still reaches the commit.
+The builders only build: they return plain task dicts (the tasks are in
+:mod:`gradpipe.graph.ingest_tasks`) and the keys to compute, and a
+:class:`~gradpipe.graph.runner.Runner` computes them. Keys are tokenised from
+everything that defines the work, so the same dumps give the same keys and a
+scheduler that already holds a result does not recompute it.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, ParamSpec, TypeVar
+import dataclasses
+from collections.abc import Hashable, Sequence
+from typing import Any
 
-import numpy as np
+from dask.base import tokenize
 from numcodecs.abc import Codec
 
-from gradpipe.core.chunk_stats import ChunkStats
-from gradpipe.core.chunking import choose_chunk_shape, chunk_ranges
-from gradpipe.core.dtypes import parse_dtype
-from gradpipe.core.run_manifest import DumpEntry, DumpManifest, RunManifest, TensorSchema, merge_run
-from gradpipe.core.tensor_manifest import TensorManifest
-from gradpipe.formats.dump import DumpHeader, read_byte_range, read_dump_header, read_dump_tensors
-from gradpipe.graph.discover import DumpFile, Failure
-from gradpipe.storage.blocks import WriteStats
-from gradpipe.storage.catalog import read_run_at, run_ref
+from gradpipe.formats.dump import DumpHeader
+from gradpipe.graph.discover import DumpFile
+from gradpipe.graph.ingest_plan import ReadUnit, plan_units
+from gradpipe.graph.ingest_tasks import (
+    commit_run,
+    encode_unit,
+    inspect_dumps,
+    read_unit,
+    write_dump,
+)
 from gradpipe.storage.store import Store
-from gradpipe.storage.tensors import write_chunks
 
-__all__ = [
-    "CommitResult",
-    "DumpResult",
-    "Failure",
-    "ReadUnit",
-    "commit_run",
-    "encode_unit",
-    "inspect_dumps",
-    "plan_units",
-    "read_unit",
-    "write_dump",
-]
+__all__ = ["HEADERS_PER_TASK", "build_ingest_graph", "build_inspect_graph"]
 
-P = ParamSpec("P")
-R = TypeVar("R")
+#: Dump headers read per inspect task: enough to amortise a task, few enough to spread.
+HEADERS_PER_TASK = 16
 
 
-def _isolated(func: Callable[P, R]) -> Callable[P, R | Failure]:
-    """Run a task for one dump; turn an exception into a :class:`Failure` of that dump.
+def build_inspect_graph(
+    fs: Any, dumps: Sequence[DumpFile], *, per_task: int = HEADERS_PER_TASK
+) -> tuple[dict[Hashable, Any], list[Hashable]]:
+    """The graph that reads the headers of ``dumps`` (not computed), and its output keys.
 
-    The dump is the task's first :class:`DumpFile` argument. Failures from
-    upstream tasks pass straight through.
+    Each key's result is a list of :class:`~gradpipe.formats.dump.DumpHeader`
+    or :class:`~gradpipe.graph.discover.Failure`, one per dump of its batch;
+    the keys are in the order of ``dumps``, so concatenating the results
+    pairs every dump with its header.
     """
-
-    @functools.wraps(func)
-    def task(*args: P.args, **kwargs: P.kwargs) -> R | Failure:
-        dump = next(a for a in args if isinstance(a, DumpFile))
-        upstream = [a for a in args if isinstance(a, Failure)]
-        upstream += [x for a in args if isinstance(a, list) for x in a if isinstance(x, Failure)]
-        if upstream:
-            return upstream[0]
-        try:
-            return func(*args, **kwargs)
-        except Exception as exc:
-            reason = str(exc) if str(exc) else type(exc).__name__
-            if dump.path not in reason:
-                reason = f"{dump.path}: {reason}"
-            return Failure(dump.path, dump.step, dump.peer, reason)
-
-    return task
+    token = tokenize(fs, [(d.path, d.fingerprint) for d in dumps])
+    graph: dict[Hashable, Any] = {}
+    for i in range(0, len(dumps), per_task):
+        graph[(f"gradpipe-inspect-{token}", i)] = (inspect_dumps, fs, list(dumps[i : i + per_task]))
+    return graph, list(graph)
 
 
-# --- phase 1: headers ---------------------------------------------------------------
-def inspect_dumps(fs: Any, dumps: Sequence[DumpFile]) -> list[DumpHeader | Failure]:
-    """Read the headers of a few dumps (one task per batch keeps the graph small)."""
-    return [_isolated(read_dump_header_of)(fs, dump) for dump in dumps]
-
-
-def read_dump_header_of(fs: Any, dump: DumpFile) -> DumpHeader:
-    return read_dump_header(fs, dump.path)
-
-
-# --- phase 2: plan ------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Part:
-    """Consecutive chunks ``[lo, hi)`` of one tensor, at bytes ``[start, stop)`` of the file."""
-
-    tensor: str
-    lo: int
-    hi: int
-    start: int
-    stop: int
-
-
-@dataclass(frozen=True, slots=True)
-class ReadUnit:
-    """What one read task fetches: a byte span over some parts, or (not ranged) whole tensors."""
-
-    start: int
-    stop: int
-    parts: tuple[Part, ...]
-    whole: bool = False
-
-
-def tensor_chunks(shape: tuple[int, ...], dtype: str, chunk_bytes: int) -> tuple[int, ...]:
-    """The chunk shape ingest gives a tensor (the same rule as ``Store.put_tensor``)."""
-    return choose_chunk_shape(shape, parse_dtype(dtype).itemsize, chunk_bytes)
-
-
-def plan_units(header: DumpHeader, *, chunk_bytes: int, unit_bytes: int) -> list[ReadUnit]:
-    """Split a dump into read units of about ``unit_bytes`` each, on chunk boundaries."""
-    if not header.ranged:
-        whole = tuple(Part(t.name, 0, 0, 0, 0) for t in header.tensors)
-        return [ReadUnit(0, header.size, whole, whole=True)]
-    units: list[ReadUnit] = []
-    parts: list[Part] = []
-
-    def close_unit() -> None:
-        units.append(ReadUnit(parts[0].start, max(p.stop for p in parts), tuple(parts)))
-        parts.clear()
-
-    for spec in sorted(header.tensors, key=lambda t: t.offset or 0):
-        assert spec.offset is not None
-        itemsize = parse_dtype(spec.dtype).itemsize
-        grid = chunk_ranges(spec.shape, tensor_chunks(spec.shape, spec.dtype, chunk_bytes))
-        bounds = [(spec.offset + a * itemsize, spec.offset + b * itemsize) for a, b in grid]
-        lo = 0
-        for i, (_, stop) in enumerate(bounds):
-            begin = parts[0].start if parts else bounds[lo][0]
-            if stop - begin >= unit_bytes:
-                parts.append(Part(spec.name, lo, i + 1, bounds[lo][0], stop))
-                lo = i + 1
-                close_unit()
-        if lo < len(bounds) or not bounds:  # the tail (or an empty tensor) joins the next unit
-            start = bounds[lo][0] if bounds else spec.offset
-            parts.append(
-                Part(spec.name, lo, len(bounds), start, bounds[-1][1] if bounds else start)
-            )
-    if parts:
-        close_unit()
-    return units
-
-
-# --- phase 2: tasks -----------------------------------------------------------------
-@_isolated
-def read_unit(fs: Any, dump: DumpFile, header: DumpHeader, unit: ReadUnit) -> Any:
-    """The bytes of a unit (one ranged read), or whole tensors for formats without ranges."""
-    if unit.whole:
-        return read_dump_tensors(fs, dump.path, header)
-    return read_byte_range(fs, dump.path, unit.start, unit.stop)
-
-
-ChunkRecords = dict[str, list[tuple[str | None, ChunkStats]]]
-
-
-@dataclass
-class UnitResult:
-    """Chunk records of one unit: per tensor, (block id, stats) for chunks ``part.lo…``."""
-
-    records: ChunkRecords = field(default_factory=dict)
-    stats: WriteStats = field(default_factory=WriteStats)
-
-
-@_isolated
-def encode_unit(
+def build_ingest_graph(
     store: Store,
-    dump: DumpFile,
-    header: DumpHeader,
-    unit: ReadUnit,
-    data: Any,
+    run: str,
+    fs: Any,
+    dumps: Sequence[tuple[DumpFile, DumpHeader]],
+    *,
     chunk_bytes: int,
+    unit_bytes: int,
     codecs: Sequence[Codec] | None,
-) -> UnitResult:
-    """Compute stats, hash, encode and write the chunks of one unit."""
-    specs = {t.name: t for t in header.tensors}
-    result = UnitResult()
-    owners: list[str] = []  # the tensor of each chunk, in order
-    chunks: list[np.ndarray] = []
-    for part in unit.parts:
-        spec = specs[part.tensor]
-        dtype = parse_dtype(spec.dtype)
-        grid = tensor_chunks(spec.shape, spec.dtype, chunk_bytes)
-        ranges = list(chunk_ranges(spec.shape, grid))
-        if unit.whole:
-            flat = np.ascontiguousarray(data[part.tensor], dtype=dtype).reshape(-1)
-            first = 0
-        else:
-            base = part.start - unit.start
-            flat = data[base : base + (part.stop - part.start)].view(dtype)
-            first = ranges[part.lo][0] if part.hi > part.lo else 0
-            ranges = ranges[part.lo : part.hi]
-        chunks.extend(flat[a - first : b - first] for a, b in ranges)
-        owners.extend([part.tensor] * len(ranges))
-        result.records.setdefault(part.tensor, [])
-    # One call for the whole unit: many small tensors share batched round trips.
-    records = write_chunks(store, chunks, codecs=codecs, stats=result.stats, where=dump.path)
-    for tensor, record in zip(owners, records, strict=True):
-        result.records[tensor].append(record)
-    return result
-
-
-@dataclass(frozen=True)
-class DumpResult:
-    """A dump written to the store, not yet part of its run."""
-
-    entry: DumpEntry
-    schema: dict[str, TensorSchema]
-    stats: WriteStats
-    raw_bytes: int
-    nonfinite: dict[str, tuple[int, int]]  # tensor → (NaN count, Inf count), where any
-
-
-@_isolated
-def write_dump(
-    store: Store,
-    dump: DumpFile,
-    header: DumpHeader,
-    run: str,
-    results: list[UnitResult],
-    chunk_bytes: int,
-) -> DumpResult:
-    """Assemble and store the tensor manifests and the dump manifest of one dump."""
-    records: ChunkRecords = {}
-    stats = WriteStats()
-    for unit_result in results:
-        stats.add(unit_result.stats)
-        for name, recs in unit_result.records.items():
-            records.setdefault(name, []).extend(recs)
-    manifests: list[TensorManifest] = []
-    nonfinite: dict[str, tuple[int, int]] = {}
-    for spec in header.tensors:
-        recs = records.get(spec.name, [])
-        manifest = TensorManifest(
-            spec.dtype,
-            spec.shape,
-            tensor_chunks(spec.shape, spec.dtype, chunk_bytes),
-            tuple(block for block, _ in recs),
-            tuple(s for _, s in recs),
-        )
-        summary = manifest.summary()
-        if summary.nan or summary.inf:
-            nonfinite[spec.name] = (summary.nan, summary.inf)
-        manifests.append(manifest)
-    ids = store.put_manifests(manifests, stats=stats)
-    tensors = [(spec.name, tensor_id) for spec, tensor_id in zip(header.tensors, ids, strict=True)]
-    source = {
-        "path": dump.path,
-        "format": header.format,
-        "size": str(header.size),
-        "fingerprint": dump.fingerprint,
-    }
-    dump_manifest = DumpManifest(
-        run, dump.step, dump.peer, tuple(tensors), dict(header.metadata), source
-    )
-    [manifest_id] = store.put_manifests([dump_manifest], stats=stats)
-    return DumpResult(
-        DumpEntry(dump.step, dump.peer, manifest_id, dump.fingerprint),
-        {t.name: TensorSchema(t.dtype, t.shape) for t in header.tensors},
-        stats,
-        sum(t.nbytes for t in header.tensors),
-        nonfinite,
-    )
-
-
-@dataclass(frozen=True)
-class CommitResult:
-    """What the commit published."""
-
-    run_id: str | None
-    committed: list[DumpResult]
-    failures: list[Failure]
-
-
-def schema_conflict(
-    schema: dict[str, TensorSchema], theirs: dict[str, TensorSchema], where: str
-) -> str | None:
-    """Why a dump's tensors disagree with the run's schema, or None."""
-    for name, spec in theirs.items():
-        known = schema.get(name)
-        if known is not None and known != spec:
-            return (
-                f"tensor {name!r} of {where} is {spec.describe()}, but the run has it as "
-                f"{known.describe()}; fix the dump or ingest it into another run"
-            )
-    return None
-
-
-def commit_run(
-    store: Store,
-    run: str,
-    dumps: list[DumpFile],
-    results: list[DumpResult | Failure],
     message: str,
-    replace: bool,
+    replace: bool = False,
     lease: str | None = None,
-) -> CommitResult:
-    """Publish every successful dump into the run with one compare-and-swap.
+) -> tuple[dict[Hashable, Any], str]:
+    """The read/encode/dump/commit graph of ``dumps`` (not computed), and its output key.
 
-    The run is re-checked as it is at the swap, not as it was when the ingest
-    planned: a concurrent ingest may have recorded the same (step, peer) from
-    another file version, or fixed a tensor's schema differently.
+    The output key's result is a :class:`~gradpipe.graph.ingest_tasks.CommitResult`.
+    ``lease`` is the key of the writer's lease the commit publishes under
+    (:meth:`Store.writing <gradpipe.storage.store.Store.writing>`).
     """
-    failures = [r for r in results if isinstance(r, Failure)]
-    done = [r for r in results if isinstance(r, DumpResult)]
-    if not done:
-        return CommitResult(None, [], failures)
-    outcome: dict[str, Any] = {}
+    token = tokenize(
+        store.url, run, [(d.path, d.fingerprint) for d, _ in dumps], chunk_bytes, codecs
+    )
+    graph: dict[Hashable, Any] = {}
+    dump_keys = []
+    for j, (dump, header) in enumerate(dumps):
+        encoded = []
+        for k, unit in enumerate(
+            plan_units(header, chunk_bytes=chunk_bytes, unit_bytes=unit_bytes)
+        ):
+            read_key = (f"gradpipe-read-{token}", j, k)
+            encode_key = (f"gradpipe-encode-{token}", j, k)
+            # A unit's tasks carry only its own tensors' specs: a dump with
+            # thousands of tensors must not ship its whole header with every task.
+            part = header if unit.whole else _unit_header(header, unit)
+            graph[read_key] = (read_unit, fs, dump, part, unit)
+            graph[encode_key] = (
+                encode_unit,
+                store,
+                dump,
+                part,
+                unit,
+                read_key,
+                chunk_bytes,
+                codecs,
+            )
+            encoded.append(encode_key)
+        dump_key = (f"gradpipe-dump-{token}", j)
+        graph[dump_key] = (write_dump, store, dump, header, run, encoded, chunk_bytes)
+        dump_keys.append(dump_key)
+    commit_key = f"gradpipe-commit-{token}"
+    graph[commit_key] = (
+        commit_run,
+        store,
+        run,
+        [d for d, _ in dumps],
+        dump_keys,
+        message,
+        replace,
+        lease,
+    )
+    return graph, commit_key
 
-    def decide(current: str | None) -> str | None:
-        base = read_run_at(store, current, run) if current else RunManifest(run)
-        schema = dict(base.schema)
-        accepted, refused = [], []
-        paths = {(d.step, d.peer): d.path for d in dumps}
-        for result in done:
-            key = (result.entry.step, result.entry.peer)
-            why = schema_conflict(schema, result.schema, f"step {key[0]}, peer {key[1]!r}")
-            recorded = base.entry(*key)
-            changed = recorded is not None and recorded.fingerprint != result.entry.fingerprint
-            if why is None and changed and not replace:
-                why = (
-                    f"run {run!r} got step {key[0]}, peer {key[1]!r} from another version "
-                    "of the file while this ingest ran; re-run with --replace to replace it"
-                )
-            if why is None:
-                accepted.append(result)
-                for name, spec in result.schema.items():
-                    schema.setdefault(name, spec)
-            else:
-                refused.append(Failure(paths.get(key, "?"), key[0], key[1], why))
-        outcome.update(accepted=accepted, refused=refused)
-        if not accepted:
-            return current
-        merged = merge_run(base, [r.entry for r in accepted], schema)
-        return store.put_manifest(merged)
 
-    # Publish under the client's lease (checked fresh first), not a new one of our own.
-    with store.lock.join(lease):
-        entry = store.refs.update(run_ref(run), decide, message=message)
-    return CommitResult(entry.target, outcome["accepted"], failures + outcome["refused"])
+def _unit_header(header: DumpHeader, unit: ReadUnit) -> DumpHeader:
+    names = {part.tensor for part in unit.parts}
+    tensors = tuple(t for t in header.tensors if t.name in names)
+    return dataclasses.replace(header, tensors=tensors, metadata={})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import uuid
 from pathlib import Path
 
@@ -306,3 +307,23 @@ def test_s3_store_pickles_with_storage_options(
     assert clone.storage_options == s3_server.storage_options
     assert clone.get_tensor(tensor_id).tolist() == list(range(7))
     assert "AWS_ENDPOINT_URL_S3" not in os.environ
+
+
+def test_a_worker_never_creates_the_store_it_was_sent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    store = gp.open_store("relative-store", mode="w")
+    assert store.url == str(tmp_path / "relative-store")  # travels as an absolute path
+    data = pickle.dumps(store)
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    monkeypatch.chdir(other)
+    assert pickle.loads(data).url == store.url
+    gone = gp.open_store(tmp_path / "gone", mode="w")
+    payload = pickle.dumps(gone)
+    shutil.rmtree(tmp_path / "gone")
+    (tmp_path / "gone").mkdir()
+    with pytest.raises(gp.NotFoundError):
+        pickle.loads(payload)
+    assert not any((tmp_path / "gone").iterdir())

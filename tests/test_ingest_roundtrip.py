@@ -24,7 +24,7 @@ from gradpipe.core.chunking import choose_chunk_shape, dask_chunks
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.formats.dump import read_dump_header
 from gradpipe.formats.safetensors import read_safetensors
-from gradpipe.graph.ingest import plan_units
+from gradpipe.graph.ingest_plan import plan_units
 from gradpipe.ingest import ingest
 from gradpipe.runs import export_dump, open_run
 

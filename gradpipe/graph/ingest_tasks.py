@@ -1,0 +1,287 @@
+"""The tasks of the ingest graph: what runs on workers, one dump or read unit at a time.
+
+The graphs are built by :mod:`gradpipe.graph.ingest`; the task keys are::
+
+    gradpipe-inspect   headers of a few dumps            (phase 1, computed first)
+    gradpipe-read      one ranged read of tens of MiB    ┐ per read unit
+    gradpipe-encode    stats, hash, codec, write blocks  ┘
+    gradpipe-dump      tensor + dump manifests           per dump
+    gradpipe-commit    one compare-and-swap of the run   per ingest
+
+Tasks take paths, store URLs and small plans, never arrays from the client;
+the only arrays in flight are a read task's bytes, handed to its encode task.
+A task that fails on a bad dump returns a :class:`Failure` instead of raising,
+so every good dump of the batch still reaches the commit.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ParamSpec, TypeVar
+
+import numpy as np
+from numcodecs.abc import Codec
+
+from gradpipe.core.chunk_stats import ChunkStats
+from gradpipe.core.chunking import chunk_ranges
+from gradpipe.core.dtypes import parse_dtype
+from gradpipe.core.run_manifest import DumpEntry, DumpManifest, RunManifest, TensorSchema, merge_run
+from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.formats.dump import DumpHeader, read_byte_range, read_dump_header, read_dump_tensors
+from gradpipe.graph.discover import DumpFile, Failure
+from gradpipe.graph.ingest_plan import ReadUnit, tensor_chunks
+from gradpipe.storage.blocks import WriteStats
+from gradpipe.storage.catalog import read_run_at, run_ref
+from gradpipe.storage.store import Store
+from gradpipe.storage.tensors import write_chunks
+
+__all__ = [
+    "CommitResult",
+    "DumpResult",
+    "Failure",
+    "UnitResult",
+    "commit_run",
+    "encode_unit",
+    "inspect_dumps",
+    "read_unit",
+    "schema_conflict",
+    "write_dump",
+]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _isolated(func: Callable[P, R]) -> Callable[P, R | Failure]:
+    """Run a task for one dump; turn an exception into a :class:`Failure` of that dump.
+
+    The dump is the task's first :class:`DumpFile` argument. Failures from
+    upstream tasks pass straight through.
+    """
+
+    @functools.wraps(func)
+    def task(*args: P.args, **kwargs: P.kwargs) -> R | Failure:
+        dump = next(a for a in args if isinstance(a, DumpFile))
+        upstream = [a for a in args if isinstance(a, Failure)]
+        upstream += [x for a in args if isinstance(a, list) for x in a if isinstance(x, Failure)]
+        if upstream:
+            return upstream[0]
+        try:
+            return func(*args, **kwargs)
+        except Exception as exc:
+            reason = str(exc) if str(exc) else type(exc).__name__
+            if dump.path not in reason:
+                reason = f"{dump.path}: {reason}"
+            return Failure(dump.path, dump.step, dump.peer, reason)
+
+    return task
+
+
+# --- phase 1: headers ---------------------------------------------------------------
+def inspect_dumps(fs: Any, dumps: Sequence[DumpFile]) -> list[DumpHeader | Failure]:
+    """Read the headers of a few dumps (one task per batch keeps the graph small)."""
+    return [_isolated(_read_header)(fs, dump) for dump in dumps]
+
+
+def _read_header(fs: Any, dump: DumpFile) -> DumpHeader:
+    return read_dump_header(fs, dump.path)
+
+
+# --- phase 2: tasks -----------------------------------------------------------------
+@_isolated
+def read_unit(fs: Any, dump: DumpFile, header: DumpHeader, unit: ReadUnit) -> Any:
+    """The bytes of a unit (one ranged read), or whole tensors for formats without ranges."""
+    if unit.whole:
+        return read_dump_tensors(fs, dump.path, header)
+    return read_byte_range(fs, dump.path, unit.start, unit.stop)
+
+
+ChunkRecords = dict[str, list[tuple[str | None, ChunkStats]]]
+
+
+@dataclass
+class UnitResult:
+    """Chunk records of one unit: per tensor, (block id, stats) for chunks ``part.lo…``."""
+
+    records: ChunkRecords = field(default_factory=dict)
+    stats: WriteStats = field(default_factory=WriteStats)
+
+
+@_isolated
+def encode_unit(
+    store: Store,
+    dump: DumpFile,
+    header: DumpHeader,
+    unit: ReadUnit,
+    data: Any,
+    chunk_bytes: int,
+    codecs: Sequence[Codec] | None,
+) -> UnitResult:
+    """Compute stats, hash, encode and write the chunks of one unit."""
+    specs = {t.name: t for t in header.tensors}
+    result = UnitResult()
+    owners: list[str] = []  # the tensor of each chunk, in order
+    chunks: list[np.ndarray] = []
+    for part in unit.parts:
+        spec = specs[part.tensor]
+        dtype = parse_dtype(spec.dtype)
+        grid = tensor_chunks(spec.shape, spec.dtype, chunk_bytes)
+        ranges = list(chunk_ranges(spec.shape, grid))
+        if unit.whole:
+            flat = np.ascontiguousarray(data[part.tensor], dtype=dtype).reshape(-1)
+            first = 0
+        else:
+            base = part.start - unit.start
+            flat = data[base : base + (part.stop - part.start)].view(dtype)
+            first = ranges[part.lo][0] if part.hi > part.lo else 0
+            ranges = ranges[part.lo : part.hi]
+        chunks.extend(flat[a - first : b - first] for a, b in ranges)
+        owners.extend([part.tensor] * len(ranges))
+        result.records.setdefault(part.tensor, [])
+    # One call for the whole unit: many small tensors share batched round trips.
+    records = write_chunks(store, chunks, codecs=codecs, stats=result.stats, where=dump.path)
+    for tensor, record in zip(owners, records, strict=True):
+        result.records[tensor].append(record)
+    return result
+
+
+@dataclass(frozen=True)
+class DumpResult:
+    """A dump written to the store, not yet part of its run."""
+
+    entry: DumpEntry
+    schema: dict[str, TensorSchema]
+    stats: WriteStats
+    raw_bytes: int
+    nonfinite: dict[str, tuple[int, int]]  # tensor → (NaN count, Inf count), where any
+
+
+@_isolated
+def write_dump(
+    store: Store,
+    dump: DumpFile,
+    header: DumpHeader,
+    run: str,
+    results: list[UnitResult],
+    chunk_bytes: int,
+) -> DumpResult:
+    """Assemble and store the tensor manifests and the dump manifest of one dump."""
+    records: ChunkRecords = {}
+    stats = WriteStats()
+    for unit_result in results:
+        stats.add(unit_result.stats)
+        for name, recs in unit_result.records.items():
+            records.setdefault(name, []).extend(recs)
+    manifests: list[TensorManifest] = []
+    nonfinite: dict[str, tuple[int, int]] = {}
+    for spec in header.tensors:
+        recs = records.get(spec.name, [])
+        manifest = TensorManifest(
+            spec.dtype,
+            spec.shape,
+            tensor_chunks(spec.shape, spec.dtype, chunk_bytes),
+            tuple(block for block, _ in recs),
+            tuple(s for _, s in recs),
+        )
+        summary = manifest.summary()
+        if summary.nan or summary.inf:
+            nonfinite[spec.name] = (summary.nan, summary.inf)
+        manifests.append(manifest)
+    ids = store.put_manifests(manifests, stats=stats)
+    tensors = [(spec.name, tensor_id) for spec, tensor_id in zip(header.tensors, ids, strict=True)]
+    source = {
+        "path": dump.path,
+        "format": header.format,
+        "size": str(header.size),
+        "fingerprint": dump.fingerprint,
+    }
+    dump_manifest = DumpManifest(
+        run, dump.step, dump.peer, tuple(tensors), dict(header.metadata), source
+    )
+    [manifest_id] = store.put_manifests([dump_manifest], stats=stats)
+    return DumpResult(
+        DumpEntry(dump.step, dump.peer, manifest_id, dump.fingerprint),
+        {t.name: TensorSchema(t.dtype, t.shape) for t in header.tensors},
+        stats,
+        sum(t.nbytes for t in header.tensors),
+        nonfinite,
+    )
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    """What the commit published."""
+
+    run_id: str | None
+    committed: list[DumpResult]
+    failures: list[Failure]
+
+
+def schema_conflict(
+    schema: dict[str, TensorSchema], theirs: dict[str, TensorSchema], where: str
+) -> str | None:
+    """Why a dump's tensors disagree with the run's schema, or None."""
+    for name, spec in theirs.items():
+        known = schema.get(name)
+        if known is not None and known != spec:
+            return (
+                f"tensor {name!r} of {where} is {spec.describe()}, but the run has it as "
+                f"{known.describe()}; fix the dump or ingest it into another run"
+            )
+    return None
+
+
+def commit_run(
+    store: Store,
+    run: str,
+    dumps: list[DumpFile],
+    results: list[DumpResult | Failure],
+    message: str,
+    replace: bool,
+    lease: str | None = None,
+) -> CommitResult:
+    """Publish every successful dump into the run with one compare-and-swap.
+
+    The run is re-checked as it is at the swap, not as it was when the ingest
+    planned: a concurrent ingest may have recorded the same (step, peer) from
+    another file version, or fixed a tensor's schema differently.
+    """
+    failures = [r for r in results if isinstance(r, Failure)]
+    done = [r for r in results if isinstance(r, DumpResult)]
+    if not done:
+        return CommitResult(None, [], failures)
+    outcome: dict[str, Any] = {}
+
+    def decide(current: str | None) -> str | None:
+        base = read_run_at(store, current, run) if current else RunManifest(run)
+        schema = dict(base.schema)
+        accepted, refused = [], []
+        paths = {(d.step, d.peer): d.path for d in dumps}
+        for result in done:
+            key = (result.entry.step, result.entry.peer)
+            why = schema_conflict(schema, result.schema, f"step {key[0]}, peer {key[1]!r}")
+            recorded = base.entry(*key)
+            changed = recorded is not None and recorded.fingerprint != result.entry.fingerprint
+            if why is None and changed and not replace:
+                why = (
+                    f"run {run!r} got step {key[0]}, peer {key[1]!r} from another version "
+                    "of the file while this ingest ran; re-run with --replace to replace it"
+                )
+            if why is None:
+                accepted.append(result)
+                for name, spec in result.schema.items():
+                    schema.setdefault(name, spec)
+            else:
+                refused.append(Failure(paths.get(key, "?"), key[0], key[1], why))
+        outcome.update(accepted=accepted, refused=refused)
+        if not accepted:
+            return current
+        merged = merge_run(base, [r.entry for r in accepted], schema)
+        return store.put_manifest(merged)
+
+    # Publish under the client's lease (checked fresh first), not a new one of our own.
+    with store.lock.join(lease):
+        entry = store.refs.update(run_ref(run), decide, message=message)
+    return CommitResult(entry.target, outcome["accepted"], failures + outcome["refused"])
