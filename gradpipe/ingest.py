@@ -28,6 +28,7 @@ from gradpipe.graph.runner import Runner, RunnerOptions, check_runner_options, u
 from gradpipe.storage.blocks import WriteStats
 from gradpipe.storage.catalog import read_run, run_ref
 from gradpipe.storage.store import Store
+from gradpipe.storage.walk import find_missing
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -45,6 +46,7 @@ class IngestReport:
     run_id: str | None = None
     ingested: int = 0
     skipped: int = 0
+    repaired: int = 0
     failures: list[Failure] = field(default_factory=list)
     tensors: int = 0
     raw_bytes: int = 0
@@ -78,6 +80,7 @@ class IngestReport:
             "run_id": self.run_id,
             "ingested": self.ingested,
             "skipped": self.skipped,
+            "repaired": self.repaired,
             "failed": len(self.failures),
             "failures": [f.to_dict() for f in self.failures],
             "tensors": self.tensors,
@@ -97,7 +100,8 @@ class IngestReport:
         """A few lines for people."""
         lines = [
             f"run {self.run!r}: {self.ingested} dumps ingested, {self.skipped} skipped "
-            f"(already recorded), {len(self.failures)} failed",
+            f"(already recorded), {len(self.failures)} failed"
+            + (f", {self.repaired} repaired" if self.repaired else ""),
             f"{self.tensors} tensors, {format_bytes(self.raw_bytes)} raw -> "
             f"{format_bytes(self.writes.stored_bytes)} new stored"
             + (f" (ratio {self.ratio:.2f})" if self.writes.stored_bytes else ""),
@@ -114,15 +118,15 @@ class IngestReport:
 
 def _select(
     recorded: RunManifest, dumps: list[DumpFile], replace: bool, report: IngestReport
-) -> list[DumpFile]:
-    """Dumps to ingest: skip those recorded from the same file version."""
-    todo = []
+) -> tuple[list[DumpFile], list[DumpFile]]:
+    """Dumps to ingest, and dumps recorded from the same file version (skipped unless damaged)."""
+    todo, same = [], []
     for dump in dumps:
         entry = recorded.entry(dump.step, dump.peer)
         if entry is None:
             todo.append(dump)
         elif entry.fingerprint == dump.fingerprint:
-            report.skipped += 1  # also with replace: the same file version is already there
+            same.append(dump)  # also with replace: the same file version is already there
         elif replace:
             todo.append(dump)
         else:
@@ -135,7 +139,19 @@ def _select(
                     "a different version of this file; pass replace=True (--replace) to replace it",
                 )
             )
-    return todo
+    return todo, same
+
+
+def _damaged(store: Store, recorded: RunManifest, dumps: list[DumpFile]) -> list[DumpFile]:
+    """The recorded dumps some of whose objects are missing or corrupt (manifests) or absent."""
+    roots = []
+    for dump in dumps:
+        entry = recorded.entry(dump.step, dump.peer)
+        if entry is None:  # _select only passes recorded dumps
+            raise RuntimeError(f"step {dump.step}, peer {dump.peer!r} is not recorded")
+        roots.append((entry.dump, f"run {recorded.run!r}, step {dump.step}, peer {dump.peer!r}"))
+    problems = find_missing(store, roots)
+    return [dump for dump, found in zip(dumps, problems, strict=True) if found]
 
 
 def _check_schema(
@@ -177,6 +193,7 @@ def ingest(
     chunk_bytes: int | None = None,
     storage_options: dict[str, Any] | None = None,
     replace: bool = False,
+    repair: bool = False,
 ) -> IngestReport:
     """Ingest the dumps matching ``pattern`` into ``run``.
 
@@ -209,6 +226,13 @@ def ingest(
         fsspec options for reading the dump files.
     replace : bool
         Replace dumps already recorded from a different version of the file.
+    repair : bool
+        Also check the dumps already recorded from the same file version:
+        every manifest below them is read and every data block's presence is
+        checked (no data is read), and a dump with anything missing is
+        ingested again from its file, which rewrites exactly what is missing
+        (blocks are named by their content). Without it, recorded dumps are
+        skipped unread.
 
     Returns
     -------
@@ -238,12 +262,17 @@ def ingest(
     fs, found, refused = discover_dumps(pattern, storage_options)
     report.failures.extend(refused)
     _, recorded = read_run(store, run, missing_ok=True)
-    todo = _select(recorded, found, replace, report)
+    todo, same = _select(recorded, found, replace, report)
+    broken = _damaged(store, recorded, same) if repair and same else []
+    report.skipped += len(same) - len(broken)
+    todo += broken
     with use_runner(runner, **options) as active:
         report.dashboard = active.dashboard_link
         good = _check_schema(recorded, todo, _inspect(active, fs, todo), report) if todo else []
         if good:
-            message = f"ingest {len(good)} dumps from {pattern}"
+            message = f"ingest {len(good)} dumps from {pattern}" + (
+                f" ({len(broken)} of them to repair)" if broken else ""
+            )
             result = _write(
                 store,
                 active,
@@ -255,7 +284,7 @@ def ingest(
                 codecs=codecs,
                 replace=replace,
             )
-            _add_commit(report, result)
+            _add_commit(report, result, {(d.step, d.peer) for d in broken})
     if report.run_id is None:
         report.run_id = recorded_id(store, run)
     report.failures.sort(key=lambda f: (f.step, f.peer))
@@ -311,11 +340,14 @@ def _write(
     return result
 
 
-def _add_commit(report: IngestReport, result: CommitResult) -> None:
+def _add_commit(report: IngestReport, result: CommitResult, repairs: set[tuple[int, str]]) -> None:
     report.run_id = result.run_id
     report.failures.extend(result.failures)
     for done in result.committed:
-        report.ingested += 1
+        if (done.entry.step, done.entry.peer) in repairs:
+            report.repaired += 1
+        else:
+            report.ingested += 1
         report.tensors += len(done.schema)
         report.raw_bytes += done.raw_bytes
         report.writes.add(done.stats)

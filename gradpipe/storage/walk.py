@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from gradpipe.core.ids import block_key, hash_bytes, parse_id
@@ -11,7 +11,7 @@ from gradpipe.errors import GradpipeError, IntegrityError, NotFoundError, Unsupp
 from gradpipe.storage.blocks import decode_block
 from gradpipe.storage.store import Store
 
-__all__ = ["Problem", "Reachable", "walk_reachable"]
+__all__ = ["Problem", "Reachable", "find_missing", "walk_reachable"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +95,9 @@ def walk_reachable(store: Store, *, known: Reachable | None = None) -> Reachable
             batch = items[lo : lo + _BATCH]
             frames = store.backend.read_many([block_key(parse_id(i)) for i, _ in batch])
             for (manifest_id, context), frame in zip(batch, frames, strict=True):
-                manifest = _parse(manifest_id, context, frame, found)
-                if manifest is None:
+                manifest = _parse(manifest_id, context, frame)
+                if isinstance(manifest, Problem):
+                    found.problems.append(manifest)
                     continue
                 here = f"{type(manifest).type} {manifest_id} ({context})"
                 level.extend((child, here) for child in manifest.manifest_children())
@@ -105,19 +106,73 @@ def walk_reachable(store: Store, *, known: Reachable | None = None) -> Reachable
     return found
 
 
-def _parse(
-    manifest_id: str, context: str, frame: bytes | Exception, found: Reachable
-) -> Manifest | None:
-    """A fetched manifest, or None with the problem recorded."""
+def _parse(manifest_id: str, context: str, frame: bytes | Exception) -> Manifest | Problem:
+    """A fetched manifest, or the problem that keeps it from being read."""
     try:
         if isinstance(frame, Exception):
             raise frame
         data = decode_block(frame, manifest_id, context=context)
         return decode_manifest(bytes(data), what=f"manifest {manifest_id} ({context})")
     except NotFoundError as exc:
-        found.problems.append(Problem("missing", manifest_id, context, str(exc)))
+        return Problem("missing", manifest_id, context, str(exc))
     except IntegrityError as exc:
-        found.problems.append(Problem("corrupt", manifest_id, context, str(exc)))
+        return Problem("corrupt", manifest_id, context, str(exc))
     except GradpipeError as exc:
-        found.problems.append(Problem("unreadable", manifest_id, context, str(exc)))
-    return None
+        return Problem("unreadable", manifest_id, context, str(exc))
+
+
+def find_missing(store: Store, roots: Sequence[tuple[str, str]]) -> list[list[Problem]]:
+    """For each ``(manifest id, context)`` root, the objects below it that cannot be read.
+
+    Manifests are read and checked; data blocks are only checked for presence
+    (one batched existence check, no data read), so this costs what gc's walk
+    costs, not what verify's does. A block shared by several roots is reported
+    under each of them. Used by ``ingest(repair=True)`` to find recorded dumps
+    whose objects went missing.
+    """
+    children: dict[str, list[str]] = {}
+    problems: dict[str, Problem] = {}
+    data: dict[str, str] = {}
+    level = list(dict.fromkeys(roots))
+    while level:
+        wanted = [(i, c) for i, c in dict(level).items() if i not in children and i not in problems]
+        level = []
+        for lo in range(0, len(wanted), _BATCH):
+            batch = wanted[lo : lo + _BATCH]
+            frames = store.backend.read_many([block_key(parse_id(i)) for i, _ in batch])
+            for (manifest_id, context), frame in zip(batch, frames, strict=True):
+                manifest = _parse(manifest_id, context, frame)
+                if isinstance(manifest, Problem):
+                    problems[manifest_id] = manifest
+                    continue
+                here = f"{type(manifest).type} {manifest_id} ({context})"
+                kids = list(manifest.manifest_children())
+                blocks = list(manifest.data_children())
+                children[manifest_id] = kids + blocks
+                level.extend((child, here) for child in kids)
+                for i, block_id in enumerate(blocks):
+                    data.setdefault(block_id, f"{here}, block {i}")
+    items = list(data.items())
+    for lo in range(0, len(items), _BATCH * 4):
+        batch = items[lo : lo + _BATCH * 4]
+        mtimes = store.backend.mtimes([block_key(parse_id(i)) for i, _ in batch])
+        for (block_id, context), mtime in zip(batch, mtimes, strict=True):
+            if mtime is None:
+                problems[block_id] = Problem("missing", block_id, context, "block not found")
+    return [_below(root, children, problems) for root, _ in roots]
+
+
+def _below(
+    root: str, children: dict[str, list[str]], problems: dict[str, Problem]
+) -> list[Problem]:
+    """The problems of ``root`` and everything under it."""
+    out, seen, todo = [], set(), [root]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node in problems:
+            out.append(problems[node])
+        todo.extend(children.get(node, ()))
+    return out
