@@ -11,6 +11,7 @@ lease); gc runs in a thread on a third Store object, as a separate job would.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -155,6 +156,7 @@ def _stress(
                 time.sleep(0.05)
         assert not loop.errors, loop.errors
         assert proc.returncode == 0, err
+        assert json.loads(out)["ingested"] == len(sample.steps) * len(sample.peers)
         assert report.ok, report.summary()
         check = gp.verify(store)
         assert check.ok, check.summary()
