@@ -64,7 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # argparse would blame "gradpipe", not the command they were given to
+            raise UsageError(
+                f"gradpipe {args.command}", f"unrecognized arguments: {' '.join(extra)}"
+            )
     except UsageError as exc:
         _report(exc.prog, f"{exc}; see `{exc.prog} --help`", "UsageError", as_json="--json" in argv)
         raise SystemExit(EXIT_USAGE) from None

@@ -68,21 +68,34 @@ def run_ls(args: argparse.Namespace) -> CommandResult:
 def _describe_runs(store: Store, rows: list[dict[str, Any]]) -> int:
     """Add steps x peers to the rows of run refs (manifests read in one batch).
 
-    A run ref that points at another kind of object gets a ``problem``; returns
-    how many did.
+    A run ref whose target is missing, damaged or another kind of object gets
+    a ``problem`` instead; returns how many did.
     """
     from gradpipe.core.run_manifest import RunManifest
+    from gradpipe.errors import GradpipeError
 
     runs = [r for r in rows if r["ref"].startswith("runs/")]
+    try:
+        manifests: list[Any] = store.get_manifests([r["target"] for r in runs])
+    except GradpipeError:  # one is bad: read them one by one to say which
+        manifests = []
+        for row in runs:
+            try:
+                manifests.append(store.get_manifest(row["target"], context=f"ref {row['ref']}"))
+            except GradpipeError as exc:
+                manifests.append(exc)
     bad = 0
-    for row, manifest in zip(runs, store.get_manifests([r["target"] for r in runs]), strict=True):
+    for row, manifest in zip(runs, manifests, strict=True):
         if isinstance(manifest, RunManifest):
             row.update(
                 steps=len(manifest.steps), peers=len(manifest.peers), dumps=len(manifest.dumps)
             )
             row["summary"] = f"{row['steps']} steps x {row['peers']} peers"
+            continue
+        bad += 1
+        if isinstance(manifest, Exception):
+            row["problem"] = str(manifest)
         else:
-            bad += 1
             row["problem"] = (
                 f"points at a {manifest.type} manifest, not a run; run `gradpipe verify` and "
                 "move the ref back to the run's last state"
