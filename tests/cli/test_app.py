@@ -72,11 +72,15 @@ def test_help_and_version_load_no_numpy_or_dask(argv: list[str]) -> None:
 
 def test_python_dash_m() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "gradpipe.cli", "--version"], capture_output=True, text=True
+        [sys.executable, "-m", "gradpipe.cli", "--version"],
+        check=False,
+        capture_output=True,
+        text=True,
     )
     assert (done.returncode, done.stdout.strip()) == (0, f"gradpipe {gp.__version__}")
     done = subprocess.run(
         [sys.executable, "-m", "gradpipe.cli", "gc", "no/such/store"],
+        check=False,
         capture_output=True,
         text=True,
     )
@@ -262,7 +266,7 @@ def test_ls_store_flags_run_refs_to_wrong_objects(wrong_kind: gp.Store) -> None:
 
 
 def test_open_run_on_wrong_kind_raises_integrity_error(wrong_kind: gp.Store) -> None:
-    with pytest.raises(gp.IntegrityError, match="run 'x'.*tensor manifest where a run"):
+    with pytest.raises(gp.IntegrityError, match=r"run 'x'.*tensor manifest where a run"):
         gp.open_run(wrong_kind, "x")
 
 
