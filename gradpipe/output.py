@@ -47,7 +47,8 @@ def parse_output_path(
     Raises
     ------
     InvalidInputError
-        For an empty name, an existing non-regular file, or a path inside a store.
+        For an empty name, a missing directory, an existing non-regular file,
+        or a path inside a store.
     """
     text = os.fspath(path)
     if "://" in text and not text.lower().startswith("file://"):
@@ -78,6 +79,11 @@ def parse_output_path(
         raise InvalidInputError(
             f"{what} {text!r} is inside the gradpipe store at {root}; writing there could "
             "overwrite stored objects. Write it outside the store"
+        )
+    parent = Path(os.path.abspath(local)).parent
+    if not parent.is_dir():
+        raise InvalidInputError(
+            f"{what} {text!r}: the directory {parent} does not exist; create it first"
         )
     return text
 

@@ -31,5 +31,5 @@ def test_settings_read_config_then_defaults() -> None:
     assert get_setting("chunk-bytes") == DEFAULTS["gradpipe"]["chunk-bytes"]
     with dask.config.set({"gradpipe.chunk-bytes": "1 MiB"}):
         assert get_bytes("chunk-bytes") == 1 << 20
-    with pytest.raises(KeyError, match="gradpipe.no.such"):
+    with pytest.raises(KeyError, match=r"gradpipe\.no\.such"):
         get_setting("no.such")

@@ -158,3 +158,11 @@ def test_export_dump_api_refuses_the_same(ingested: str, tmp_path: Path) -> None
         gp.export_dump(store, "train", 1, "peer0", Path(ingested) / "x.safetensors")
     with pytest.raises(gp.InvalidInputError, match="output path needs a file name"):
         gp.export_dump(store, "train", 1, "peer0", "")
+
+
+def test_export_into_a_missing_directory(ingested: str, tmp_path: Path) -> None:
+    outcome = export(ingested, str(tmp_path / "no" / "such" / "out.safetensors"))
+    assert outcome.status == 2
+    message = outcome.error_message("export")
+    assert f"the directory {tmp_path / 'no' / 'such'} does not exist" in message
+    assert not (tmp_path / "no").exists()
