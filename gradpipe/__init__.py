@@ -7,14 +7,19 @@ Operations (:func:`ingest`, :func:`gc`, :func:`verify`) return reports that
 share one shape (:class:`Report`: ``ok``, ``to_dict()``, ``summary()``); those
 that compute Dask graphs take ``runner=`` (:func:`runner`), so one cluster
 serves many of them.
+
+The names are imported on first use (PEP 562), so ``import gradpipe`` — and the
+``gradpipe`` command's ``--help`` and ``--version`` — load neither numpy nor dask.
 """
 
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any, Final
+
 from gradpipe._version import __version__
-from gradpipe.core.chunk_stats import ChunkStats
-from gradpipe.core.ref_entry import RefEntry
-from gradpipe.core.report import Report
-from gradpipe.core.run_manifest import DumpEntry, DumpManifest, RunManifest, TensorSchema
-from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import (
     ConflictError,
     FormatError,
@@ -27,15 +32,54 @@ from gradpipe.errors import (
     StorageError,
     UnsupportedFormatError,
 )
-from gradpipe.graph.discover import Failure
-from gradpipe.graph.runner import Runner, runner
-from gradpipe.ingest import IngestReport, ingest
-from gradpipe.runs import Dump, Run, export_dump, list_runs, open_run
-from gradpipe.storage import Refs, Store, WriteStats, open_store
-from gradpipe.storage.gc import GcReport, gc
-from gradpipe.storage.locks import Lease
-from gradpipe.storage.verify import VerifyReport, verify
-from gradpipe.storage.walk import Problem
+
+if TYPE_CHECKING:
+    from gradpipe.core.chunk_stats import ChunkStats
+    from gradpipe.core.ref_entry import RefEntry
+    from gradpipe.core.report import Report
+    from gradpipe.core.run_manifest import DumpEntry, DumpManifest, RunManifest, TensorSchema
+    from gradpipe.core.tensor_manifest import TensorManifest
+    from gradpipe.graph.discover import Failure
+    from gradpipe.graph.runner import Runner, runner
+    from gradpipe.ingest import IngestReport, ingest
+    from gradpipe.runs import Dump, Run, export_dump, list_runs, open_run
+    from gradpipe.storage import Refs, Store, WriteStats, open_store
+    from gradpipe.storage.gc import GcReport, gc
+    from gradpipe.storage.locks import Lease
+    from gradpipe.storage.verify import VerifyReport, verify
+    from gradpipe.storage.walk import Problem
+
+#: Public name → the module that defines it, imported on first access.
+_LAZY: Final[dict[str, str]] = {
+    "ChunkStats": "gradpipe.core.chunk_stats",
+    "Dump": "gradpipe.runs",
+    "DumpEntry": "gradpipe.core.run_manifest",
+    "DumpManifest": "gradpipe.core.run_manifest",
+    "Failure": "gradpipe.graph.discover",
+    "GcReport": "gradpipe.storage.gc",
+    "IngestReport": "gradpipe.ingest",
+    "Lease": "gradpipe.storage.locks",
+    "Problem": "gradpipe.storage.walk",
+    "RefEntry": "gradpipe.core.ref_entry",
+    "Refs": "gradpipe.storage",
+    "Report": "gradpipe.core.report",
+    "Run": "gradpipe.runs",
+    "RunManifest": "gradpipe.core.run_manifest",
+    "Runner": "gradpipe.graph.runner",
+    "Store": "gradpipe.storage",
+    "TensorManifest": "gradpipe.core.tensor_manifest",
+    "TensorSchema": "gradpipe.core.run_manifest",
+    "VerifyReport": "gradpipe.storage.verify",
+    "WriteStats": "gradpipe.storage",
+    "export_dump": "gradpipe.runs",
+    "gc": "gradpipe.storage.gc",
+    "ingest": "gradpipe.ingest",
+    "list_runs": "gradpipe.runs",
+    "open_run": "gradpipe.runs",
+    "open_store": "gradpipe.storage",
+    "runner": "gradpipe.graph.runner",
+    "verify": "gradpipe.storage.verify",
+}
 
 __all__ = [
     "ChunkStats",
@@ -78,3 +122,32 @@ __all__ = [
     "runner",
     "verify",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'gradpipe' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+class _Package(types.ModuleType):
+    """The gradpipe package, whose function ``ingest`` shares its name with a submodule."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # Importing the submodule ``gradpipe.ingest`` sets the package attribute
+        # ``ingest`` to that module; the public name is the function, as it was
+        # when this package imported everything eagerly.
+        if name in _LAZY and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -57,8 +57,29 @@ dask.config.update_defaults(DEFAULTS)
 
 
 def get_setting(key: str) -> Any:
-    """One ``gradpipe.*`` setting."""
-    return dask.config.get(f"gradpipe.{key}")
+    """One ``gradpipe.*`` setting (its default when the configuration has none).
+
+    The defaults are also looked up here, not only merged at import: a module
+    first imported inside ``with dask.config.set(...)`` has its merged defaults
+    undone when the block ends (dask restores the configuration it saved), and
+    gradpipe's modules are imported lazily, so that happens.
+    """
+    value = dask.config.get(f"gradpipe.{key}", default=_UNSET)
+    return _default(key) if value is _UNSET else value
+
+
+_UNSET: Final = object()
+
+
+def _default(key: str) -> Any:
+    node: Any = DEFAULTS["gradpipe"]
+    for part in key.split("."):
+        if not isinstance(node, dict):
+            raise KeyError(f"gradpipe.{key}")
+        node = node.get(part, node.get(part.replace("_", "-"), _UNSET))
+        if node is _UNSET:
+            raise KeyError(f"gradpipe.{key}")
+    return node
 
 
 def get_bytes(key: str) -> int:

@@ -25,7 +25,8 @@ __all__ = ["Dump", "Run", "export_dump", "list_runs", "open_run"]
 def open_run(store: Store, run: str) -> Run:
     """A run of the store, as recorded now."""
     run_id, manifest = read_run(store, run)
-    assert run_id is not None  # read_run raises for a missing run
+    if run_id is None:  # read_run raises for a missing run unless asked not to
+        raise NotFoundError(f"no run {run!r} in store {store.url}")
     return Run(store, run_id, manifest)
 
 
@@ -161,9 +162,15 @@ class Dump:
 
 
 def export_dump(store: Store, run: str, step: int, peer: str, path: str | os.PathLike[str]) -> Dump:
-    """Write a dump back as safetensors: bit-exact tensors and its metadata."""
-    from gradpipe.formats.safetensors import write_safetensors
+    """Write a dump back as safetensors: bit-exact tensors and its metadata.
 
+    ``path`` must name a regular file or nothing (not a symlink, FIFO, device
+    or directory) outside any store; see :func:`gradpipe.output.parse_output_path`.
+    """
+    from gradpipe.formats.safetensors import write_safetensors
+    from gradpipe.output import parse_output_path
+
+    parse_output_path(path, store_url=store.url)
     dump = open_run(store, run).dump(step, peer)
     write_safetensors(path, dump.read_all(), dump.metadata)
     return dump

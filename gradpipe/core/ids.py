@@ -9,7 +9,7 @@ cryptographic hash at several GB/s on one core (SHA-256 manages ~1.5 GB/s).
 from __future__ import annotations
 
 import re
-from typing import Final
+from typing import Final, TypeGuard
 
 import blake3
 import numpy as np
@@ -36,7 +36,7 @@ def hash_bytes(data: bytes | bytearray | memoryview | np.ndarray) -> str:
     return ID_PREFIX + blake3.blake3(view, max_threads=threads).hexdigest()
 
 
-def is_id(value: object) -> bool:
+def is_id(value: object) -> TypeGuard[str]:
     """True when ``value`` is a well-formed id string."""
     return isinstance(value, str) and _ID_RE.fullmatch(value) is not None
 
@@ -47,7 +47,6 @@ def parse_id(value: object) -> str:
         raise InvalidInputError(
             f"{value!r} is not a gradpipe id; ids look like 'b3:' followed by 64 hex digits"
         )
-    assert isinstance(value, str)
     return value
 
 

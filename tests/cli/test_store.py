@@ -1,4 +1,4 @@
-"""``gradpipe init/ls/verify/gc``: exit codes, one JSON object, --help, --dry-run."""
+"""``gradpipe init/ls/verify/gc``: exit codes, one JSON object, --dry-run, missing stores."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import gradpipe as gp
 from gradpipe.cli import main
 from gradpipe.core.ids import block_key
+from gradpipe.testing import TrainingConfig, write_sample_run
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -32,37 +33,6 @@ def listing(store: gp.Store) -> list[str]:
     return sorted(info.key for info in store.backend.list(""))
 
 
-@pytest.mark.parametrize("command", ["init", "ls", "verify", "gc"])
-def test_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as info:
-        main([command, "--help"])
-    assert info.value.code == 0
-    out = capsys.readouterr().out
-    assert out.startswith(f"usage: gradpipe {command}")
-    assert "STORE" in out
-    assert "--json" in out
-
-
-def test_top_level_help(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as info:
-        main(["--help"])
-    assert info.value.code == 0
-    out = capsys.readouterr().out
-    for command in ["init", "ls", "verify", "gc"]:
-        assert command in out
-
-
-@pytest.mark.parametrize(
-    "argv",
-    [[], ["frobnicate"], ["init"], ["verify"], ["gc", "x", "--dry-run=yes"], ["ls", "x", "--nope"]],
-)
-def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    assert info.value.code == 2
-    assert "usage:" in capsys.readouterr().err
-
-
 def test_init_ls_verify_gc(store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     status, doc = run_json(capsys, "init", store_url)
     assert status == 0
@@ -75,19 +45,20 @@ def test_init_ls_verify_gc(store_url: str, capsys: pytest.CaptureFixture[str]) -
 
     store = gp.open_store(store_url, mode="a")
     tensor_id = store.put_tensor(np.arange(100, dtype="float32"))
-    store.refs.set("runs/r1", tensor_id, message="first")
+    # Not under runs/: `ls` checks that a run ref points at a run manifest.
+    store.refs.set("models/r1", tensor_id, message="first")
     store.refs.set("tags/best", tensor_id)
     store.refs.set("tags/gone", tensor_id)
     store.refs.set("tags/gone", None)
     status, doc = run_json(capsys, "ls", store_url)
     assert status == 0
     refs = doc["refs"]
-    assert [r["ref"] for r in refs] == ["runs/r1", "tags/best"]  # type: ignore[index]
+    assert [r["ref"] for r in refs] == ["models/r1", "tags/best"]  # type: ignore[index]
     assert refs[0]["target"] == tensor_id  # type: ignore[index]
     assert refs[0]["message"] == "first"  # type: ignore[index]
     status, out, _ = run(capsys, "ls", store_url)
     assert status == 0
-    assert "runs/r1" in out
+    assert "models/r1" in out
     assert "tags/best" in out
     assert "tags/gone" not in out
 
@@ -159,11 +130,12 @@ def test_verify_reports_damage_exit_1(store_url: str, capsys: pytest.CaptureFixt
 
 def test_errors_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = str(tmp_path / "nowhere")
-    for command in ["ls", "verify"]:
+    for command in ["ls", "verify", "gc"]:
         status, doc = run_json(capsys, command, missing)
-        assert status == 1
+        assert status == 2  # a path that names no store is a usage error
         assert doc["type"] == "NotFoundError"
-        assert "no gradpipe store" in str(doc["error"])
+        assert f"no gradpipe store at {missing}" in str(doc["error"])
+        assert f"gradpipe init {missing}" in str(doc["error"])
     assert not Path(missing).exists()
 
     status, doc = run_json(capsys, "init", "ftp://host/x")
@@ -188,6 +160,22 @@ def test_errors_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert status == 2
 
 
+@pytest.mark.parametrize("command", ["ls", "verify", "gc"])
+def test_commands_never_create_a_store(
+    command: str, store_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gradpipe gc nostore` (a typo) used to create an empty store and exit 0."""
+    status, out, err = run(capsys, command, store_url)
+    assert status == 2
+    assert out == ""
+    assert err.startswith(f"gradpipe {command}: error: no gradpipe store at {store_url}")
+    assert "gradpipe init" in err
+    with pytest.raises(gp.NotFoundError):
+        gp.open_store(store_url, mode="r")  # still nothing there
+    assert run(capsys, "init", store_url)[0] == 0  # init is the command that creates
+    assert run(capsys, command, store_url)[0] == 0
+
+
 def test_gc_grace_is_respected(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     store = gp.open_store(tmp_path / "s", mode="w")
     store.put_tensor(np.arange(10, dtype="int8") + 1)
@@ -196,3 +184,22 @@ def test_gc_grace_is_respected(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert (status, doc["deleted"], doc["kept_young"]) == (0, 0, 2)
     status, doc = run_json(capsys, "gc", str(tmp_path / "s"), "--grace", "10ms")
     assert (status, doc["deleted"], doc["kept_young"]) == (0, 2, 0)
+
+
+def test_ls_store_summarises_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sample = write_sample_run(tmp_path / "d", TrainingConfig(steps=3, peers=2))
+    store = gp.open_store(tmp_path / "store", mode="w")
+    assert gp.ingest(store, sample.dump_pattern, run="r1").ok
+    store.refs.set("tags/best", store.refs.get("runs/r1"))
+    status, doc = run_json(capsys, "ls", str(tmp_path / "store"))
+    assert status == 0
+    rows = {r["ref"]: r for r in doc["refs"]}  # type: ignore[attr-defined]
+    assert (rows["runs/r1"]["steps"], rows["runs/r1"]["peers"], rows["runs/r1"]["dumps"]) == (
+        3,
+        2,
+        6,
+    )
+    assert "steps" not in rows["tags/best"]  # only run refs are described
+    status, out, _ = run(capsys, "ls", str(tmp_path / "store"))
+    assert status == 0
+    assert "3 steps x 2 peers" in out

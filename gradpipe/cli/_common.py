@@ -1,0 +1,155 @@
+"""What the command groups share: exit statuses, results, the store arguments, argument types.
+
+A command is a function ``handler(args) -> CommandResult``; it raises a
+:class:`~gradpipe.errors.GradpipeError` for what went wrong, and
+:mod:`gradpipe.cli._app` turns that into a one-line message and an exit status.
+This module is imported for ``--help``: it must not import numpy or dask.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, NoReturn
+
+from gradpipe.errors import InvalidInputError, NotFoundError
+
+if TYPE_CHECKING:
+    from gradpipe.storage.store import Mode, Store
+
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "ArgumentParser",
+    "CommandResult",
+    "Commands",
+    "Handler",
+    "MissingStoreError",
+    "UsageError",
+    "open_store_arg",
+    "parse_duration",
+    "positive_int",
+    "storage_options",
+]
+
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1
+EXIT_USAGE: Final = 2
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """What a command hands back: a JSON document, a text rendering, an exit status."""
+
+    doc: dict[str, Any]
+    text: str
+    status: int = EXIT_OK
+
+
+Handler = Callable[[argparse.Namespace], CommandResult]
+
+
+class UsageError(Exception):
+    """argparse rejected the command line (raised by :meth:`ArgumentParser.error`)."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An argparse parser whose errors reach ``main`` as :class:`UsageError`.
+
+    ``main`` then prints one line (and, with ``--json``, one JSON object) and
+    exits 2, as for every other usage error.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(self.prog, message)
+
+
+class MissingStoreError(NotFoundError):
+    """The STORE argument names no store: a usage error (exit 2), not a failed object."""
+
+
+class Commands:
+    """The table of subcommands that each command group's ``register`` adds to."""
+
+    def __init__(self, subparsers: argparse._SubParsersAction[ArgumentParser]) -> None:
+        self._subparsers = subparsers
+
+    def add(self, name: str, handler: Handler, help: str, *, store: bool = True) -> ArgumentParser:
+        """A new subcommand ``name`` with ``--json`` (and STORE, -S unless ``store=False``)."""
+        parser = self._subparsers.add_parser(name, help=help, description=help)
+        if store:
+            parser.add_argument(
+                "store", metavar="STORE", help="store URL: a path, file:// or s3://bucket/prefix"
+            )
+            parser.add_argument(
+                "-S",
+                "--storage-option",
+                action="append",
+                default=[],
+                metavar="KEY=VALUE",
+                help="fsspec storage option (repeatable), e.g. endpoint_url=http://127.0.0.1:9000",
+            )
+        parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+        parser.set_defaults(handler=handler)
+        return parser
+
+
+# --- the store argument --------------------------------------------------------
+def storage_options(pairs: Sequence[str]) -> dict[str, Any] | None:
+    """``-S KEY=VALUE`` pairs as fsspec storage options (values parsed as JSON when they are)."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise InvalidInputError(f"-S/--storage-option takes KEY=VALUE, got {pair!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options or None
+
+
+def open_store_arg(args: argparse.Namespace, mode: Mode) -> Store:
+    """The store named by STORE.
+
+    Only ``init``, ``ingest`` and ``demo`` create a store (``mode="a"``); every
+    other command opens with ``"r"`` or ``"r+"``, so a mistyped path is an
+    error (exit 2) that names it and suggests ``gradpipe init``, never a new
+    empty store.
+    """
+    from gradpipe.storage.open import open_store
+
+    options = storage_options(args.storage_option)
+    try:
+        return open_store(args.store, mode=mode, storage_options=options)
+    except NotFoundError as exc:
+        raise MissingStoreError(str(exc)) from None
+
+
+# --- argument types --------------------------------------------------------------
+def positive_int(text: str) -> int:
+    """argparse type of counts such as ``--workers``: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
+def parse_duration(text: str) -> float:
+    """``24h``, ``30m``, ``0s``, or a number of seconds."""
+    from dask.utils import parse_timedelta
+
+    try:
+        return float(parse_timedelta(text, default="s"))
+    except (KeyError, ValueError, TypeError):
+        raise InvalidInputError(f"{text!r} is not a duration; write e.g. 24h, 30m or 0s") from None

@@ -1,0 +1,120 @@
+"""``gradpipe ingest``: dump files into a run, on a Dask graph.
+
+Adding an option is two steps: an argument in :func:`add_arguments`, and the
+keyword it becomes in :func:`ingest_options`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING, Any
+
+from gradpipe.cli._common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    CommandResult,
+    Commands,
+    open_store_arg,
+    positive_int,
+)
+from gradpipe.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from numcodecs.abc import Codec
+
+__all__ = ["add_arguments", "ingest_options", "parse_codecs", "register"]
+
+
+def register(commands: Commands) -> None:
+    """Add ``ingest``."""
+    add_arguments(
+        commands.add("ingest", run_ingest, "ingest gradient dumps into a run (a Dask graph)")
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``gradpipe ingest`` after STORE."""
+    p.add_argument(
+        "pattern",
+        metavar="PATTERN",
+        help="path or URL with {step} and {peer}, e.g. 'd/step={step}/peer={peer}.safetensors'",
+    )
+    p.add_argument("--run", required=True, help="run name to ingest into")
+    p.add_argument("--scheduler", metavar="ADDR", help="Dask scheduler address (default: local)")
+    p.add_argument(
+        "--workers", type=positive_int, metavar="N", help="local threads (default: one per core)"
+    )
+    p.add_argument(
+        "--codec",
+        metavar="SPEC",
+        help="fixed codec chain, e.g. 'zstd:level=5' or 'gradpipe_bytegroup:dtype=float32' "
+        "(default: auto, lossless per chunk)",
+    )
+    p.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="without --scheduler: run on an in-process Dask cluster and print its dashboard link",
+    )
+    p.add_argument(
+        "--replace",
+        action="store_true",
+        help="replace dumps recorded from a different version of the same file",
+    )
+
+
+def ingest_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of :func:`gradpipe.ingest` given on the command line.
+
+    Everything is validated here, before the store is opened or any file read.
+    """
+    return {
+        "scheduler": args.scheduler,
+        "workers": args.workers,
+        "codecs": parse_codecs(args.codec),
+        "replace": args.replace,
+        "progress": not args.json and sys.stderr.isatty(),
+        "dashboard": args.dashboard,
+    }
+
+
+def run_ingest(args: argparse.Namespace) -> CommandResult:
+    from gradpipe.ingest import ingest
+
+    options = ingest_options(args)
+    store = open_store_arg(args, "a")  # ingest creates the store if needed, as documented
+    report = ingest(store, args.pattern, run=args.run, **options)
+    doc = {"store": store.url, **report.to_dict()}
+    return CommandResult(doc, report.summary(), EXIT_OK if report.ok else EXIT_FAILED)
+
+
+def parse_codecs(spec: str | None) -> list[Codec] | None:
+    """``--codec`` SPEC: numcodecs ids joined by ``+``, each with optional params.
+
+    For example ``zstd:level=5`` or ``gradpipe_bytegroup:dtype=float32+zstd``;
+    ``auto`` (or nothing) leaves the choice to gradpipe, per chunk.
+    """
+    if spec is None or spec == "auto":
+        return None
+    import numcodecs
+
+    import gradpipe.codecs  # noqa: F401 - registers gradpipe_* codecs
+
+    chain = []
+    for item in spec.split("+"):
+        codec_id, _, params = item.partition(":")
+        config: dict[str, Any] = {"id": codec_id}
+        for pair in filter(None, params.split(",")):
+            key, sep, value = pair.partition("=")
+            if not sep:
+                raise InvalidInputError(f"--codec {spec!r}: expected key=value, got {pair!r}")
+            try:
+                config[key] = json.loads(value)
+            except json.JSONDecodeError:
+                config[key] = value
+        try:
+            chain.append(numcodecs.get_codec(config))
+        except (ValueError, TypeError) as exc:
+            raise InvalidInputError(f"--codec {spec!r}: {exc}") from None
+    return chain
