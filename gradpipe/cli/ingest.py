@@ -62,6 +62,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="replace dumps recorded from a different version of the same file",
     )
+    p.add_argument(
+        "--repair",
+        action="store_true",
+        help="also check the dumps already recorded (manifests read, blocks checked for "
+        "presence) and ingest again those with missing objects",
+    )
 
 
 def ingest_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -74,6 +80,7 @@ def ingest_options(args: argparse.Namespace) -> dict[str, Any]:
         "workers": args.workers,
         "codecs": parse_codecs(args.codec),
         "replace": args.replace,
+        "repair": args.repair,
         "progress": not args.json and sys.stderr.isatty(),
         "dashboard": args.dashboard,
     }

@@ -11,6 +11,7 @@ import pytest
 
 import gradpipe as gp
 from gradpipe.cli import main
+from gradpipe.core.ids import block_key
 from gradpipe.formats.safetensors import read_safetensors
 from gradpipe.runs import open_run
 from gradpipe.testing.training import SampleRun
@@ -140,3 +141,28 @@ def test_bad_codec_exits_2(
     assert doc["ok"] is False
     assert spec in doc["error"]
     assert not (tmp_path / "store" / "refs" / "runs").exists()
+
+
+def test_repair_after_verify_finds_a_missing_block(
+    sample: SampleRun, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = str(tmp_path / "store")
+    assert run(capsys, "ingest", store, sample.dump_pattern, "--run", "train")[0] == 0
+    opened = gp.open_store(store)
+    dump = open_run(opened, "train").dump(sample.steps[0], sample.peers[0])
+    block = next(b for b in dump.info("embedding.weight").blocks if b is not None)
+    opened.backend.delete(block_key(block))
+    status, doc = run_json(capsys, "verify", store)
+    assert status == 1
+    assert doc["ok"] is False
+
+    status, doc = run_json(capsys, "ingest", store, sample.dump_pattern, "--run", "train")
+    assert (status, doc["repaired"], doc["skipped"]) == (0, 0, 9)  # not checked without --repair
+    status, doc = run_json(
+        capsys, "ingest", store, sample.dump_pattern, "--run", "train", "--repair"
+    )
+    assert status == 0
+    assert doc["repaired"] >= 1
+    assert doc["repaired"] + doc["skipped"] == 9
+    status, doc = run_json(capsys, "verify", store)
+    assert (status, doc["ok"]) == (0, True)
