@@ -91,9 +91,7 @@ print(json.dumps({"report": report.to_dict(), "grown_kib": grown}))
 """
 
 
-def test_npz_bombs_fail_per_dump(
-    kit: types.ModuleType, tmp_path: Path
-) -> None:
+def test_npz_bombs_fail_per_dump(kit: types.ModuleType, tmp_path: Path) -> None:
     root = tmp_path / "dumps"
     (root / "step=1").mkdir(parents=True)
     good = {"g": np.arange(6, dtype="<f4")}
@@ -101,7 +99,13 @@ def test_npz_bombs_fail_per_dump(
     (root / "step=1" / "peer=two.npz").write_bytes(kit.bomb_npz(2 << 30))
     (root / "step=1" / "peer=eight.npz").write_bytes(kit.bomb_npz(8 << 30))
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(tmp_path / "store"), str(root / "step={step}/peer={peer}.npz")],
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            str(tmp_path / "store"),
+            str(root / "step={step}/peer={peer}.npz"),
+        ],
         capture_output=True,
         text=True,
         timeout=300,

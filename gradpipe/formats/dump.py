@@ -43,6 +43,7 @@ import posixpath
 import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
@@ -185,7 +186,7 @@ def check_regular_file(
     advice = "gradpipe reads regular files only; remove it or make the pattern more specific"
     if is_local(fs):
         try:
-            mode = os.stat(path).st_mode
+            mode = Path(path).stat().st_mode
         except OSError as exc:
             raise InvalidInputError(
                 f"{path}: cannot examine it ({exc.strerror}); {advice}"
@@ -194,9 +195,9 @@ def check_regular_file(
             return
         kind = next((what for test, what in _KINDS if test(mode)), "a special file")
         raise InvalidInputError(f"{path} is {kind}, not a regular file; {advice}")
-    kind = (info if info is not None else fs.info(path)).get("type")
-    if kind != "file":
-        raise InvalidInputError(f"{path} is a {kind}, not a regular file; {advice}")
+    found = (info if info is not None else fs.info(path)).get("type")
+    if found != "file":
+        raise InvalidInputError(f"{path} is a {found}, not a regular file; {advice}")
 
 
 def read_dump_header(fs: fsspec.AbstractFileSystem, path: str) -> DumpHeader:

@@ -101,8 +101,9 @@ def parse_tensor_name(name: object, *, where: str) -> str:
 def _check(name: object, dtype: str, shape: object, *, where: str) -> tuple[str, tuple[int, ...]]:
     text = parse_tensor_name(name, where=where)
     if dtype not in DTYPE_NAMES:
+        stored = ", ".join(DTYPE_NAMES)
         raise InvalidInputError(
-            f"{where}: tensor {text!r} has dtype {dtype!r}; gradpipe stores {', '.join(DTYPE_NAMES)}"
+            f"{where}: tensor {text!r} has dtype {dtype!r}; gradpipe stores {stored}"
         )
     itemsize = parse_dtype(dtype).itemsize
     return text, parse_shape(shape, itemsize, where=f"{where}: tensor {text!r}")

@@ -27,10 +27,13 @@ slice) are read as before.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import posixpath
+import zipfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Final
 
 import numpy as np
@@ -187,10 +190,8 @@ def _to_numpy(tensor: torch.Tensor, spec: TensorSpec, *, path: str) -> np.ndarra
     import torch
 
     t = tensor.detach().contiguous()  # bounded: _spec checked the view first
-    if spec.dtype == "bfloat16":
-        array = t.view(torch.int16).numpy().view(bfloat16())
-    else:
-        array = t.numpy()
+    bf16 = spec.dtype == "bfloat16"  # numpy has no bfloat16: move the bits through int16
+    array = t.view(torch.int16).numpy().view(bfloat16()) if bf16 else t.numpy()
     check_tensor_values(spec, array, path=path)
     return array
 
@@ -241,7 +242,42 @@ class _Flattener:
             )
 
 
+def _check_archive(f: IO[bytes] | str, *, path: str, size: int) -> None:
+    """Refuse a zip-format file whose records torch would inflate or read past the file.
+
+    torch.save writes every record uncompressed, but torch.load inflates a
+    deflated one to whatever size the zip directory declares, before gradpipe
+    sees a tensor: a small file could take gigabytes. Only the zip directory is
+    read here. Files that are not zip archives are left to torch.load.
+    """
+    with contextlib.ExitStack() as stack:
+        file = stack.enter_context(Path(f).open("rb")) if isinstance(f, str) else f
+        file.seek(0)
+        if file.read(4) != b"PK\x03\x04":
+            file.seek(0)
+            return
+        try:
+            archive = stack.enter_context(zipfile.ZipFile(file))
+        except (zipfile.BadZipFile, ValueError, EOFError):
+            file.seek(0)
+            return  # torch.load reports the damage in its own words
+        for info in archive.infolist():
+            if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size:
+                raise InvalidInputError(
+                    f"{path}: record {info.filename!r} is compressed ({info.file_size} bytes "
+                    f"declared from {info.compress_size}); torch.save writes uncompressed "
+                    f"records, so the file was altered; {_RESAVE}"
+                )
+            if info.file_size > size:
+                raise InvalidInputError(
+                    f"{path}: record {info.filename!r} declares {info.file_size} bytes in a "
+                    f"file of {size}; the file is damaged or forged, save it again"
+                )
+        file.seek(0)
+
+
 def _flatten(f: IO[bytes] | str, *, path: str, stem: str, size: int) -> _Flattener:
+    _check_archive(f, path=path, size=size)
     obj = _load(f, path)
     flat = _Flattener(path, size)
     import torch
@@ -260,7 +296,7 @@ def _flatten(f: IO[bytes] | str, *, path: str, stem: str, size: int) -> _Flatten
 
 def _size(f: IO[bytes] | str) -> int:
     if isinstance(f, str):
-        return os.path.getsize(f)
+        return Path(f).stat().st_size
     size = f.seek(0, os.SEEK_END)
     f.seek(0)
     return size

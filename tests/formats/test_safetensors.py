@@ -311,7 +311,7 @@ def test_unknown_dtype_is_unsupported_format(tmp_path: Path) -> None:
 
 def test_bool_bytes_other_than_0_1_are_rejected() -> None:
     data = raw_file({"m": {"dtype": "BOOL", "shape": [3], "data_offsets": [0, 3]}}, b"\0\1\2")
-    with pytest.raises(InvalidInputError, match="tensor 'm'.*bool.*other than 0 and 1"):
+    with pytest.raises(InvalidInputError, match=r"tensor 'm'.*bool.*other than 0 and 1"):
         read_safetensors(io.BytesIO(data))
 
 

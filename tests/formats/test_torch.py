@@ -70,3 +70,22 @@ def test_max_tensor_bytes_applies_to_torch(tmp_path: Path) -> None:
         pytest.raises(InvalidInputError, match=r"tensor 'w'.*4000 bytes.*max-tensor-bytes"),
     ):
         read_dump_header(LOCAL, path)
+
+
+def test_compressed_records_are_refused_before_torch_inflates_them(tmp_path: Path) -> None:
+    """torch.load inflates a deflated record to its declared size: refuse it from the directory."""
+    import zipfile
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(1000)}, buf)
+    src = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info))
+    path = tmp_path / "z.pt"
+    path.write_bytes(out.getvalue())
+    assert torch.load(path, weights_only=True)["w"].shape == (1000,)  # torch would read it
+    with pytest.raises(InvalidInputError, match=r"record '.*' is compressed") as e:
+        read_dump_header(LOCAL, str(path))
+    assert str(path) in str(e.value)

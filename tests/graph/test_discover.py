@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PATTERN = "step={step}/peer={peer}.safetensors"
 
 
-def test_non_regular_files_are_refused_before_opening(tmp_path: Path, kit: types.ModuleType) -> None:
+def test_non_regular_files_are_refused_before_opening(
+    tmp_path: Path, kit: types.ModuleType
+) -> None:
     good = tmp_path / "step=1" / "peer=a.safetensors"
     good.parent.mkdir()
     good.write_bytes(kit.safetensors_bytes({"w": np.ones(3, np.float32)}, {}))
