@@ -115,6 +115,12 @@ def _check_sizes(info: zipfile.ZipInfo, size: int, path: str) -> None:
             f"truncated: member {member} declares {info.compress_size} compressed bytes in a "
             f"file of {size}",
         )
+    if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
+        raise _invalid(
+            path,
+            f"stored member {member} declares {info.file_size} bytes but occupies "
+            f"{info.compress_size}",
+        )
     if info.compress_type == zipfile.ZIP_DEFLATED:
         bound = info.compress_size * DEFLATE_MAX_RATIO
         if info.file_size > bound:

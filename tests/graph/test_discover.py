@@ -86,3 +86,22 @@ def test_fifo_beside_a_good_dump_does_not_hang_ingest(
     assert failure["peer"] == "b"
     assert "named pipe" in failure["reason"]
     assert str(fifo) in failure["reason"]
+
+
+def test_fsspec_listing_type_is_checked(kit: types.ModuleType) -> None:
+    """Off the local disk, the listing's ``type`` decides: a directory is not a dump."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    root = f"/discover-{os.getpid()}"
+    fs.pipe(f"{root}/step=1/peer=a.safetensors", kit.safetensors_bytes({"w": np.ones(2)}, {}))
+    fs.pipe(f"{root}/step=1/peer=b.safetensors/part0", b"x")
+    try:
+        _, dumps, refused = discover_dumps(f"memory://{root}/{PATTERN}")
+    finally:
+        fs.rm(root, recursive=True)
+    assert [d.peer for d in dumps] == ["a"]
+    [failure] = refused
+    assert failure.peer == "b"
+    assert "directory, not a regular file" in failure.reason
+    assert "peer=b.safetensors" in failure.reason
