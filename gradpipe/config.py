@@ -48,7 +48,11 @@ DEFAULTS: Final[dict[str, Any]] = {
             # Pause between looks at the lock while waiting (jittered).
             "poll": "1s",
         },
-        # Largest tensor one dump file may hold, in bytes, whatever its format.
+        # Largest tensor one dump file may hold, in bytes, whatever its format:
+        # an absolute cap on what one file can make a worker allocate. Below it,
+        # a tensor may never claim more than its file can supply (its byte range;
+        # 1032x a deflated npz member; a torch tensor's storage), see formats/spec.py.
+        # 64 GiB is above any single tensor of today's largest models' shards.
         "max-tensor-bytes": "64 GiB",
     }
 }

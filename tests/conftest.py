@@ -10,9 +10,11 @@ from __future__ import annotations
 import io
 import json
 import os
+import struct
 import sys
 import types
 import uuid
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,6 +195,44 @@ def torch_bytes(obj: object) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
+
+
+def npy_head(shape: tuple[int, ...], descr: str = "|u1") -> bytes:
+    """A version 1.0 ``.npy`` header, padded as numpy pads it."""
+    text = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape!r}, }}"
+    text += " " * (-(10 + len(text) + 1) % 64) + "\n"
+    return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text.encode()
+
+
+def bomb_npz(claim: int) -> bytes:
+    """A one-member npz whose zip directory and ``.npy`` header both claim ``claim`` bytes.
+
+    The deflated member really holds its ``.npy`` header and 64 zero bytes; the
+    sizes are written by hand (zip64 above 4 GiB), as an attacker would.
+    """
+    head = npy_head((claim - len(npy_head((claim,))),))
+    assert len(head) == len(npy_head((claim,)))
+    payload = head + bytes(64)
+    packer = zlib.compressobj(9, zlib.DEFLATED, -15)
+    data = packer.compress(payload) + packer.flush()
+    crc = zlib.crc32(payload)
+    name = b"w.npy"
+    zip64 = claim >= 0xFFFFFFFF
+    size32 = 0xFFFFFFFF if zip64 else claim
+    extra = struct.pack("<HHQ", 1, 8, claim) if zip64 else b""
+    version = 45 if zip64 else 20
+    local = struct.pack(
+        "<4sHHHHHIIIHH", b"PK\x03\x04", version, 0, 8, 0, 0x21, crc, len(data), size32,
+        len(name), len(extra),
+    )  # fmt: skip
+    central = struct.pack(
+        "<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", version, version, 0, 8, 0, 0x21, crc, len(data),
+        size32, len(name), len(extra), 0, 0, 0, 0, 0,
+    )  # fmt: skip
+    body = local + name + extra + data
+    directory = central + name + extra
+    end = struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, 1, 1, len(directory), len(body), 0)
+    return body + directory + end
 
 
 @dataclass

@@ -22,10 +22,17 @@ kept as their JSON text (``10``, ``0.5``, ``true``). **Sidecar keys override
 the file's own**, so a dump can be corrected (``num_examples`` for a weighted
 average, say) without rewriting it.
 
-Everything works through any fsspec filesystem. Damaged, truncated or
-mislabelled files raise :class:`~gradpipe.errors.InvalidInputError` naming the
-file; errors of the storage backend itself (``OSError``, e.g. a missing file)
-pass through untouched.
+Each format has one reader in :mod:`gradpipe.formats.registry`, imported on
+first use; every reader validates its tensors with
+:func:`~gradpipe.formats.spec.parse_tensor_spec`, so what one file can make
+gradpipe allocate is bounded (by its own size and by
+``gradpipe.max-tensor-bytes``) on the header read and the whole read alike.
+
+Everything works through any fsspec filesystem. Damaged, truncated, forged or
+mislabelled files, and local paths that are not regular files (a FIFO would
+block the reader for ever), raise :class:`~gradpipe.errors.InvalidInputError`
+naming the file; errors of the storage backend itself (``OSError``, e.g. a
+missing file) pass through untouched.
 """
 
 from __future__ import annotations
@@ -33,17 +40,19 @@ from __future__ import annotations
 import json
 import os
 import posixpath
-from collections.abc import Iterable
+import stat
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from math import prod
-from typing import IO, TYPE_CHECKING, Final
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
-from gradpipe.core.dtypes import DTYPE_NAMES, dtype_name, parse_dtype
+from gradpipe.core.dtypes import dtype_name
 from gradpipe.core.encoding import reject_duplicate_keys
 from gradpipe.errors import InvalidInputError
-from gradpipe.formats import safetensors as st
+from gradpipe.formats.registry import DUMP_FORMATS, DumpSource, get_reader
+from gradpipe.formats.spec import TensorSpec
 
 if TYPE_CHECKING:
     import fsspec
@@ -52,60 +61,25 @@ __all__ = [
     "DUMP_FORMATS",
     "DumpHeader",
     "TensorSpec",
+    "check_regular_file",
     "dump_format",
+    "is_local",
     "read_byte_range",
     "read_dump_header",
     "read_dump_tensors",
 ]
 
-#: File extension → dump format name.
-DUMP_FORMATS: Final[dict[str, str]] = {
-    ".safetensors": "safetensors",
-    ".npy": "npy",
-    ".npz": "npz",
-    ".pt": "torch",
-    ".pth": "torch",
-}
 SIDECAR_SUFFIX: Final = ".json"
 # Header reads fetch small blocks: object stores would otherwise read ahead by
 # their default block size (tens of MB) to parse a few hundred bytes.
 _HEADER_BLOCK_SIZE: Final = 1 << 16
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One tensor of a dump: what it is and where its bytes are.
-
-    Attributes
-    ----------
-    name : str
-        Tensor name (``dense1.weight``).
-    dtype : str
-        gradpipe dtype name (``"float32"``, ``"bfloat16"``, ...).
-    shape : tuple of int
-        Tensor shape, ``()`` for a scalar.
-    offset : int or None
-        Absolute file offset of the tensor's raw C-order little-endian bytes;
-        ``None`` when the tensor cannot be read by byte range.
-    """
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int | None
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_NAMES:
-            raise InvalidInputError(f"tensor {self.name!r}: unknown dtype {self.dtype!r}")
-        if not all(isinstance(d, int) and d >= 0 for d in self.shape):
-            raise InvalidInputError(f"tensor {self.name!r}: bad shape {self.shape!r}")
-        if self.offset is not None and self.offset < 0:
-            raise InvalidInputError(f"tensor {self.name!r}: negative offset {self.offset}")
-
-    @property
-    def nbytes(self) -> int:
-        """Length of the tensor's data in bytes."""
-        return prod(self.shape) * parse_dtype(self.dtype).itemsize
+_KINDS: Final = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 @dataclass(frozen=True)
@@ -158,10 +132,6 @@ def dump_format(path: str) -> str:
         ) from None
 
 
-def _stem(path: str) -> str:
-    return posixpath.splitext(_basename(path))[0]
-
-
 def _sidecar_value(value: object, *, where: str, key: str) -> str:
     if isinstance(value, str):
         return value
@@ -191,39 +161,51 @@ def read_sidecar(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, str]:
     return {k: _sidecar_value(v, where=where, key=k) for k, v in data.items()}
 
 
-def _npy_specs(f: IO[bytes], path: str, size: int) -> tuple[TensorSpec, ...]:
-    from gradpipe.formats.npy import read_npy_header
-
-    header = read_npy_header(f, where=path)
-    if header.header_size + header.nbytes != size:
-        raise InvalidInputError(
-            f"{path}: truncated or padded .npy file: the header describes "
-            f"{header.header_size + header.nbytes} bytes but the file has {size}; "
-            "copy the file again"
-        )
-    offset = header.header_size if header.ranged else None
-    return (TensorSpec(_stem(path), header.dtype_name, header.shape, offset),)
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether ``fs`` is the local filesystem (its paths are OS paths)."""
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return "file" in protocols or "local" in protocols
 
 
-def _npz_specs(f: IO[bytes], path: str, size: int) -> tuple[TensorSpec, ...]:
-    from gradpipe.formats.npz import read_npz_members
+def check_regular_file(
+    fs: fsspec.AbstractFileSystem, path: str, info: Mapping[str, Any] | None = None
+) -> None:
+    """Refuse, without opening it, a path that is not a regular file.
 
-    return tuple(
-        TensorSpec(
-            m.name,
-            m.header.dtype_name,
-            m.header.shape,
-            m.data_offset if m.header.ranged else None,
-        )
-        for m in read_npz_members(f, path=path, size=size)
-    )
+    Opening a FIFO blocks until some writer opens it, a device may never end,
+    and a directory has no bytes: none is a dump. A local path is checked with
+    ``os.stat`` (symbolic links followed); any other filesystem by the ``type``
+    of ``info`` (as ``fs.glob(detail=True)`` gives it) or of ``fs.info(path)``.
+
+    Raises
+    ------
+    InvalidInputError
+        If the path is not a regular file, or a local path cannot be examined
+        (e.g. a dangling symbolic link).
+    """
+    advice = "gradpipe reads regular files only; remove it or make the pattern more specific"
+    if is_local(fs):
+        try:
+            mode = Path(path).stat().st_mode
+        except OSError as exc:
+            raise InvalidInputError(
+                f"{path}: cannot examine it ({exc.strerror}); {advice}"
+            ) from None
+        if stat.S_ISREG(mode):
+            return
+        kind = next((what for test, what in _KINDS if test(mode)), "a special file")
+        raise InvalidInputError(f"{path} is {kind}, not a regular file; {advice}")
+    found = (info if info is not None else fs.info(path)).get("type")
+    if found != "file":
+        raise InvalidInputError(f"{path} is a {found}, not a regular file; {advice}")
 
 
 def read_dump_header(fs: fsspec.AbstractFileSystem, path: str) -> DumpHeader:
     """Describe a dump's tensors and metadata, reading as little as the format allows.
 
     safetensors, npy and npz files are read up to their headers only (plus each
-    npz member's local header); torch files are loaded whole.
+    npz member's local header); torch files are loaded whole (a local one is
+    memory-mapped, so nothing is copied).
 
     Parameters
     ----------
@@ -239,41 +221,25 @@ def read_dump_header(fs: fsspec.AbstractFileSystem, path: str) -> DumpHeader:
     Raises
     ------
     InvalidInputError
-        If the extension is unknown, the file is damaged, truncated or not what
-        its extension says, a tensor has a dtype gradpipe does not store, or the
-        sidecar is not a JSON object of plain values.
+        If the extension is unknown, a local path is not a regular file, the
+        file is damaged, truncated, forged or not what its extension says, a
+        tensor has a dtype gradpipe does not store or is larger than the file
+        can hold or than ``gradpipe.max-tensor-bytes``, or the sidecar is not a
+        JSON object of plain values.
     """
-    fmt = dump_format(path)
-    metadata: dict[str, str] = {}
-    options = {} if fmt == "torch" else {"block_size": _HEADER_BLOCK_SIZE}
+    reader = get_reader(dump_format(path))
+    local = is_local(fs)
+    if local:
+        # Before opening: open() on a FIFO waits for a writer for ever. (A
+        # remote object store has no such files, and a stat would cost a request.)
+        check_regular_file(fs, path)
+    options = {"block_size": _HEADER_BLOCK_SIZE} if reader.partial_header else {}
     with fs.open(path, "rb", **options) as f:
         size = f.seek(0, os.SEEK_END)
         f.seek(0)
-        if fmt == "safetensors":
-            header = st.read_header(f, path=path)
-            entries = sorted(header.tensors.values(), key=lambda e: e.start)
-            specs = tuple(TensorSpec(e.name, e.dtype, e.shape, e.start) for e in entries)
-            metadata = dict(header.metadata)
-        elif fmt == "npy":
-            specs = _npy_specs(f, path, size)
-        elif fmt == "npz":
-            specs = _npz_specs(f, path, size)
-        else:
-            from gradpipe.formats.torch import load_torch
-
-            # A local file is memory-mapped: its header costs no data read.
-            source: IO[bytes] | str = path if _is_local(fs) else f
-            tensors, metadata = load_torch(source, path=path, stem=_stem(path))
-            specs = tuple(
-                TensorSpec(k, dtype_name(a.dtype), a.shape, None) for k, a in tensors.items()
-            )
-    metadata.update(read_sidecar(fs, path))
-    return DumpHeader(path, fmt, specs, metadata, size)
-
-
-def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    return "file" in protocols or "local" in protocols
+        specs, metadata = reader.parse_header(DumpSource(f, path, size, local))
+    metadata = {**metadata, **read_sidecar(fs, path)}
+    return DumpHeader(path, reader.format, specs, metadata, size)
 
 
 def read_byte_range(fs: fsspec.AbstractFileSystem, path: str, start: int, stop: int) -> np.ndarray:
@@ -317,15 +283,6 @@ def _select(header: DumpHeader, names: Iterable[str] | None) -> dict[str, Tensor
     return {n: specs[n] for n in wanted}
 
 
-def _read_safetensors_tensor(f: IO[bytes], spec: TensorSpec, path: str) -> np.ndarray:
-    if spec.offset is None:
-        raise InvalidInputError(f"{path}: tensor {spec.name!r} has no offset in its header")
-    entry = st.TensorEntry(
-        spec.name, spec.dtype, spec.shape, spec.offset, spec.offset + spec.nbytes
-    )
-    return st.read_tensor(f, entry, path=path)
-
-
 def read_dump_tensors(
     fs: fsspec.AbstractFileSystem,
     path: str,
@@ -354,26 +311,19 @@ def read_dump_tensors(
     Raises
     ------
     InvalidInputError
-        If a name is unknown, the file is damaged, or it no longer matches
-        ``header`` (it changed since the header was read).
+        If a name is unknown, the file is damaged, a tensor holds values its
+        dtype cannot (a bool byte other than 0 and 1), or the file no longer
+        matches ``header`` (it changed since the header was read).
     """
     specs = _select(header, names)
+    reader = get_reader(header.format)
+    local = is_local(fs)
+    if local:
+        check_regular_file(fs, path)
     with fs.open(path, "rb") as f:
-        if header.format == "safetensors":
-            arrays = {n: _read_safetensors_tensor(f, s, path) for n, s in specs.items()}
-        elif header.format == "npy":
-            from gradpipe.formats.npy import read_npy_data, read_npy_header
-
-            npy = read_npy_header(f, where=path)
-            arrays = {n: read_npy_data(f, npy, where=path) for n in specs}
-        elif header.format == "npz":
-            from gradpipe.formats.npz import read_npz_arrays
-
-            arrays = read_npz_arrays(f, path=path, names=set(specs))
-        else:
-            from gradpipe.formats.torch import load_torch
-
-            arrays, _ = load_torch(f, path=path, stem=_stem(path))
+        size = f.seek(0, os.SEEK_END)
+        f.seek(0)
+        arrays = reader.read_tensors(DumpSource(f, path, size, local), specs)
     out = {}
     for n, spec in specs.items():
         arr = arrays.get(n)

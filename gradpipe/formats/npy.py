@@ -21,17 +21,23 @@ and converted to the canonical C-ordered little-endian form.
 
 from __future__ import annotations
 
+import posixpath
+from collections.abc import Mapping
 from dataclasses import dataclass
 from math import prod
-from typing import IO, Final
+from typing import IO, TYPE_CHECKING, Final
 
 import numpy as np
 from numpy.lib import format as npformat
 
 from gradpipe.core.dtypes import canonical_dtype, dtype_name
 from gradpipe.errors import InvalidInputError
+from gradpipe.formats.spec import TensorSpec, check_tensor_values, parse_tensor_spec
 
-__all__ = ["NpyArrayHeader", "read_npy_data", "read_npy_header"]
+if TYPE_CHECKING:
+    from gradpipe.formats.registry import DumpSource
+
+__all__ = ["READER", "NpyArrayHeader", "NpyReader", "read_npy_data", "read_npy_header"]
 
 _BF16_HINT: Final = (
     "np.save writes ml_dtypes.bfloat16 arrays as raw 2-byte records ('<V2') and loses the "
@@ -162,7 +168,10 @@ def read_npy_data(f: IO[bytes], header: NpyArrayHeader, *, where: str) -> np.nda
 
     Returns a C-contiguous, writable array in gradpipe's little-endian dtype,
     with ``header.shape``; bytes are moved, never converted through values, so
-    NaN payloads stay exact.
+    NaN payloads stay exact. The caller bounds ``header.nbytes`` first
+    (:func:`~gradpipe.formats.spec.parse_tensor_spec`): this allocates it, then
+    reads in pieces, so a file shorter than its header stops at the first missing
+    piece.
     """
     nbytes = header.nbytes
     buf = bytearray(nbytes)
@@ -178,8 +187,6 @@ def read_npy_data(f: IO[bytes], header: NpyArrayHeader, *, where: str) -> np.nda
         view[got : got + len(chunk)] = chunk
         got += len(chunk)
     dtype = header.dtype
-    if dtype.kind == "b" and buf.translate(None, b"\x00\x01"):
-        raise InvalidInputError(f"{where}: bool array holds bytes other than 0 and 1")
     flat = np.frombuffer(buf, dtype=dtype)
     if header.fortran_order:
         arr = flat.reshape(header.shape[::-1]).T.copy(order="C")
@@ -188,3 +195,58 @@ def read_npy_data(f: IO[bytes], header: NpyArrayHeader, *, where: str) -> np.nda
     if dtype.byteorder == ">":
         arr = arr.byteswap().view(canonical_dtype(dtype))
     return arr
+
+
+def _stem(path: str) -> str:
+    return posixpath.splitext(posixpath.basename(path))[0]
+
+
+def _parse(source: DumpSource) -> tuple[TensorSpec, NpyArrayHeader]:
+    """The one validation of an ``.npy`` file, for its header read and its whole read."""
+    f, path, size = source.file, source.path, source.size
+    f.seek(0)
+    header = read_npy_header(f, where=path)
+    if header.header_size + header.nbytes != size:
+        raise InvalidInputError(
+            f"{path}: truncated or padded .npy file: the header describes "
+            f"{header.header_size + header.nbytes} bytes but the file has {size}; "
+            "copy the file again"
+        )
+    offset = header.header_size if header.ranged else None
+    spec = parse_tensor_spec(
+        _stem(path),
+        header.dtype_name,
+        header.shape,
+        offset,
+        path=path,
+        room=size - header.header_size,
+        source="the file after its header",
+    )
+    return spec, header
+
+
+class NpyReader:
+    """The dump reader of ``.npy`` files: one tensor, named after the file stem."""
+
+    format = "npy"
+    partial_header = True
+
+    def parse_header(self, source: DumpSource) -> tuple[tuple[TensorSpec, ...], dict[str, str]]:
+        """The file's one tensor spec; ``.npy`` files carry no metadata."""
+        spec, _ = _parse(source)
+        return (spec,), {}
+
+    def read_tensors(
+        self, source: DumpSource, specs: Mapping[str, TensorSpec]
+    ) -> dict[str, np.ndarray]:
+        """The array, when ``specs`` asks for it, validated as its header was."""
+        spec, header = _parse(source)
+        if spec.name not in specs:
+            return {}
+        array = read_npy_data(source.file, header, where=source.path)
+        check_tensor_values(spec, array, path=source.path)
+        return {spec.name: array}
+
+
+#: The reader :data:`gradpipe.formats.registry.READERS` names.
+READER = NpyReader()

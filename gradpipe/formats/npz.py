@@ -7,6 +7,14 @@ length from the central directory's copy (``np.savez`` writes zip64 extras in
 the local header only). ``np.savez_compressed`` deflates members; those are read
 whole through :mod:`zipfile`, which also checks their CRC.
 
+The sizes a zip directory declares are checked before anything is read or
+allocated: a stored member must fit in the file, a deflated one cannot hold more
+than :data:`~gradpipe.formats.spec.DEFLATE_MAX_RATIO` (1032) bytes per
+compressed byte, and other compression methods (which ``np.savez*`` never
+writes, and whose ratios are unbounded) are refused. A deflated member is then
+inflated piece by piece, never past its declared size, so a 233-byte archive
+claiming gigabytes costs nothing.
+
 Like ``np.load(allow_pickle=False)``, pickled (object) members are refused from
 their header, before anything is unpickled. Every member must be an ``.npy``
 array: a zip holding anything else is not a gradient dump.
@@ -17,17 +25,26 @@ from __future__ import annotations
 import struct
 import zipfile
 import zlib
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import IO, Final
+from typing import IO, TYPE_CHECKING, Final
 
 import numpy as np
 
 from gradpipe.errors import InvalidInputError
 from gradpipe.formats.npy import NpyArrayHeader, read_npy_data, read_npy_header
+from gradpipe.formats.spec import (
+    DEFLATE_MAX_RATIO,
+    TensorSpec,
+    check_tensor_values,
+    parse_tensor_spec,
+)
 
-__all__ = ["NpzMember", "read_npz_arrays", "read_npz_members"]
+if TYPE_CHECKING:
+    from gradpipe.formats.registry import DumpSource
+
+__all__ = ["READER", "NpzMember", "NpzReader", "read_npz_arrays", "read_npz_members"]
 
 _LOCAL_HEADER: Final = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
 _LOCAL_SIGNATURE: Final = b"PK\x03\x04"
@@ -56,11 +73,14 @@ class NpzMember:
     data_offset : int or None
         Absolute file offset of the array bytes for stored (uncompressed)
         members, ``None`` for compressed ones.
+    spec : TensorSpec
+        The validated spec of the array (offset as ``data_offset``).
     """
 
     name: str
     header: NpyArrayHeader
     data_offset: int | None
+    spec: TensorSpec
 
 
 def _invalid(path: str, what: str) -> InvalidInputError:
@@ -80,7 +100,46 @@ def _open_zip(f: IO[bytes], path: str) -> Iterator[zipfile.ZipFile]:
         yield zf
 
 
-def _members(zf: zipfile.ZipFile, path: str) -> list[tuple[str, zipfile.ZipInfo]]:
+def _check_sizes(info: zipfile.ZipInfo, size: int, path: str) -> None:
+    """Refuse declared sizes the file cannot back, before anything is read or allocated."""
+    member = repr(info.filename)
+    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        raise _invalid(
+            path,
+            f"member {member} uses zip compression method {info.compress_type}; gradpipe reads "
+            "stored and deflated members, as np.savez and np.savez_compressed write",
+        )
+    if info.compress_size > size:
+        raise _invalid(
+            path,
+            f"truncated: member {member} declares {info.compress_size} compressed bytes in a "
+            f"file of {size}",
+        )
+    if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
+        raise _invalid(
+            path,
+            f"stored member {member} declares {info.file_size} bytes but occupies "
+            f"{info.compress_size}",
+        )
+    if info.compress_type == zipfile.ZIP_DEFLATED:
+        bound = info.compress_size * DEFLATE_MAX_RATIO
+        if info.file_size > bound:
+            raise _invalid(
+                path,
+                f"member {member} declares {info.file_size} bytes from {info.compress_size} "
+                f"deflated bytes, but deflate expands at most {DEFLATE_MAX_RATIO} times "
+                f"({bound} bytes); the file is damaged or forged",
+            )
+
+
+def _room(info: zipfile.ZipInfo) -> int:
+    """The most bytes a member can supply."""
+    if info.compress_type == zipfile.ZIP_DEFLATED:
+        return info.compress_size * DEFLATE_MAX_RATIO
+    return info.compress_size
+
+
+def _members(zf: zipfile.ZipFile, path: str, size: int) -> list[tuple[str, zipfile.ZipInfo]]:
     """``(array name, info)`` of every member, in archive order, validated."""
     out: list[tuple[str, zipfile.ZipInfo]] = []
     seen: set[str] = set()
@@ -89,6 +148,7 @@ def _members(zf: zipfile.ZipFile, path: str) -> list[tuple[str, zipfile.ZipInfo]
             raise _invalid(path, f"member {info.filename!r} is not an .npy array")
         if info.flag_bits & 0x1:
             raise _invalid(path, f"member {info.filename!r} is encrypted")
+        _check_sizes(info, size, path)
         name = info.filename.removesuffix(".npy")
         if name in seen:
             raise _invalid(path, f"member {info.filename!r} appears twice")
@@ -114,13 +174,25 @@ def _stored_data_start(f: IO[bytes], info: zipfile.ZipInfo, size: int, path: str
     return start
 
 
-def _check_length(header: NpyArrayHeader, info: zipfile.ZipInfo, path: str) -> None:
+def _member_spec(
+    name: str, info: zipfile.ZipInfo, header: NpyArrayHeader, offset: int | None, path: str
+) -> TensorSpec:
+    """The one validation of a member, for the header read and the whole read alike."""
     if header.header_size + header.nbytes != info.file_size:
         raise _invalid(
             path,
             f"member {info.filename!r} is {info.file_size} bytes but its .npy header "
             f"describes {header.header_size + header.nbytes}",
         )
+    return parse_tensor_spec(
+        name,
+        header.dtype_name,
+        header.shape,
+        offset,
+        path=path,
+        room=_room(info) - header.header_size,
+        source=f"member {info.filename!r}",
+    )
 
 
 def read_npz_members(f: IO[bytes], *, path: str, size: int) -> list[NpzMember]:
@@ -152,7 +224,7 @@ def read_npz_members(f: IO[bytes], *, path: str, size: int) -> list[NpzMember]:
     """
     out = []
     with _open_zip(f, path) as zf:
-        for name, info in _members(zf, path):
+        for name, info in _members(zf, path, size):
             where = f"{path}: member {info.filename!r}"
             if info.compress_type == zipfile.ZIP_STORED:
                 start = _stored_data_start(f, info, size, path)
@@ -168,15 +240,18 @@ def read_npz_members(f: IO[bytes], *, path: str, size: int) -> list[NpzMember]:
                 except _ZIP_ERRORS as exc:
                     raise _invalid(path, f"member {info.filename!r} is damaged ({exc})") from None
                 offset = None
-            _check_length(header, info, path)
-            out.append(NpzMember(name, header, offset))
+            spec = _member_spec(name, info, header, offset if header.ranged else None, path)
+            out.append(NpzMember(name, header, offset, spec))
     return out
 
 
 def read_npz_arrays(
-    f: IO[bytes], *, path: str, names: Collection[str] | None = None
+    f: IO[bytes], *, path: str, size: int, names: Collection[str] | None = None
 ) -> dict[str, np.ndarray]:
     """Read whole arrays from an open ``.npz`` file, checking each member's CRC.
+
+    Members are validated exactly as :func:`read_npz_members` validates them,
+    before any of their data is allocated.
 
     Parameters
     ----------
@@ -184,6 +259,8 @@ def read_npz_arrays(
         Seekable.
     path : str
         Name of the file, for error messages.
+    size : int
+        File size in bytes.
     names : collection of str, optional
         Arrays to read (all when ``None``).
 
@@ -194,15 +271,17 @@ def read_npz_arrays(
     """
     out = {}
     with _open_zip(f, path) as zf:
-        for name, info in _members(zf, path):
+        for name, info in _members(zf, path, size):
             if names is not None and name not in names:
                 continue
             where = f"{path}: member {info.filename!r}"
             try:
                 with zf.open(info) as member:
                     header = read_npy_header(member, where=where)
-                    _check_length(header, info, path)
+                    spec = _member_spec(name, info, header, None, path)
+                    # zipfile inflates piece by piece and never past file_size.
                     out[name] = read_npy_data(member, header, where=where)
+                    check_tensor_values(spec, out[name], path=path)
                     # Reading to the end makes zipfile compare the CRC-32.
                     member.read()
             except InvalidInputError:
@@ -210,3 +289,26 @@ def read_npz_arrays(
             except _ZIP_ERRORS as exc:
                 raise _invalid(path, f"member {info.filename!r} is damaged ({exc})") from None
     return out
+
+
+class NpzReader:
+    """The dump reader of ``.npz`` archives: one tensor per ``.npy`` member."""
+
+    format = "npz"
+    partial_header = True
+
+    def parse_header(self, source: DumpSource) -> tuple[tuple[TensorSpec, ...], dict[str, str]]:
+        """Every member's spec, in archive order; ``.npz`` files carry no metadata."""
+        members = read_npz_members(source.file, path=source.path, size=source.size)
+        return tuple(m.spec for m in members), {}
+
+    def read_tensors(
+        self, source: DumpSource, specs: Mapping[str, TensorSpec]
+    ) -> dict[str, np.ndarray]:
+        """The members named in ``specs``, validated as the header was."""
+        source.file.seek(0)
+        return read_npz_arrays(source.file, path=source.path, size=source.size, names=set(specs))
+
+
+#: The reader :data:`gradpipe.formats.registry.READERS` names.
+READER = NpzReader()

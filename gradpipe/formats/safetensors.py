@@ -27,16 +27,27 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
-from typing import IO, Final
+from typing import IO, TYPE_CHECKING, Final
 
 import numpy as np
 
 from gradpipe.core.dtypes import SAFETENSORS_NAMES, canonical_dtype, dtype_name, parse_dtype
 from gradpipe.core.encoding import reject_duplicate_keys
 from gradpipe.errors import InvalidInputError, UnsupportedFormatError
+from gradpipe.formats.spec import (
+    TensorSpec,
+    check_tensor_values,
+    parse_tensor_name,
+    parse_tensor_spec,
+)
+
+if TYPE_CHECKING:
+    from gradpipe.formats.registry import DumpSource
 
 __all__ = [
+    "READER",
     "SafetensorsHeader",
+    "SafetensorsReader",
     "TensorEntry",
     "read_header",
     "read_safetensors",
@@ -86,6 +97,11 @@ class TensorEntry:
     def nbytes(self) -> int:
         """Length of the tensor's data in bytes."""
         return self.stop - self.start
+
+    @property
+    def spec(self) -> TensorSpec:
+        """The entry as a dump's :class:`~gradpipe.formats.spec.TensorSpec`."""
+        return TensorSpec(self.name, self.dtype, self.shape, self.start)
 
 
 @dataclass(frozen=True)
@@ -161,7 +177,11 @@ def _parse_entry(name: str, raw: object, data_start: int, *, path: str) -> Tenso
             f"{where} has data_offsets [{begin}, {end}] but shape {shape} of {code} needs "
             f"{expected} bytes",
         )
-    return TensorEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
+    # The one validation of every reader: name, a shape numpy can build, the size limit.
+    spec = parse_tensor_spec(
+        name, dtype, shape, data_start + begin, path=path, room=end - begin, source="its byte range"
+    )
+    return TensorEntry(spec.name, dtype, spec.shape, data_start + begin, data_start + end)
 
 
 def read_header(f: IO[bytes], *, path: str) -> SafetensorsHeader:
@@ -238,10 +258,10 @@ def read_tensor_range(
 def read_tensor(f: IO[bytes], entry: TensorEntry, *, path: str = "<file>") -> np.ndarray:
     """Read one tensor (and only its bytes) as a writable numpy array."""
     buf = read_tensor_range(f, entry, 0, entry.nbytes, path=path)
-    if entry.dtype == "bool" and buf.translate(None, b"\x00\x01"):
-        # numpy would happily view 0x02 as "True" and break bit-exact round trips.
-        raise _invalid(path, f"tensor {entry.name!r} is BOOL but holds bytes other than 0/1")
-    return np.frombuffer(buf, dtype=parse_dtype(entry.dtype)).reshape(entry.shape)
+    array = np.frombuffer(buf, dtype=parse_dtype(entry.dtype))
+    # numpy would happily view 0x02 as "True" and break bit-exact round trips.
+    check_tensor_values(entry, array, path=path)
+    return array.reshape(entry.shape)
 
 
 def read_safetensors(
@@ -266,12 +286,42 @@ def read_safetensors(
     return tensors, header.metadata
 
 
+class SafetensorsReader:
+    """The dump reader of safetensors files (see :mod:`gradpipe.formats.registry`)."""
+
+    format = "safetensors"
+    partial_header = True
+
+    def parse_header(self, source: DumpSource) -> tuple[tuple[TensorSpec, ...], dict[str, str]]:
+        """Every tensor's spec, in file order, and ``__metadata__``."""
+        header = read_header(source.file, path=source.path)
+        entries = sorted(header.tensors.values(), key=lambda e: e.start)
+        return tuple(e.spec for e in entries), dict(header.metadata)
+
+    def read_tensors(
+        self, source: DumpSource, specs: Mapping[str, TensorSpec]
+    ) -> dict[str, np.ndarray]:
+        """The tensors named in ``specs``; the header is parsed again, as it is now."""
+        header = read_header(source.file, path=source.path)
+        return {
+            name: read_tensor(source.file, header.tensors[name], path=source.path)
+            for name in specs
+            if name in header.tensors
+        }
+
+
+#: The reader :data:`gradpipe.formats.registry.READERS` names.
+READER = SafetensorsReader()
+
+
 def _prepare(tensors: Mapping[str, np.ndarray]) -> list[tuple[str, str, np.ndarray]]:
     """Validate inputs and return ``(name, code, little-endian C array)`` in file order."""
     out = []
     for name, value in tensors.items():
         if not isinstance(name, str) or name == _METADATA_KEY:
             raise InvalidInputError(f"tensor name {name!r} is not allowed in safetensors")
+        # Write only names the reader accepts back.
+        parse_tensor_name(name, where="safetensors")
         arr = np.asarray(value)
         try:
             code = _CODES[dtype_name(arr.dtype)]

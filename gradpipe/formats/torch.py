@@ -17,24 +17,39 @@ file stem.
 torch is an optional dependency, imported only when a torch file is read.
 Torch files cannot be read by byte range: a tensor may be any strided view of a
 shared storage, so every read loads the whole file.
+
+A tensor's bytes must come from storage actually in the file: a view whose
+elements repeat storage (``expand``, stride 0, overlapping ``as_strided``) would
+turn a kilobyte file into gigabytes, so it is refused with a message saying to
+``.clone()`` it before saving. Views that merely skip elements (a transpose, a
+slice) are read as before.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
+import posixpath
+import zipfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Final
 
 import numpy as np
 
 from gradpipe.core.dtypes import bfloat16
 from gradpipe.errors import InvalidInputError
+from gradpipe.formats.spec import TensorSpec, check_tensor_values, parse_tensor_spec
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["load_torch"]
+    from gradpipe.formats.registry import DumpSource
 
+__all__ = ["READER", "TorchReader", "load_torch"]
+
+_CLONE: Final = "call .clone() or .contiguous() on it before torch.save"
 _RESAVE: Final = (
     "re-save it with torch.save(model.state_dict()) (tensors, dicts, lists and plain values "
     "only) or as safetensors"
@@ -104,33 +119,90 @@ def _load(f: IO[bytes] | str, path: str) -> object:
         ) from None
 
 
-def _to_numpy(tensor: torch.Tensor, *, path: str, name: str) -> np.ndarray:
+def _dtype_name(tensor: torch.Tensor, where: str) -> str:
     import torch
 
-    where = f"{path}: tensor {name!r}"
     if tensor.layout != torch.strided or tensor.is_quantized:
         raise InvalidInputError(
             f"{where} is a {tensor.layout} / quantized tensor; dump dense tensors "
             "(tensor.to_dense(), tensor.dequantize())"
         )
-    t = tensor.detach().contiguous()
-    dtype = str(t.dtype)
+    dtype = str(tensor.dtype)
     if dtype == "torch.bfloat16":
-        return t.view(torch.int16).numpy().view(bfloat16())
+        return "bfloat16"
     if dtype not in _NUMPY_DTYPES:
         raise InvalidInputError(
             f"{where} has dtype {dtype}, which gradpipe does not store; convert it "
             "(e.g. tensor.float()) before saving"
         )
-    return t.numpy()
+    return dtype.removeprefix("torch.")
+
+
+def _check_view(tensor: torch.Tensor, where: str, file_size: int) -> int:
+    """Check that every element has its own bytes in a storage within the file.
+
+    Returns the storage's size in bytes. The test is on the strides alone, before
+    anything is copied: sorted by stride, each dimension must step past everything
+    the smaller ones reach, which no expanded (stride 0) or overlapping view does.
+    """
+    stored = int(tensor.untyped_storage().nbytes())
+    if stored > file_size:
+        raise InvalidInputError(
+            f"{where} has a storage of {stored} bytes in a file of {file_size}; the file is "
+            "damaged or forged, save it again"
+        )
+    shape, strides = tuple(tensor.shape), tuple(tensor.stride())
+    if 0 in shape:
+        return stored
+    reach = 1  # elements spanned by the dimensions checked so far
+    for stride, size in sorted((st, n) for st, n in zip(strides, shape, strict=True) if n > 1):
+        if stride == 0:
+            raise InvalidInputError(
+                f"{where} is an expanded view (stride 0 along a dimension of {size}): its "
+                f"{tensor.numel()} elements repeat {stored} bytes of storage; {_CLONE}"
+            )
+        if stride < reach:
+            raise InvalidInputError(
+                f"{where} is a view whose elements overlap in its storage (shape {list(shape)}, "
+                f"strides {list(strides)}); {_CLONE}"
+            )
+        reach += stride * (size - 1)
+    end = (tensor.storage_offset() + reach) * tensor.element_size()
+    if end > stored:
+        raise InvalidInputError(
+            f"{where} reaches byte {end} of a storage of {stored} bytes; the file is damaged "
+            "or forged, save it again"
+        )
+    return stored
+
+
+def _spec(tensor: torch.Tensor, *, path: str, name: str, file_size: int) -> TensorSpec:
+    """The one validation of a torch tensor, for the header read and the whole read alike."""
+    where = f"{path}: tensor {name!r}"
+    dtype = _dtype_name(tensor, where)
+    stored = _check_view(tensor, where, file_size)
+    return parse_tensor_spec(
+        name, dtype, tuple(tensor.shape), None, path=path, room=stored, source="its storage"
+    )
+
+
+def _to_numpy(tensor: torch.Tensor, spec: TensorSpec, *, path: str) -> np.ndarray:
+    import torch
+
+    t = tensor.detach().contiguous()  # bounded: _spec checked the view first
+    bf16 = spec.dtype == "bfloat16"  # numpy has no bfloat16: move the bits through int16
+    array = t.view(torch.int16).numpy().view(bfloat16()) if bf16 else t.numpy()
+    check_tensor_values(spec, array, path=path)
+    return array
 
 
 class _Flattener:
     """Walks a loaded checkpoint, collecting tensors and plain-value metadata."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, file_size: int) -> None:
         self.path = path
-        self.tensors: dict[str, np.ndarray] = {}
+        self.file_size = file_size
+        self.tensors: dict[str, tuple[torch.Tensor, TensorSpec]] = {}
         self.metadata: dict[str, str] = {}
 
     def add(self, obj: object, key: str) -> None:
@@ -138,7 +210,8 @@ class _Flattener:
 
         if isinstance(obj, torch.Tensor):
             self._claim(key)
-            self.tensors[key] = _to_numpy(obj, path=self.path, name=key)
+            spec = _spec(obj, path=self.path, name=key, file_size=self.file_size)
+            self.tensors[key] = (obj, spec)
         elif isinstance(obj, Mapping):
             for k, v in obj.items():
                 if not isinstance(k, str | int):
@@ -169,6 +242,66 @@ class _Flattener:
             )
 
 
+def _check_archive(f: IO[bytes] | str, *, path: str, size: int) -> None:
+    """Refuse a zip-format file whose records torch would inflate or read past the file.
+
+    torch.save writes every record uncompressed, but torch.load inflates a
+    deflated one to whatever size the zip directory declares, before gradpipe
+    sees a tensor: a small file could take gigabytes. Only the zip directory is
+    read here. Files that are not zip archives are left to torch.load.
+    """
+    with contextlib.ExitStack() as stack:
+        file = stack.enter_context(Path(f).open("rb")) if isinstance(f, str) else f
+        file.seek(0)
+        if file.read(4) != b"PK\x03\x04":
+            file.seek(0)
+            return
+        try:
+            archive = stack.enter_context(zipfile.ZipFile(file))
+        except (zipfile.BadZipFile, ValueError, EOFError):
+            file.seek(0)
+            return  # torch.load reports the damage in its own words
+        for info in archive.infolist():
+            if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size:
+                raise InvalidInputError(
+                    f"{path}: record {info.filename!r} is compressed ({info.file_size} bytes "
+                    f"declared from {info.compress_size}); torch.save writes uncompressed "
+                    f"records, so the file was altered; {_RESAVE}"
+                )
+            if info.file_size > size:
+                raise InvalidInputError(
+                    f"{path}: record {info.filename!r} declares {info.file_size} bytes in a "
+                    f"file of {size}; the file is damaged or forged, save it again"
+                )
+        file.seek(0)
+
+
+def _flatten(f: IO[bytes] | str, *, path: str, stem: str, size: int) -> _Flattener:
+    _check_archive(f, path=path, size=size)
+    obj = _load(f, path)
+    flat = _Flattener(path, size)
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        flat.add(obj, stem)
+    elif isinstance(obj, Mapping | list | tuple):
+        flat.add(obj, "")
+    else:
+        raise InvalidInputError(
+            f"{path}: holds a {type(obj).__name__}, not tensors; save a dict of tensors "
+            "(a state_dict) instead"
+        )
+    return flat
+
+
+def _size(f: IO[bytes] | str) -> int:
+    if isinstance(f, str):
+        return Path(f).stat().st_size
+    size = f.seek(0, os.SEEK_END)
+    f.seek(0)
+    return size
+
+
 def load_torch(
     f: IO[bytes] | str, *, path: str, stem: str
 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -177,10 +310,8 @@ def load_torch(
     Parameters
     ----------
     f : binary file object or local file name
-        A file object must be seekable, positioned at the start. A local file
-        name is memory-mapped where torch can (zip-format files): tensors are
-        then read only when their data is touched, so reading just the names,
-        dtypes and shapes costs next to nothing.
+        A file object must be seekable. A local file name is memory-mapped
+        where torch can (zip-format files).
     path : str
         Name of the file, for error messages.
     stem : str
@@ -199,19 +330,47 @@ def load_torch(
     ------
     InvalidInputError
         If torch is missing, the file is damaged, would need unsafe unpickling,
-        or holds something other than tensors and plain values.
+        holds something other than tensors and plain values, or a tensor is a
+        view whose elements repeat its storage (expanded, stride 0, overlapping).
     """
-    obj = _load(f, path)
-    flat = _Flattener(path)
-    import torch
+    flat = _flatten(f, path=path, stem=stem, size=_size(f))
+    tensors = {k: _to_numpy(t, spec, path=path) for k, (t, spec) in flat.tensors.items()}
+    return tensors, flat.metadata
 
-    if isinstance(obj, torch.Tensor):
-        flat.add(obj, stem)
-    elif isinstance(obj, Mapping | list | tuple):
-        flat.add(obj, "")
-    else:
-        raise InvalidInputError(
-            f"{path}: holds a {type(obj).__name__}, not tensors; save a dict of tensors "
-            "(a state_dict) instead"
-        )
-    return flat.tensors, flat.metadata
+
+def _stem(path: str) -> str:
+    return posixpath.splitext(posixpath.basename(path))[0]
+
+
+class TorchReader:
+    """The dump reader of ``torch.save`` files (``.pt``, ``.pth``)."""
+
+    format = "torch"
+    # torch reads the whole file; a local one is memory-mapped instead.
+    partial_header = False
+
+    def _flatten(self, source: DumpSource) -> _Flattener:
+        source.file.seek(0)
+        # A local file is memory-mapped: its header costs no data read.
+        target: IO[bytes] | str = source.path if source.local else source.file
+        return _flatten(target, path=source.path, stem=_stem(source.path), size=source.size)
+
+    def parse_header(self, source: DumpSource) -> tuple[tuple[TensorSpec, ...], dict[str, str]]:
+        """Every tensor's spec (nothing is copied) and the plain-value leaves."""
+        flat = self._flatten(source)
+        return tuple(spec for _, spec in flat.tensors.values()), flat.metadata
+
+    def read_tensors(
+        self, source: DumpSource, specs: Mapping[str, TensorSpec]
+    ) -> dict[str, np.ndarray]:
+        """The tensors named in ``specs``, validated as the header was."""
+        flat = self._flatten(source)
+        return {
+            name: _to_numpy(tensor, spec, path=source.path)
+            for name, (tensor, spec) in flat.tensors.items()
+            if name in specs
+        }
+
+
+#: The reader :data:`gradpipe.formats.registry.READERS` names.
+READER = TorchReader()

@@ -10,6 +10,7 @@ import fsspec
 
 from gradpipe.core.names import parse_name
 from gradpipe.errors import InvalidInputError, NotFoundError
+from gradpipe.formats.dump import check_regular_file
 
 __all__ = ["DumpFile", "Failure", "discover_dumps", "parse_pattern"]
 
@@ -95,8 +96,10 @@ def discover_dumps(
     """Expand ``pattern`` into dump files sorted by (step, peer).
 
     Returns the filesystem, the dumps, and the files refused as
-    failures (a peer name that is not usable; two files claiming the
-    same (step, peer), as ``step=7`` and ``step=007`` would): a bad file name
+    failures (a peer name that is not usable; a path that is not a regular
+    file, such as a FIFO, a socket, a device or a directory, refused before
+    anything opens it, since opening a FIFO blocks for ever; two files claiming
+    the same (step, peer), as ``step=7`` and ``step=007`` would): a bad file
     never stops the good ones. Raises :class:`NotFoundError` when nothing
     matches and :class:`InvalidInputError` for a bad pattern.
     """
@@ -108,8 +111,8 @@ def discover_dumps(
     for candidate, info in sorted(found.items()):
         if candidate.endswith(".json"):
             continue  # sidecar metadata files ride along with their dump
-        # A directory named like a dump is kept: reading it fails, and the report
-        # lists it, rather than a (step, peer) silently going missing.
+        # A directory (or FIFO, socket, ...) named like a dump is refused below, and
+        # the report lists it, rather than a (step, peer) silently going missing.
         match = regex.fullmatch(candidate.rstrip("/"))
         if match is None:
             continue
@@ -119,6 +122,11 @@ def discover_dumps(
             peer = parse_name(raw_peer, what=f"peer name in {candidate}")
         except InvalidInputError as exc:
             refused.append(Failure(candidate, step, raw_peer, f"{exc}; rename the file"))
+            continue
+        try:
+            check_regular_file(fs, candidate, info)
+        except InvalidInputError as exc:
+            refused.append(Failure(candidate, step, peer, str(exc)))
             continue
         dump = DumpFile(step, peer, candidate, int(info.get("size") or 0), _fingerprint(info))
         claims.setdefault((step, peer), []).append(dump)

@@ -30,6 +30,7 @@ from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.run_manifest import DumpEntry, DumpManifest, RunManifest, TensorSchema, merge_run
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.formats.dump import DumpHeader, read_byte_range, read_dump_header, read_dump_tensors
+from gradpipe.formats.spec import check_tensor_values
 from gradpipe.graph.discover import DumpFile, Failure
 from gradpipe.graph.ingest_plan import ReadUnit, tensor_chunks
 from gradpipe.storage.blocks import WriteStats
@@ -135,6 +136,8 @@ def encode_unit(
         else:
             base = part.start - unit.start
             flat = data[base : base + (part.stop - part.start)].view(dtype)
+            # Raw bytes of a ranged read get the check the whole-file readers apply.
+            check_tensor_values(spec, flat, path=dump.path)
             first = ranges[part.lo][0] if part.hi > part.lo else 0
             ranges = ranges[part.lo : part.hi]
         chunks.extend(flat[a - first : b - first] for a, b in ranges)

@@ -1,0 +1,127 @@
+"""Tests of the npz reader's bounds: a tiny archive must not make gradpipe allocate gigabytes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import dask.config
+import fsspec
+import numpy as np
+import pytest
+
+from gradpipe.errors import InvalidInputError
+from gradpipe.formats import read_dump_header, read_dump_tensors
+
+LOCAL = fsspec.filesystem("file")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# Reads a dump in a child process whose address space is capped a little above what
+# its imports take: a reader that allocates what a file claims fails there with
+# MemoryError instead of taking gigabytes from the machine the tests share.
+CHILD = """
+import json, resource, sys
+import fsspec
+from gradpipe.errors import InvalidInputError
+from gradpipe.formats import read_dump_header, read_dump_tensors
+
+def vm_bytes():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+
+fs = fsspec.filesystem("file")
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+limit = vm_bytes() + (1 << 30)
+resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+try:
+    header = read_dump_header(fs, sys.argv[1])
+    read_dump_tensors(fs, sys.argv[1], header)
+    outcome = "read"
+except InvalidInputError as exc:
+    outcome = "refused: " + str(exc)
+except MemoryError:
+    outcome = "MemoryError"
+grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(json.dumps({"outcome": outcome, "grown_kib": grown}))
+"""
+
+
+def read_in_child(path: Path) -> dict[str, object]:
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "MALLOC_ARENA_MAX": "2"},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.parametrize("claim", [2 << 30, 8 << 30], ids=["2GiB", "8GiB"])
+def test_tiny_npz_claiming_gigabytes_is_refused_cheaply(
+    kit: types.ModuleType, tmp_path: Path, claim: int
+) -> None:
+    path = tmp_path / "step=1" / "peer=a.npz"
+    path.parent.mkdir()
+    path.write_bytes(kit.bomb_npz(claim))
+    assert path.stat().st_size < 300
+    result = read_in_child(path)
+    outcome = str(result["outcome"])
+    assert outcome.startswith("refused: "), outcome
+    assert str(path) in outcome
+    assert "'w.npy'" in outcome
+    assert "1032" in outcome  # names deflate's bound, so the user sees why
+    assert int(str(result["grown_kib"])) < 64 * 1024  # the file's claim was never allocated
+
+
+def test_bomb_is_refused_from_the_header(kit: types.ModuleType, tmp_path: Path) -> None:
+    path = tmp_path / "b.npz"
+    path.write_bytes(kit.bomb_npz(2 << 30))
+    with pytest.raises(InvalidInputError, match=r"declares 2147483648 bytes.*deflate"):
+        read_dump_header(LOCAL, str(path))
+
+
+def test_deflated_member_within_the_ratio_is_read(tmp_path: Path) -> None:
+    """Zeros deflate about 1000:1; a genuine all-zero gradient must still be read."""
+    arrays = {"z": np.zeros(1 << 20, np.float32), "r": np.arange(10, dtype=np.int64)}
+    path = tmp_path / "z.npz"
+    np.savez_compressed(path, **arrays)
+    header = read_dump_header(LOCAL, str(path))
+    got = read_dump_tensors(LOCAL, str(path), header)
+    assert all(np.array_equal(got[k], v) for k, v in arrays.items())
+
+
+def test_other_compression_methods_are_refused(kit: types.ModuleType, tmp_path: Path) -> None:
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_BZIP2) as zf:
+        zf.writestr("w.npy", kit.npy_head((4,)) + bytes(4))
+    path = tmp_path / "bz.npz"
+    path.write_bytes(buf.getvalue())
+    with pytest.raises(InvalidInputError, match=r"'w.npy'.*compression") as e:
+        read_dump_header(LOCAL, str(path))
+    assert str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["stored", "deflated"])
+def test_max_tensor_bytes_applies_to_npz(tmp_path: Path, compressed: bool) -> None:
+    path = tmp_path / "m.npz"
+    (np.savez_compressed if compressed else np.savez)(path, w=np.zeros(1000, np.float32))
+    with (
+        dask.config.set({"gradpipe.max-tensor-bytes": 3999}),
+        pytest.raises(InvalidInputError, match=r"tensor 'w'.*4000 bytes.*max-tensor-bytes") as e,
+    ):
+        read_dump_header(LOCAL, str(path))
+    assert str(path) in str(e.value)
+    with dask.config.set({"gradpipe.max-tensor-bytes": 4000}):
+        assert read_dump_header(LOCAL, str(path)).tensors[0].nbytes == 4000

@@ -1,0 +1,144 @@
+"""Inputs that would make gradpipe allocate without bound, or store what it cannot give back,
+fail one dump each; the good dumps of the batch still commit and export."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import dask.config
+import numpy as np
+import pytest
+
+import gradpipe as gp
+from gradpipe.formats import read_safetensors
+from gradpipe.ingest import ingest
+from gradpipe.runs import export_dump, open_run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def raw_safetensors(entries: dict[str, object], data: bytes) -> bytes:
+    text = json.dumps(entries).encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def test_values_the_store_could_not_give_back_fail_per_dump(
+    kit: types.ModuleType, tmp_path: Path
+) -> None:
+    root = tmp_path / "dumps"
+    (root / "step=1").mkdir(parents=True)
+    good = {"w": np.arange(6, dtype="<f4"), "m": np.array([True, False])}
+    files = {
+        "a": kit.safetensors_bytes(good, {}),
+        # BOOL byte 0x02: numpy shows True, writes back 0x02, every reader refuses it.
+        "bool": raw_safetensors(
+            {"flag": {"dtype": "BOOL", "shape": [3], "data_offsets": [0, 3]}}, b"\0\1\2"
+        ),
+        # No elements, but numpy cannot build an array of this shape.
+        "huge": raw_safetensors(
+            {"h": {"dtype": "F32", "shape": [2**32, 2**32, 0], "data_offsets": [0, 0]}}, b""
+        ),
+        "big": kit.safetensors_bytes({"z": np.zeros(1000, "<f4")}, {}),
+    }
+    for peer, data in files.items():
+        (root / "step=1" / f"peer={peer}.safetensors").write_bytes(data)
+    store = gp.open_store(str(tmp_path / "store"), mode="w")
+    with dask.config.set({"gradpipe.max-tensor-bytes": 1000}):
+        report = ingest(store, str(root / "step={step}/peer={peer}.safetensors"), run="r")
+    assert report.ingested == 1
+    reasons = {f.peer: f.reason for f in report.failures}
+    assert sorted(reasons) == ["big", "bool", "huge"]
+    for peer, reason in reasons.items():
+        assert str(root / "step=1" / f"peer={peer}.safetensors") in reason
+    assert "tensor 'flag'" in reasons["bool"]
+    assert "other than 0 and 1" in reasons["bool"]
+    assert "tensor 'h'" in reasons["huge"]
+    assert "too large" in reasons["huge"]
+    assert "tensor 'z'" in reasons["big"]
+    assert "max-tensor-bytes" in reasons["big"]
+    # What was committed can be given back.
+    out = tmp_path / "out.safetensors"
+    export_dump(store, "r", 1, "a", out)
+    tensors, _ = read_safetensors(out)
+    assert sorted(tensors) == ["m", "w"]
+    assert open_run(store, "r").grid() == {1: ["a"]}
+
+
+# The bombs are ingested in a child process whose address space is capped: a reader
+# that allocated what the file claims fails there, not on the machine the tests share.
+CHILD = """
+import json, resource, sys
+import gradpipe as gp
+
+def vm_bytes():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+
+store = gp.open_store(sys.argv[1], mode="w")
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+limit = vm_bytes() + (1536 << 20)
+resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+report = gp.ingest(store, sys.argv[2], run="r", workers=1)
+grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(json.dumps({"report": report.to_dict(), "grown_kib": grown}))
+"""
+
+
+def test_npz_bombs_fail_per_dump(kit: types.ModuleType, tmp_path: Path) -> None:
+    root = tmp_path / "dumps"
+    (root / "step=1").mkdir(parents=True)
+    good = {"g": np.arange(6, dtype="<f4")}
+    (root / "step=1" / "peer=a.npz").write_bytes(kit.npz_bytes(good, compressed=True))
+    (root / "step=1" / "peer=two.npz").write_bytes(kit.bomb_npz(2 << 30))
+    (root / "step=1" / "peer=eight.npz").write_bytes(kit.bomb_npz(8 << 30))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            str(tmp_path / "store"),
+            str(root / "step={step}/peer={peer}.npz"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_ARENA_MAX": "2"},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = result["report"]
+    assert report["ingested"] == 1
+    reasons = {f["peer"]: f["reason"] for f in report["failures"]}
+    assert sorted(reasons) == ["eight", "two"]
+    for peer, reason in reasons.items():
+        assert str(root / "step=1" / f"peer={peer}.npz") in reason
+        assert "'w.npy'" in reason
+    assert result["grown_kib"] < 256 * 1024
+    store = gp.open_store(str(tmp_path / "store"))
+    kit.assert_bit_exact(open_run(store, "r").dump(1, "a").read("g"), good["g"])
+
+
+def test_expanded_torch_view_fails_per_dump(kit: types.ModuleType, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    root = tmp_path / "dumps"
+    (root / "step=1").mkdir(parents=True)
+    (root / "step=1" / "peer=a.pt").write_bytes(kit.torch_bytes({"w": torch.ones(4)}))
+    # 1.6 KB on disk, 2 GiB once expanded: refused before anything is materialised.
+    bad = root / "step=1" / "peer=b.pt"
+    bad.write_bytes(kit.torch_bytes({"w": torch.ones(1).expand(2**29)}))
+    store = gp.open_store(str(tmp_path / "store"), mode="w")
+    report = ingest(store, str(root / "step={step}/peer={peer}.pt"), run="r")
+    assert report.ingested == 1
+    [failure] = report.failures
+    assert failure.path == str(bad)
+    assert "tensor 'w'" in failure.reason
+    assert ".contiguous()" in failure.reason
+    kit.assert_bit_exact(open_run(store, "r").dump(1, "a").read("w"), np.ones(4, "<f4"))
