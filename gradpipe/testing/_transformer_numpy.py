@@ -46,7 +46,8 @@ class Batch(Protocol):
 
 
 def _linear(x: np.ndarray, p: Arrays, name: str) -> np.ndarray:
-    return x @ p[f"{name}.weight"].T + p[f"{name}.bias"]
+    out: np.ndarray = x @ p[f"{name}.weight"].T + p[f"{name}.bias"]
+    return out
 
 
 def _linear_back(dy: np.ndarray, x: np.ndarray, p: Arrays, name: str, g: Arrays) -> np.ndarray:
@@ -54,7 +55,8 @@ def _linear_back(dy: np.ndarray, x: np.ndarray, p: Arrays, name: str, g: Arrays)
     x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
     g[f"{name}.weight"] = dy2.T @ x2
     g[f"{name}.bias"] = dy2.sum(axis=0)
-    return dy @ p[f"{name}.weight"]
+    dx: np.ndarray = dy @ p[f"{name}.weight"]
+    return dx
 
 
 def _layer_norm(
@@ -76,7 +78,8 @@ def _layer_norm_back(
     dxhat = dy * p[f"{name}.weight"]
     mean = dxhat.mean(axis=-1, keepdims=True)
     proj = (dxhat * xhat).mean(axis=-1, keepdims=True)
-    return rstd * (dxhat - mean - xhat * proj)
+    dx: np.ndarray = rstd * (dxhat - mean - xhat * proj)
+    return dx
 
 
 def _gelu(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -123,7 +126,9 @@ def _encoder_layer(
     q, k, v = (split(_linear(x, p, f"{att}self.{m}")) for m in ("query", "key", "value"))
     probs = _softmax(q @ k.transpose(0, 1, 3, 2) / math.sqrt(d) + bias)
     context = (probs @ v).transpose(0, 2, 1, 3).reshape(b, t, h)
-    h1, ln1 = _layer_norm(_linear(context, p, f"{att}output.dense") + x, p, f"{att}output.LayerNorm")
+    h1, ln1 = _layer_norm(
+        _linear(context, p, f"{att}output.dense") + x, p, f"{att}output.LayerNorm"
+    )
     act, act_grad = _gelu(_linear(h1, p, f"{prefix}intermediate.dense"))
     out, ln2 = _layer_norm(
         _linear(act, p, f"{prefix}output.dense") + h1, p, f"{prefix}output.LayerNorm"
@@ -132,7 +137,7 @@ def _encoder_layer(
 
 
 def _encoder_layer_back(
-    dout: np.ndarray, c: _LayerCache, p: Arrays, prefix: str, heads: int, g: Arrays
+    dout: np.ndarray, c: _LayerCache, p: Arrays, prefix: str, *, heads: int, g: Arrays
 ) -> np.ndarray:
     b, t, h = c.x.shape
     d = h // heads
@@ -199,7 +204,9 @@ def loss_and_gradients(
     dhidden = np.zeros_like(hidden)
     dhidden[:, 0] = dfirst
     for i in reversed(range(layers)):
-        dhidden = _encoder_layer_back(dhidden, caches[i], params, f"encoder.layer.{i}.", heads, g)
+        dhidden = _encoder_layer_back(
+            dhidden, caches[i], params, f"encoder.layer.{i}.", heads=heads, g=g
+        )
     dx0 = _layer_norm_back(dhidden, ln0, params, "embeddings.LayerNorm", g)
     width = dx0.shape[-1]
     flat = dx0.reshape(-1, width)
@@ -230,13 +237,13 @@ def adamw_update(
     b1, b2 = betas
     step_size = lr / (1 - b1**step)
     root_c2 = math.sqrt(1 - b2**step)
-    for name, p in params.items():
+    for name in params:
         grad = grads[name]
-        p *= 1 - lr * weight_decay  # decoupled weight decay
+        params[name] *= 1 - lr * weight_decay  # decoupled weight decay, in place
         exp_avg[name] += (grad - exp_avg[name]) * (1 - b1)  # torch's lerp
         exp_avg_sq[name] *= b2
         exp_avg_sq[name] += (1 - b2) * grad * grad
-        p -= step_size * exp_avg[name] / (np.sqrt(exp_avg_sq[name]) / root_c2 + eps)
+        params[name] -= step_size * exp_avg[name] / (np.sqrt(exp_avg_sq[name]) / root_c2 + eps)
 
 
 class NumpyTrainer:

@@ -99,10 +99,9 @@ class TransformerConfig:
     @classmethod
     def tiny(cls, **overrides: Any) -> TransformerConfig:
         """A config small enough for unit tests (milliseconds per step)."""
-        sizes: dict[str, Any] = dict(
-            vocab_size=300, hidden=16, layers=2, heads=2, intermediate=32, max_positions=40
-        )
-        sizes |= dict(seq_len=32, batch_size=8, peers=2, steps=3, learning_rate=3e-3)
+        sizes: dict[str, Any] = {"vocab_size": 300, "hidden": 16, "layers": 2, "heads": 2}
+        sizes |= {"intermediate": 32, "max_positions": 40, "seq_len": 32, "batch_size": 8}
+        sizes |= {"peers": 2, "steps": 3, "learning_rate": 3e-3}
         return cls(**(sizes | overrides))
 
     @property
@@ -123,8 +122,14 @@ class TransformerConfig:
         for n in range(self.layers):
             p = f"encoder.layer.{n}."
             for m in ("query", "key", "value"):
-                shapes |= {f"{p}attention.self.{m}.weight": (h, h), f"{p}attention.self.{m}.bias": (h,)}
-            shapes |= {f"{p}attention.output.dense.weight": (h, h), f"{p}attention.output.dense.bias": (h,)}
+                shapes |= {
+                    f"{p}attention.self.{m}.weight": (h, h),
+                    f"{p}attention.self.{m}.bias": (h,),
+                }
+            shapes |= {
+                f"{p}attention.output.dense.weight": (h, h),
+                f"{p}attention.output.dense.bias": (h,),
+            }
             shapes |= {f"{p}attention.output.{k}": s for k, s in norm.items()}
             shapes |= {f"{p}intermediate.dense.weight": (i, h), f"{p}intermediate.dense.bias": (i,)}
             shapes |= {f"{p}output.dense.weight": (h, i), f"{p}output.dense.bias": (h,)}
@@ -155,7 +160,9 @@ class TransformerConfig:
         base = cls(**overrides)
         target = mib * 2**20
         per_dump = base.dump_bytes() / (base.peers * base.steps)
-        steps = base.steps if "steps" in overrides else max(1, round(target / (per_dump * base.peers)))
+        steps = (
+            base.steps if "steps" in overrides else max(1, round(target / (per_dump * base.peers)))
+        )
         want = target / (steps * base.peers)  # bytes of one dump
         config = replace(base, steps=steps)
         if want >= 0.9 * per_dump:
@@ -272,8 +279,8 @@ class _Trainer(Protocol):
 def _trainer(config: TransformerConfig, backend: Backend) -> _Trainer:
     if backend not in ("auto", "torch", "numpy"):
         raise InvalidInputError(f"backend must be 'auto', 'torch' or 'numpy', not {backend!r}")
-    opts = dict(lr=config.learning_rate, weight_decay=config.weight_decay)
-    shape = dict(layers=config.layers, heads=config.heads)
+    params = init_params(config)
+    lr, wd = config.learning_rate, config.weight_decay
     if backend != "numpy":
         try:
             from gradpipe.testing._transformer_torch import TorchTrainer
@@ -281,8 +288,15 @@ def _trainer(config: TransformerConfig, backend: Backend) -> _Trainer:
             if backend == "torch":
                 raise
         else:
-            return TorchTrainer(init_params(config), **shape, **opts, seed=config.seed)
-    return NumpyTrainer(init_params(config), **shape, **opts)
+            return TorchTrainer(
+                params,
+                layers=config.layers,
+                heads=config.heads,
+                lr=lr,
+                weight_decay=wd,
+                seed=config.seed,
+            )
+    return NumpyTrainer(params, layers=config.layers, heads=config.heads, lr=lr, weight_decay=wd)
 
 
 def train_transformer(
