@@ -225,7 +225,9 @@ def make_data(kind: str, mib: float, root: Path) -> tuple[Sample, int, str]:
         one_step = TrainingConfig(vocab_size=2_000, embed_dim=64, hidden=2_048, steps=1)
         steps = max(1, round(mib * MiB / one_step.dump_bytes()))
         training = replace(one_step, steps=steps)
-        what = f"dense: write_sample_run(TrainingConfig(vocab_size=2000, hidden=2048, steps={steps}))"
+        what = (
+            f"dense: write_sample_run(TrainingConfig(vocab_size=2000, hidden=2048, steps={steps}))"
+        )
     what += f", embedding {training.vocab_size}x{training.embed_dim}"
     return write_sample_run(root, training), training.dump_bytes(), what
 
