@@ -15,9 +15,18 @@ one s3fs filesystem shared by gradpipe and the anchors), all in the same run.
 is faster. "stored" and "ratio" are what gradpipe's store holds (blocks and
 manifests) and logical/stored; the raw anchors store the bytes as they are.
 
-Data: one peer's gradients of a real (small) training step from
-``gradpipe.testing.sample_gradients`` (a sparse embedding gradient plus dense
-layers) and dense float32 parameters drawn from N(0, 0.02), each about ``--mib``.
+Data (``--data``, default ``transformer``), each set about ``--mib`` MiB:
+
+- ``transformer``: one peer's gradient dump of a BERT-small / MiniLM-L6-shaped
+  encoder's fine-tuning step (``gradpipe.testing.train_transformer``; by default
+  the real model: 105 float32 tensors, 87 MiB, half of them small vectors, the
+  embedding gradient ~0.3% non-zero rows) and the model's parameters after
+  that AdamW step: what users store,
+- ``sparse``: one peer's gradients of ``gradpipe.testing.sample_gradients`` (a
+  toy model whose huge sparse embedding gradient compresses hundreds of times)
+  and dense float32 parameters drawn from N(0, 0.02),
+- ``dense``: the toy model with a big dense layer instead, and N(0, 0.02),
+- ``all``: all of them.
 
 Operations, each the best of ``--repeat`` runs unless it says "first":
 
@@ -37,13 +46,15 @@ Operations, each the best of ``--repeat`` runs unless it says "first":
 Local ``put`` without fsync measures writing into the page cache, not the disk:
 neither gradpipe nor fsspec waits for writeback.
 
-Run: ``python benchmarks/bench_store.py`` (``--repeat N``, ``--mib M``, ``--skip-s3``).
+Run: ``python benchmarks/bench_store.py`` (``--data KIND``, ``--repeat N``, ``--mib M``,
+``--skip-s3``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import shutil
 import tempfile
@@ -71,10 +82,44 @@ Tensors = dict[str, np.ndarray]
 
 
 # --- data ---------------------------------------------------------------------
-def gradients(mib: float) -> tuple[Tensors, str]:
-    """One peer's gradients of a training step, the embedding sized to make ``mib`` MiB."""
+def transformer(mib: float | None) -> list[tuple[str, Tensors, str]]:
+    """One peer's gradient dump of a BERT-small fine-tuning step, and the parameters after it."""
+    from gradpipe.testing import TransformerConfig, train_transformer
+
+    if mib is None:
+        config = TransformerConfig(steps=1, peers=1)  # one dump of the real model: 87 MiB
+        how = "TransformerConfig(steps=1, peers=1)"
+    else:
+        config = TransformerConfig.for_dump_size(mib, steps=1, peers=1)
+        how = f"TransformerConfig.for_dump_size({mib:g}, steps=1, peers=1)"
+    (result,) = train_transformer(config)
+    grads = result.gradients["peer0"]
+    emb = grads["embeddings.word_embeddings.weight"]
+    rows = np.count_nonzero(np.any(emb != 0, axis=1))
+    model = (
+        f"vocab {config.vocab_size}, hidden {config.hidden}, {config.layers} layers, "
+        f"{len(grads)} float32 tensors"
+    )
+    return [
+        (
+            "transformer gradients",
+            grads,
+            f"transformer gradients: train_transformer({how}): one peer's dump, {model}, "
+            f"embedding rows touched {rows}/{emb.shape[0]}",
+        ),
+        (
+            "transformer params",
+            result.params,
+            f"transformer params: the float32 master weights after that step, {model}",
+        ),
+    ]
+
+
+def sparse(mib: float | None) -> list[tuple[str, Tensors, str]]:
+    """One peer's gradients of the toy run (embedding sized to ``mib``), and N(0, 0.02)."""
     from gradpipe.testing import TrainingConfig, sample_gradients
 
+    mib = 64 if mib is None else mib
     dense = EMBED_DIM * HIDDEN + HIDDEN + HIDDEN * HIDDEN + HIDDEN + HIDDEN * 10 + 10
     vocab = max(1000, int(mib * 2**20 / 4 - dense) // EMBED_DIM)
     config = TrainingConfig(vocab_size=vocab, embed_dim=EMBED_DIM, hidden=HIDDEN)
@@ -82,19 +127,41 @@ def gradients(mib: float) -> tuple[Tensors, str]:
     emb = grads["embedding.weight"]
     rows = np.count_nonzero(np.any(emb != 0, axis=1))
     desc = (
-        f"gradients: sample_gradients(TrainingConfig(vocab_size={vocab}, "
+        f"sparse gradients: sample_gradients(TrainingConfig(vocab_size={vocab}, "
         f"embed_dim={EMBED_DIM}, hidden={HIDDEN})), {len(grads)} float32 tensors, "
         f"embedding rows touched {rows}/{emb.shape[0]}"
     )
-    return grads, desc
+    return [("sparse gradients", grads, desc), random_params("sparse", mib)]
 
 
-def parameters(mib: float) -> tuple[Tensors, str]:
+def dense(mib: float | None) -> list[tuple[str, Tensors, str]]:
+    """One peer's gradients of the toy model with big dense layers, and N(0, 0.02)."""
+    from gradpipe.testing import TrainingConfig, sample_gradients
+
+    mib = 64 if mib is None else mib
+    hidden = max(64, int(math.sqrt(mib * 2**20 / 4)))  # dense2 (hidden x hidden) carries it
+    config = TrainingConfig(vocab_size=2000, embed_dim=64, hidden=hidden)
+    grads = sample_gradients(config)
+    desc = (
+        f"dense gradients: sample_gradients(TrainingConfig(vocab_size=2000, embed_dim=64, "
+        f"hidden={hidden})), {len(grads)} float32 tensors"
+    )
+    return [("dense gradients", grads, desc), random_params("dense", mib)]
+
+
+def random_params(kind: str, mib: float) -> tuple[str, Tensors, str]:
     """Dense float32 parameters, N(0, 0.02), one tensor of ``mib`` MiB."""
     rows = max(1, int(mib * 2**20 / 4) // 1024)
     rng = np.random.default_rng(0)
     params = rng.normal(0, 0.02, (rows, 1024)).astype(np.float32)
-    return {"weight": params}, f"params: float32 N(0, 0.02), shape {params.shape}"
+    return (
+        f"{kind} params",
+        {"weight": params},
+        f"{kind} params: float32 N(0, 0.02), {params.shape}",
+    )
+
+
+DATA = {"transformer": transformer, "sparse": sparse, "dense": dense}
 
 
 def logical_bytes(tensors: Tensors) -> int:
@@ -374,13 +441,28 @@ def fs_type(path: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3, help="best of N runs (default 3)")
-    parser.add_argument("--mib", type=float, default=64, help="MiB per data set (default 64)")
+    parser.add_argument(
+        "--mib",
+        type=float,
+        default=None,
+        help="MiB per data set (default: one dump of the real model, 87 MiB, for transformer; "
+        "64 for the others)",
+    )
+    parser.add_argument(
+        "--data",
+        choices=[*DATA, "all"],
+        default="transformer",
+        help="transformer: a BERT-small fine-tuning step, as users' dumps (default); sparse: "
+        "the toy run's sparse embedding gradients; dense: its big dense layers; all: each",
+    )
     parser.add_argument("--skip-s3", action="store_true", help="local disk only")
     args = parser.parse_args()
     repeat = max(1, args.repeat)
 
-    sets = [gradients(args.mib), parameters(args.mib)]
-    for _, desc in sets:
+    kinds = list(DATA) if args.data == "all" else [args.data]
+    sets = [s for kind in kinds for s in DATA[kind](args.mib)]
+    print(f"=== store put/get, data: {', '.join(kinds)} ===")
+    for _, _, desc in sets:
         print(f"data: {desc}")
     print(
         f"chunks of {CHUNK_BYTES >> 20} MiB; best of {repeat}; MiB/s of logical bytes; "
@@ -391,8 +473,9 @@ def main() -> None:
         "the page cache (no fsync, no wait for the disk); 'put fsync' and 'get cold' reach it"
     )
     print("s3: moto server on loopback (one process, writes serialized), s3fs client\n")
+    width = max(len(label) for label, _, _ in sets)
     header = (
-        f"{'where':<6} {'data':<10} {'op':<17} {'MiB':>6} {'gp MiB/s':>9} {'raw 4MiB':>9}"
+        f"{'where':<6} {'data':<{width}} {'op':<17} {'MiB':>6} {'gp MiB/s':>9} {'raw 4MiB':>9}"
         f" {'raw 1obj':>9} {'gp/4MiB':>8} {'gp/1obj':>8} {'stored MiB':>10} {'ratio':>8}"
     )
     print(header)
@@ -401,7 +484,7 @@ def main() -> None:
     with targets(args.skip_s3) as places:
         for target in places:
             warm_up(target)
-            for (tensors, _), label in zip(sets, ("gradients", "params"), strict=True):
+            for label, tensors, _ in sets:
                 mib = logical_bytes(tensors) / 2**20
                 for row in bench(target, tensors, repeat):
                     gp, raw4, raw1 = (mib / s for s in row.seconds)
@@ -410,7 +493,7 @@ def main() -> None:
                         f"{logical_bytes(tensors) / row.stored:8.1f}" if row.stored else f"{'-':>8}"
                     )
                     print(
-                        f"{target.name:<6} {label:<10} {row.op:<17} {mib:>6.1f} {gp:>9.0f}"
+                        f"{target.name:<6} {label:<{width}} {row.op:<17} {mib:>6.1f} {gp:>9.0f}"
                         f" {raw4:>9.0f} {raw1:>9.0f} {gp / raw4:>8.2f} {gp / raw1:>8.2f}"
                         f" {stored:>10} {ratio}"
                     )
