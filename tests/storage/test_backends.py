@@ -1,0 +1,81 @@
+"""The backend conformance suite on every backend: local disk, file://, memory:// and S3."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gradpipe.storage._local import LocalBackend
+from gradpipe.storage._memory import MemoryBackend
+from gradpipe.storage.backend import Backend
+from gradpipe.storage.registry import backend_for_url
+from gradpipe.testing.backend_suite import BackendTests
+from gradpipe.testing.faults import FaultyBackend
+from gradpipe.testing.s3server import S3Server
+
+BUCKET = "gradpipe-test"
+
+
+class TestLocalBackend(BackendTests):
+    @pytest.fixture
+    def backend(self, tmp_path: Path) -> Backend:
+        return LocalBackend(tmp_path / "b")
+
+    def set_mtime(self, backend: Backend, key: str, mtime: float) -> None:
+        assert isinstance(backend, LocalBackend)
+        os.utime(backend.root / key, (mtime, mtime))
+
+
+class TestFileUrlBackend(TestLocalBackend):
+    @pytest.fixture
+    def backend(self, tmp_path: Path) -> Backend:
+        backend = backend_for_url(f"file://{tmp_path}/b")
+        assert isinstance(backend, LocalBackend)
+        return backend
+
+
+class TestMemoryBackend(BackendTests):
+    @pytest.fixture
+    def backend(self) -> Iterator[Backend]:
+        backend = backend_for_url(f"memory://{uuid.uuid4().hex}")
+        assert isinstance(backend, MemoryBackend)
+        yield backend
+        backend.delete_all()
+
+    def set_mtime(self, backend: Backend, key: str, mtime: float) -> None:
+        assert isinstance(backend, MemoryBackend)
+        backend.set_mtime(key, mtime)
+
+
+class TestFaultyBackendWithoutFaults(TestMemoryBackend):
+    """The fault wrapper, with nothing scheduled, is a conforming backend itself."""
+
+    @pytest.fixture
+    def backend(self) -> Iterator[Backend]:
+        inner = MemoryBackend(uuid.uuid4().hex)
+        yield FaultyBackend(inner)
+        inner.delete_all()
+
+    def set_mtime(self, backend: Backend, key: str, mtime: float) -> None:
+        assert isinstance(backend, FaultyBackend)
+        super().set_mtime(backend.inner, key, mtime)
+
+
+@pytest.mark.s3
+class TestS3Backend(BackendTests):
+    @pytest.fixture
+    def backend(self, s3: S3Server) -> Backend:
+        return backend_for_url(f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}")
+
+
+@pytest.mark.s3
+class TestS3BackendAtBucketRoot(BackendTests):
+    """No prefix: keys are the bucket's own keys."""
+
+    @pytest.fixture
+    def backend(self, s3: S3Server) -> Backend:
+        return backend_for_url(f"s3://{BUCKET}")
