@@ -93,7 +93,8 @@ class FaultyBackend(Backend):
     """Wraps ``inner`` and fails its primitives as ``faults`` say (thread-safe).
 
     ``injected`` records every fault that fired, so a test can check that the
-    branch it meant to exercise did run.
+    branch it meant to exercise did run; ``calls`` records every ``(op, key)``
+    that reached the wrapper (batch primitives once per key).
     """
 
     def __init__(self, inner: Backend, *faults: Fault) -> None:
@@ -101,6 +102,7 @@ class FaultyBackend(Backend):
         self.url = inner.url
         self.faults = list(faults)
         self.injected: list[Injected] = []
+        self.calls: list[tuple[str, str]] = []
         self._lock = threading.Lock()
 
     def add(self, *faults: Fault) -> None:
@@ -122,6 +124,7 @@ class FaultyBackend(Backend):
     def _due(self, op: str, key: str) -> Fault | None:
         due = None
         with self._lock:
+            self.calls.append((op, key))
             for fault in self.faults:
                 if fault.op != op or not fnmatchcase(key, fault.key):
                     continue
