@@ -11,6 +11,7 @@ import pytest
 
 from gradpipe.storage._local import LocalBackend
 from gradpipe.storage._memory import MemoryBackend
+from gradpipe.storage._s3 import S3Backend
 from gradpipe.storage.backend import Backend
 from gradpipe.storage.registry import backend_for_url
 from gradpipe.testing.backend_suite import BackendTests
@@ -69,13 +70,19 @@ class TestFaultyBackendWithoutFaults(TestMemoryBackend):
 class TestS3Backend(BackendTests):
     @pytest.fixture
     def backend(self, s3: S3Server) -> Backend:
+        self.server = s3
         return backend_for_url(f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}")
+
+    def set_mtime(self, backend: Backend, key: str, mtime: float) -> None:
+        assert isinstance(backend, S3Backend)
+        self.server.set_mtime(backend.bucket, backend._key(key), mtime)
 
 
 @pytest.mark.s3
-class TestS3BackendAtBucketRoot(BackendTests):
+class TestS3BackendAtBucketRoot(TestS3Backend):
     """No prefix: keys are the bucket's own keys."""
 
     @pytest.fixture
     def backend(self, s3: S3Server) -> Backend:
+        self.server = s3
         return backend_for_url(f"s3://{BUCKET}")

@@ -1,0 +1,112 @@
+"""Lost replies on the wire: a real S3 server on loopback whose answers go missing.
+
+The fault layer of :class:`S3Server` lets a request reach moto and then
+answers 503, so botocore retries it: the retried conditional PUT meets the
+write it retries and gets a 412. gradpipe must take that for what it is.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+
+import gradpipe as gp
+from gradpipe.errors import StorageError
+from gradpipe.testing.s3server import LostReply, S3Request, S3Server
+
+BUCKET = "gradpipe-test"
+REF = "tags/x"
+
+pytestmark = pytest.mark.s3
+
+
+@pytest.fixture
+def prefix(s3_faults: S3Server) -> str:
+    return uuid.uuid4().hex[:8]
+
+
+@pytest.fixture
+def store(prefix: str) -> gp.Store:
+    return gp.open_store(f"s3://{BUCKET}/{prefix}", mode="w")
+
+
+def about(log: list[S3Request], path: str) -> list[tuple[int | None, int]]:
+    """(moto's status, the status sent) of every PUT of ``path``."""
+    return [(r.moto_status, r.status) for r in log if r.method == "PUT" and r.path == path]
+
+
+def test_block_put_whose_reply_was_lost_is_stored_once(
+    s3_faults: S3Server, store: gp.Store, prefix: str
+) -> None:
+    array = np.arange(5000, dtype=np.float32)
+    rule = LostReply("PUT", f"{BUCKET}/{prefix}/blocks/*", calls={1})
+    with s3_faults.lose_replies(rule) as log:
+        tensor_id = store.put_tensor(array, name="w")
+    assert rule.fired == 1
+    [lost] = [r for r in log if r.status == 503]
+    # moto stored it, the client retried, and the retry was refused: written once.
+    assert about(log, lost.path) == [(200, 503), (412, 412)]
+    assert lost.headers == {"If-None-Match"}
+    assert store.refs.get("tensors/w") == tensor_id
+    assert store.get_tensor(tensor_id).tobytes() == array.tobytes()
+    assert gp.verify(store).ok
+
+
+@pytest.mark.parametrize("header", ["If-Match", "If-None-Match"])
+def test_ref_swap_whose_reply_was_lost_is_our_commit(
+    s3_faults: S3Server, store: gp.Store, prefix: str, header: str
+) -> None:
+    a = store.put_tensor(np.ones(3))
+    b = store.put_tensor(np.zeros(3))
+    if header == "If-Match":
+        store.refs.set(REF, a, expected=None)
+    key = f"{BUCKET}/{prefix}/refs/{REF}"
+    rule = LostReply("PUT", key, calls={1}, header=header)
+    with s3_faults.lose_replies(rule) as log:
+        if header == "If-Match":
+            entry = store.refs.set(REF, b, expected=a)
+        else:
+            entry = store.refs.set(REF, b, expected=None)
+    assert rule.fired == 1
+    assert about(log, key) == [(200, 503), (412, 412)]
+    expected_history = [b, a] if header == "If-Match" else [b]
+    assert [e.target for e in store.refs.history(REF)] == expected_history
+    assert store.refs.list()[REF].write_id == entry.write_id
+
+
+@pytest.mark.slow
+def test_ref_swap_whose_every_reply_was_lost_is_still_our_commit(
+    s3_faults: S3Server, store: gp.Store, prefix: str
+) -> None:
+    # botocore gives up; reading the ref back shows that our first attempt landed.
+    a = store.put_tensor(np.ones(3))
+    b = store.put_tensor(np.zeros(3))
+    store.refs.set(REF, a, expected=None)
+    key = f"{BUCKET}/{prefix}/refs/{REF}"
+    with s3_faults.lose_replies(LostReply("PUT", key)) as log:
+        entry = store.refs.set(REF, b, expected=a)
+    puts = about(log, key)
+    assert puts[0] == (200, 503)
+    assert len(puts) > 1
+    assert all(p == (412, 503) for p in puts[1:])
+    assert [e.target for e in store.refs.history(REF)] == [b, a]
+    assert store.refs.list()[REF].write_id == entry.write_id
+
+
+@pytest.mark.slow
+def test_block_put_whose_every_reply_was_lost_then_rerun(
+    s3_faults: S3Server, store: gp.Store, prefix: str
+) -> None:
+    array = np.arange(5000, dtype=np.float32)
+    pattern = f"{BUCKET}/{prefix}/blocks/*"
+    with s3_faults.lose_replies(LostReply("PUT", pattern)) as log, pytest.raises(StorageError):
+        store.put_tensor(array, name="w")
+    landed = {r.path for r in log if r.moto_status == 200 and r.path.startswith(pattern[:-1])}
+    assert landed
+    assert "tensors/w" not in store.refs.list()
+    with s3_faults.lose_replies() as log:
+        tensor_id = store.put_tensor(array, name="w")
+    assert not {r.path for r in log if r.method == "PUT"} & landed  # not sent again
+    assert store.get_tensor(tensor_id).tobytes() == array.tobytes()
