@@ -27,10 +27,16 @@ REF = "tags/x"
 KEY = f"refs/{REF}"
 
 
-@pytest.fixture(params=["memory", "local"])
+@pytest.fixture(params=["memory", "local", pytest.param("s3", marks=pytest.mark.s3)])
 def inner(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     """A real store; tests put a faulty one over its backend."""
-    url = f"memory://{uuid.uuid4().hex}" if request.param == "memory" else str(tmp_path / "s")
+    if request.param == "s3":
+        request.getfixturevalue("s3")
+        url = f"s3://gradpipe-test/{uuid.uuid4().hex[:8]}"
+    elif request.param == "memory":
+        url = f"memory://{uuid.uuid4().hex}"
+    else:
+        url = str(tmp_path / "s")
     store = gp.open_store(url, mode="w")
     yield store
     if request.param == "memory":
