@@ -255,9 +255,7 @@ class BackendTests:
         assert (current.data, current.token) == (b"v2", second)
         assert visible_keys(backend, "refs") == {"refs/k/a": 2}
 
-    def test_swap_with_a_stale_token_conflicts_and_changes_nothing(
-        self, backend: Backend
-    ) -> None:
+    def test_swap_with_a_stale_token_conflicts_and_changes_nothing(self, backend: Backend) -> None:
         first = backend.swap("refs/k/b", b"v1", None)
         second = backend.swap("refs/k/b", b"v2", first)
         with pytest.raises(ConflictError, match="refs/k/b"):

@@ -22,6 +22,7 @@ those of ``read_many``, ``delete`` those of ``delete_many``.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -44,8 +45,7 @@ def lost(op: str, key: str, url: str, lose: Lose) -> StorageError:
     """The error a backend raises when its client gives up on a request."""
     what = "the reply was lost" if lose == "reply" else "the request never arrived"
     return StorageError(
-        f"could not {op} {key!r} in store {url}: connection reset by peer "
-        f"(injected fault: {what})"
+        f"could not {op} {key!r} in store {url}: connection reset by peer (injected fault: {what})"
     )
 
 
@@ -143,10 +143,8 @@ class FaultyBackend(Backend):
             return fn()
         if fault.lose == "request":
             raise lost(op, key, self.url, fault.lose)
-        try:
+        with contextlib.suppress(Exception):  # whatever the answer was, it never arrived
             fn()
-        except Exception:
-            pass  # whatever the answer was, it never arrived
         raise lost(op, key, self.url, fault.lose)
 
     def _batch(self, op: str, keys: Sequence[str]) -> tuple[list[bool], StorageError | None]:
@@ -178,7 +176,9 @@ class FaultyBackend(Backend):
 
     def write_many_if_absent(self, items: Sequence[tuple[str, bytes | memoryview]]) -> list[bool]:
         send, error = self._batch("write_if_absent", [key for key, _ in items])
-        results = self.inner.write_many_if_absent([i for i, s in zip(items, send, strict=True) if s])
+        results = self.inner.write_many_if_absent(
+            [item for item, sent in zip(items, send, strict=True) if sent]
+        )
         if error is not None:
             raise error
         return results

@@ -122,10 +122,10 @@ class S3Server:
         """Set an object's last-modified time (moto runs in this process), for tests."""
         from datetime import UTC, datetime
 
-        from moto.core import DEFAULT_ACCOUNT_ID
         from moto.s3.models import s3_backends
 
-        obj = s3_backends[DEFAULT_ACCOUNT_ID]["global"].buckets[bucket].keys[key]
+        account = "123456789012"  # moto's default account, which our credentials map to
+        obj = s3_backends[account]["global"].buckets[bucket].keys[key]
         # moto keeps naive UTC times.
         obj.last_modified = datetime.fromtimestamp(mtime, UTC).replace(tzinfo=None)
 
@@ -223,7 +223,7 @@ class _FaultLayer:
         statuses: list[int] = []
 
         def keep_status(status: str, headers: Any, exc_info: Any = None) -> Callable[..., Any]:
-            statuses.append(int(status.split()[0]))
+            statuses.append(int(status.split(maxsplit=1)[0]))
             if rule is None:
                 return start_response(status, headers, exc_info)  # type: ignore[no-any-return]
             return lambda _data: None

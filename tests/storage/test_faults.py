@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 import gradpipe as gp
-from gradpipe.core.ids import block_key
 from gradpipe.errors import ConflictError, LockedError, StorageError
 from gradpipe.storage.refs import ANY
 from gradpipe.storage.store import Store
@@ -271,6 +270,7 @@ def test_gc_after_a_failed_gc_deletes_only_garbage(inner: Store) -> None:
     store, backend = faulty(inner, Fault("mtimes", "blocks/*", calls={1}, lose="request"))
     with pytest.raises(StorageError):
         gp.gc(store, grace=0)
+    assert len(backend.fired("mtimes")) == 1
     report = gp.gc(store, grace=0)
     assert report.deleted > 0
     assert _blocks(inner) < keys
