@@ -6,9 +6,9 @@ turn that into a false conflict, a duplicate, or a deleted block. Those
 branches only run when something makes them run; :class:`FaultyBackend`
 (modelled on zarr's ``LatencyStore``-style wrappers) does::
 
-    backend = FaultyBackend(store.backend, Fault("swap", calls={1}))
-    store = Store(backend, mode="a", url=store.url)
-    store.refs.set("tags/x", target)   # the first swap lands, its reply is lost
+    faulty, backend = faulty_store(store, Fault("swap", calls={1}))
+    faulty.refs.set("tags/x", target)   # the first swap lands, its reply is lost
+    assert backend.fired("swap")
 
 A :class:`Fault` names a primitive, a key pattern and which of the matching
 calls fail; it either does the operation and then raises (``lose="reply"``:
@@ -18,6 +18,10 @@ their client gives up, :class:`~gradpipe.errors.StorageError`. Batch
 primitives fail per key, as S3 sends one request per key: a fault on
 ``write_if_absent`` also hits the items of ``write_many_if_absent``, ``read``
 those of ``read_many``, ``delete`` those of ``delete_many``.
+
+The faulty store is built over the wrapper directly, not through the backend
+registry: a store sent to a Dask worker reopens its URL there, without faults,
+which is what a test of one process wants.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from typing import Literal, TypeVar
 
 from gradpipe.errors import StorageError
 from gradpipe.storage.backend import Backend, KeyInfo, VersionedBytes
+from gradpipe.storage.store import Store
 
-__all__ = ["Fault", "FaultyBackend", "Injected"]
+__all__ = ["Fault", "FaultyBackend", "Injected", "faulty_store"]
 
 T = TypeVar("T")
 
@@ -212,3 +217,9 @@ class FaultyBackend(Backend):
 
     def delete_all(self) -> None:
         self._one("delete_all", "", self.inner.delete_all)
+
+
+def faulty_store(store: Store, *faults: Fault) -> tuple[Store, FaultyBackend]:
+    """A writable store over ``store``'s backend wrapped in a :class:`FaultyBackend`."""
+    backend = FaultyBackend(store.backend, *faults)
+    return Store(backend, mode="a", url=store.url, storage_options=store.storage_options), backend

@@ -20,7 +20,7 @@ import gradpipe as gp
 from gradpipe.errors import ConflictError, LockedError, StorageError
 from gradpipe.storage.refs import ANY
 from gradpipe.storage.store import Store
-from gradpipe.testing.faults import Fault, FaultyBackend
+from gradpipe.testing.faults import Fault, faulty_store
 
 REF = "tags/x"
 KEY = f"refs/{REF}"
@@ -42,11 +42,6 @@ def inner(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
         store.backend.delete_all()
 
 
-def faulty(inner: Store, *faults: Fault) -> tuple[Store, FaultyBackend]:
-    backend = FaultyBackend(inner.backend, *faults)
-    return Store(backend, mode="a", url=inner.url), backend
-
-
 def targets(store: Store, n: int = 2) -> list[str]:
     return [store.put_tensor(np.full(4, i, np.float32)) for i in range(n)]
 
@@ -60,7 +55,7 @@ def history(store: Store, name: str = REF) -> list[str | None]:
 def test_swap_landed_reply_lost_is_our_commit(inner: Store, expected: str) -> None:
     a, b = targets(inner)
     inner.refs.set(REF, a, expected=None)
-    store, backend = faulty(inner, Fault("swap", KEY))
+    store, backend = faulty_store(inner, Fault("swap", KEY))
     entry = store.refs.set(REF, b, expected=a if expected == "exact" else ANY)
     assert [(i.op, i.lose) for i in backend.fired()] == [("swap", "reply")]
     assert entry.target == b
@@ -70,7 +65,7 @@ def test_swap_landed_reply_lost_is_our_commit(inner: Store, expected: str) -> No
 
 def test_create_landed_reply_lost_is_our_commit(inner: Store) -> None:
     [a] = targets(inner, 1)
-    store, backend = faulty(inner, Fault("swap", KEY))
+    store, backend = faulty_store(inner, Fault("swap", KEY))
     entry = store.refs.set(REF, a, expected=None)
     assert len(backend.fired("swap")) == 1
     assert history(inner) == [a]
@@ -83,7 +78,7 @@ def test_swap_landed_and_the_read_back_failed_too(inner: Store, expected: str) -
     # attempt then finds our own entry as the ref's current value.
     a, b = targets(inner)
     inner.refs.set(REF, a, expected=None)
-    store, backend = faulty(
+    store, backend = faulty_store(
         inner,
         Fault("swap", KEY, calls={1}),
         Fault("read_versioned", KEY, calls={2}, lose="request"),  # 1: the attempt's read
@@ -103,7 +98,7 @@ def test_swap_landed_and_was_moved_on_before_the_read_back(inner: Store, expecte
     a, b, c = targets(inner, 3)
     inner.refs.set(REF, a, expected=None)
     other = gp.open_store(inner.url, mode="r+")
-    store, backend = faulty(
+    store, backend = faulty_store(
         inner,
         Fault("swap", KEY, calls={1}),
         Fault(
@@ -125,7 +120,7 @@ def test_swap_landed_and_was_moved_on_before_the_read_back(inner: Store, expecte
 def test_swap_lost_before_landing_is_retried_cleanly(inner: Store) -> None:
     a, b = targets(inner)
     inner.refs.set(REF, a, expected=None)
-    store, backend = faulty(inner, Fault("swap", KEY, calls={1}, lose="request"))
+    store, backend = faulty_store(inner, Fault("swap", KEY, calls={1}, lose="request"))
     entry = store.refs.set(REF, b, expected=a)
     assert len(backend.fired("swap")) == 1
     assert [op for op, _ in backend.calls].count("swap") == 2
@@ -136,7 +131,7 @@ def test_swap_lost_before_landing_is_retried_cleanly(inner: Store) -> None:
 def test_swap_that_never_lands_raises_and_leaves_the_ref(inner: Store) -> None:
     a, b = targets(inner)
     inner.refs.set(REF, a, expected=None)
-    store, backend = faulty(inner, Fault("swap", KEY, lose="request"))
+    store, backend = faulty_store(inner, Fault("swap", KEY, lose="request"))
     with pytest.raises(StorageError, match="tags/x"):
         store.refs.set(REF, b, expected=a)
     assert 1 < len(backend.fired("swap")) < 10  # retried, a bounded number of times
@@ -154,7 +149,7 @@ def test_lost_replies_are_retried_after_lost_races(inner: Store) -> None:
     def move() -> None:
         other.refs.set(REF, a, message=f"other {next(moves)}")
 
-    store, backend = faulty(
+    store, backend = faulty_store(
         inner,
         Fault("swap", KEY, calls=range(1, 5), lose=None, action=move),
         Fault("swap", KEY, calls={5}, lose="request"),
@@ -172,7 +167,7 @@ def test_a_real_conflict_is_still_a_conflict(inner: Store) -> None:
     a, b, c = targets(inner, 3)
     inner.refs.set(REF, a, expected=None)
     other = gp.open_store(inner.url, mode="r+")
-    store, backend = faulty(
+    store, backend = faulty_store(
         inner,
         Fault("swap", KEY, calls={1}, action=lambda: other.refs.set(REF, c, expected=a)),
     )
@@ -185,7 +180,7 @@ def test_a_real_conflict_is_still_a_conflict(inner: Store) -> None:
 # --- (c) a block write that landed, its reply lost -----------------------------------------
 def test_block_write_landed_reply_lost_then_retry_writes_nothing_twice(inner: Store) -> None:
     array = np.arange(3000, dtype=np.float32)
-    store, backend = faulty(inner, Fault("write_if_absent", "blocks/*", calls={1}))
+    store, backend = faulty_store(inner, Fault("write_if_absent", "blocks/*", calls={1}))
     with pytest.raises(StorageError, match="blocks/"):
         store.put_tensor(array, name="w", chunk_bytes=4096)
     [landed] = backend.fired("write_if_absent")
@@ -204,7 +199,9 @@ def test_block_write_landed_reply_lost_then_retry_writes_nothing_twice(inner: St
 
 def test_block_write_lost_before_landing_then_retry_writes_it(inner: Store) -> None:
     array = np.arange(3000, dtype=np.float32)
-    store, backend = faulty(inner, Fault("write_if_absent", "blocks/*", calls={1}, lose="request"))
+    store, backend = faulty_store(
+        inner, Fault("write_if_absent", "blocks/*", calls={1}, lose="request")
+    )
     with pytest.raises(StorageError):
         store.put_tensor(array, chunk_bytes=4096)
     [lost] = backend.fired("write_if_absent")
@@ -229,7 +226,7 @@ def _blocks(store: Store) -> set[str]:
 @pytest.mark.parametrize("lose", ["request", "reply"])
 def test_gc_stops_before_deleting_when_mtimes_fail(inner: Store, lose: str) -> None:
     kept, keys = _garbage(inner)
-    store, backend = faulty(inner, Fault("mtimes", "blocks/*", lose=lose))  # type: ignore[arg-type]
+    store, backend = faulty_store(inner, Fault("mtimes", "blocks/*", lose=lose))  # type: ignore[arg-type]
     with pytest.raises(StorageError):
         gp.gc(store, grace=0)
     assert backend.fired("mtimes")
@@ -252,7 +249,7 @@ def test_gc_stops_before_deleting_when_its_lease_cannot_be_refreshed(inner: Stor
         # its lease to be in doubt (event-driven: no sleep decides the outcome).
         assert beats_failed.wait(timeout=30), "the heartbeat never ran"
 
-    store, backend = faulty(
+    store, backend = faulty_store(
         inner,
         Fault("touch", "locks/*", lose="request", action=count_failed_beats),
         Fault("mtimes", "blocks/*", lose=None, action=hold_the_sweep),
@@ -267,7 +264,7 @@ def test_gc_stops_before_deleting_when_its_lease_cannot_be_refreshed(inner: Stor
 
 def test_gc_after_a_failed_gc_deletes_only_garbage(inner: Store) -> None:
     kept, keys = _garbage(inner)
-    store, backend = faulty(inner, Fault("mtimes", "blocks/*", calls={1}, lose="request"))
+    store, backend = faulty_store(inner, Fault("mtimes", "blocks/*", calls={1}, lose="request"))
     with pytest.raises(StorageError):
         gp.gc(store, grace=0)
     assert len(backend.fired("mtimes")) == 1
@@ -283,7 +280,7 @@ def test_reused_block_whose_touch_reply_is_lost_is_not_published(inner: Store) -
     # the touch cannot be confirmed, nothing may point at the block yet.
     array = np.arange(1000, dtype=np.float32)
     inner.put_tensor(array, chunk_bytes=8192)
-    store, backend = faulty(inner, Fault("touch", "blocks/*", calls={1}, lose="request"))
+    store, backend = faulty_store(inner, Fault("touch", "blocks/*", calls={1}, lose="request"))
     with dask.config.set({"gradpipe.storage.touch-after": "0s"}), pytest.raises(StorageError):
         store.put_tensor(array, name="w", chunk_bytes=8192)
     assert backend.fired("touch")

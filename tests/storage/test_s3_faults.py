@@ -110,3 +110,16 @@ def test_block_put_whose_every_reply_was_lost_then_rerun(
         tensor_id = store.put_tensor(array, name="w")
     assert not {r.path for r in log if r.method == "PUT"} & landed  # not sent again
     assert store.get_tensor(tensor_id).tobytes() == array.tobytes()
+
+
+def test_block_put_whose_request_was_lost_is_written_by_the_retry(
+    s3_faults: S3Server, store: gp.Store, prefix: str
+) -> None:
+    array = np.arange(5000, dtype=np.float32)
+    rule = LostReply("PUT", f"{BUCKET}/{prefix}/blocks/*", calls={1}, reach=False)
+    with s3_faults.lose_replies(rule) as log:
+        tensor_id = store.put_tensor(array, name="w")
+    [lost] = [r for r in log if r.status == 503]
+    assert about(log, lost.path) == [(None, 503), (200, 200)]
+    assert store.get_tensor(tensor_id).tobytes() == array.tobytes()
+    assert store.write_stats.blocks_written >= 2  # the retried block counts as written
