@@ -224,6 +224,12 @@ class BackendTests:
             k: len(v) for k, v in data.items()
         }
 
+    def test_list_under_a_key_is_not_the_key(self, backend: Backend) -> None:
+        backend.write_if_absent("f/leaf", b"x")
+        backend.write_if_absent("f/leafy", b"y")
+        assert visible_keys(backend, "f/leaf") == {}
+        assert visible_keys(backend, "f") == {"f/leaf": 1, "f/leafy": 1}
+
     def test_list_times_agree_with_mtimes(self, backend: Backend) -> None:
         backend.write_if_absent("l/a", b"a")
         [listed] = list(backend.list("l"))
