@@ -164,6 +164,9 @@ class LostReply:
         Only requests carrying this header (``"If-Match"``, ``"If-None-Match"``).
     status : int
         The status sent instead of moto's (500 and 503 are retried by botocore).
+    code : str, optional
+        The S3 error code in the body (default: by status, ``ServiceUnavailable``
+        or ``InternalError``); e.g. ``ConditionalRequestConflict`` with 409.
     reach : bool
         Let the request reach moto first (True: the reply is lost; False: the
         request is).
@@ -174,6 +177,7 @@ class LostReply:
     calls: Container[int] | None = None
     header: str | None = None
     status: int = 503
+    code: str | None = None
     reach: bool = True
     matched: int = field(default=0, init=False)
     fired: int = field(default=0, init=False)
@@ -238,7 +242,7 @@ class _FaultLayer:
         self._record(S3Request(method, path, _conditions(environ), moto_status, status or 0))
         if rule is None:
             return body
-        code = "ServiceUnavailable" if rule.status == 503 else "InternalError"
+        code = rule.code or ("ServiceUnavailable" if rule.status == 503 else "InternalError")
         payload = (
             '<?xml version="1.0" encoding="UTF-8"?>'
             f"<Error><Code>{code}</Code><Message>injected: reply lost</Message></Error>"

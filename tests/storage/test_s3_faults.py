@@ -8,6 +8,7 @@ write it retries and gets a 412. gradpipe must take that for what it is.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Container
 
 import numpy as np
 import pytest
@@ -123,3 +124,55 @@ def test_block_put_whose_request_was_lost_is_written_by_the_retry(
     assert about(log, lost.path) == [(None, 503), (200, 200)]
     assert store.get_tensor(tensor_id).tobytes() == array.tobytes()
     assert store.write_stats.blocks_written >= 2  # the retried block counts as written
+
+
+# --- 409 ConditionalRequestConflict: S3's answer while another conditional write is in flight
+def conflict(pattern: str, calls: Container[int] | None = None) -> LostReply:
+    """S3 refusing a conditional PUT while another one to the key is in flight (not done)."""
+    return LostReply(
+        "PUT", pattern, calls=calls, status=409, code="ConditionalRequestConflict", reach=False
+    )
+
+
+def test_block_put_answered_409_is_tried_again(
+    s3_faults: S3Server, store: gp.Store, prefix: str
+) -> None:
+    array = np.arange(5000, dtype=np.float32)
+    rule = conflict(f"{BUCKET}/{prefix}/blocks/*", calls={1, 2})
+    with s3_faults.lose_replies(rule) as log:
+        tensor_id = store.put_tensor(array)
+    [path] = {r.path for r in log if r.status == 409}
+    assert about(log, path) == [(None, 409), (None, 409), (200, 200)]
+    assert store.get_tensor(tensor_id).tobytes() == array.tobytes()
+
+
+def test_block_put_answered_409_for_ever_is_an_error_unless_it_exists(
+    s3_faults: S3Server, store: gp.Store, prefix: str
+) -> None:
+    key = "blocks/zz/conflicted"
+    with (
+        s3_faults.lose_replies(conflict(f"{BUCKET}/{prefix}/{key}")),
+        pytest.raises(StorageError, match="kept conflicting"),
+    ):
+        store.backend.write_if_absent(key, b"x")
+    assert store.backend.mtimes([key]) == [None]
+    # Someone else's write of the same key landed meanwhile: then it exists, not an error.
+    store.backend.write_if_absent(key, b"theirs")
+    with s3_faults.lose_replies(conflict(f"{BUCKET}/{prefix}/{key}")) as log:
+        assert store.backend.write_if_absent(key, b"x") is False
+    assert len(about(log, f"{BUCKET}/{prefix}/{key}")) > 1
+    assert store.backend.read(key) == b"theirs"
+
+
+def test_ref_swap_answered_409_is_retried_by_refs(
+    s3_faults: S3Server, store: gp.Store, prefix: str
+) -> None:
+    a = store.put_tensor(np.ones(3))
+    b = store.put_tensor(np.zeros(3))
+    store.refs.set(REF, a, expected=None)
+    key = f"{BUCKET}/{prefix}/refs/{REF}"
+    with s3_faults.lose_replies(conflict(key, calls={1})) as log:
+        entry = store.refs.set(REF, b, expected=a)
+    assert about(log, key) == [(None, 409), (200, 200)]
+    assert [e.target for e in store.refs.history(REF)] == [b, a]
+    assert store.refs.list()[REF].write_id == entry.write_id
