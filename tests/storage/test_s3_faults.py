@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Container
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -176,3 +177,42 @@ def test_ref_swap_answered_409_is_retried_by_refs(
     assert about(log, key) == [(None, 409), (200, 200)]
     assert [e.target for e in store.refs.history(REF)] == [b, a]
     assert store.refs.list()[REF].write_id == entry.write_id
+
+
+@pytest.mark.slow
+def test_ingest_with_lost_replies_everywhere_is_complete_and_written_once(
+    s3_faults: S3Server, store: gp.Store, prefix: str, tmp_path: Path
+) -> None:
+    from gradpipe.ingest import ingest
+    from gradpipe.runs import open_run
+    from gradpipe.testing.training import TrainingConfig, write_sample_run
+
+    sample = write_sample_run(
+        tmp_path / "d", TrainingConfig(vocab_size=500, embed_dim=8, hidden=8, peers=2, steps=2)
+    )
+    rules = [
+        LostReply("PUT", f"{BUCKET}/{prefix}/blocks/*", calls=range(1, 40, 3)),
+        # The run's ref is created by this ingest: its one swap is an If-None-Match PUT.
+        LostReply("PUT", f"{BUCKET}/{prefix}/refs/*", header="If-None-Match", calls={1}),
+    ]
+    with s3_faults.lose_replies(*rules) as log:
+        report = ingest(store, sample.dump_pattern, run="r")
+    assert report.ok
+    assert report.ingested == 4
+    assert rules[0].fired > 1
+    assert rules[1].fired == 1
+    assert len(list(store.refs.history("runs/r"))) == 1  # one commit, one entry
+    # Every block PUT that moto took was taken once: retries met 412.
+    blocks = f"{BUCKET}/{prefix}/blocks/"
+    taken = [
+        r.path
+        for r in log
+        if r.method == "PUT" and r.moto_status == 200 and r.path.startswith(blocks)
+    ]
+    assert len(taken) > 10
+    assert len(taken) == len(set(taken))
+    run = open_run(store, "r")
+    assert {(e.step, e.peer) for e in run} == {(s, p) for s in sample.steps for p in sample.peers}
+    assert gp.verify(store).ok
+    again = ingest(store, sample.dump_pattern, run="r")
+    assert again.skipped == 4
