@@ -94,6 +94,9 @@ def race(fn: Callable[[int], T], n: int = RACERS) -> list[T | Exception]:
 class BackendTests:
     """What every backend's primitives must do, exactly."""
 
+    #: Examples of the random-operations test; a slow backend asks for fewer.
+    model_examples: int = 40
+
     def set_mtime(self, backend: Backend, key: str, mtime: float) -> None:
         """Set ``key``'s last-modified time; override where the backend allows."""
         pytest.skip(f"{type(backend).__name__} cannot age an object in a test")
@@ -350,6 +353,85 @@ class BackendTests:
         current = backend.read_versioned(key)
         assert current is not None
         assert (current.data, current.token) == (b"2", token)
+
+    # --- against a model -------------------------------------------------------------
+    def test_random_operations_match_a_dict(self, backend: Backend) -> None:
+        """Any sequence of primitives leaves the backend like a dict would be."""
+        from hypothesis import settings
+        from hypothesis import strategies as st
+        from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
+
+        keys = st.sampled_from(["a/1", "a/2", "a/b/3", "ab/4", "refs/k/x"])
+        values = st.binary(max_size=6)
+
+        class Model(RuleBasedStateMachine):
+            def __init__(self) -> None:
+                super().__init__()
+                backend.delete_all()
+                self.model: dict[str, bytes] = {}
+
+            @rule(key=keys, data=values)
+            def write_if_absent(self, key: str, data: bytes) -> None:
+                assert backend.write_if_absent(key, data) is (key not in self.model)
+                self.model.setdefault(key, data)
+
+            @rule(items=st.lists(st.tuples(keys, values), max_size=3, unique_by=lambda i: i[0]))
+            def write_many_if_absent(self, items: list[tuple[str, bytes]]) -> None:
+                want = [key not in self.model for key, _ in items]
+                assert backend.write_many_if_absent(list(items)) == want
+                for key, data in items:
+                    self.model.setdefault(key, data)
+
+            @rule(key=keys)
+            def read(self, key: str) -> None:
+                if key in self.model:
+                    assert backend.read(key) == self.model[key]
+                else:
+                    with pytest.raises(NotFoundError):
+                        backend.read(key)
+
+            @rule(key=keys, data=values, fresh=st.booleans())
+            def swap(self, key: str, data: bytes, fresh: bool) -> None:
+                current = backend.read_versioned(key)
+                assert (current.data if current else None) == self.model.get(key)
+                if fresh or current is None:
+                    backend.swap(key, data, current.token if current else None)
+                    self.model[key] = data
+                else:
+                    with pytest.raises(ConflictError):
+                        backend.swap(key, data, None)
+
+            @rule(key=keys)
+            def delete(self, key: str) -> None:
+                backend.delete(key)
+                self.model.pop(key, None)
+
+            @rule(batch=st.lists(keys, max_size=3))
+            def delete_many(self, batch: list[str]) -> None:
+                backend.delete_many(batch)
+                for key in batch:
+                    self.model.pop(key, None)
+
+            @rule(batch=st.lists(keys, max_size=3))
+            def mtimes(self, batch: list[str]) -> None:
+                got = backend.mtimes(batch)
+                assert [m is not None for m in got] == [k in self.model for k in batch]
+
+            @rule(prefix=st.sampled_from(["", "a", "a/b", "ab", "refs"]))
+            def list(self, prefix: str) -> None:
+                under = f"{prefix}/" if prefix else ""
+                want = {k: len(v) for k, v in self.model.items() if k.startswith(under)}
+                assert visible_keys(backend, prefix) == want
+
+        run_state_machine_as_test(
+            Model,
+            settings=settings(
+                max_examples=self.model_examples,
+                stateful_step_count=15,
+                deadline=None,
+                database=None,
+            ),
+        )
 
     # --- concurrency ----------------------------------------------------------------
     def test_racing_creates_of_one_key_exactly_one_wins(self, backend: Backend) -> None:

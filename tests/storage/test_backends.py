@@ -68,6 +68,8 @@ class TestFaultyBackendWithoutFaults(TestMemoryBackend):
 
 @pytest.mark.s3
 class TestS3Backend(BackendTests):
+    model_examples = 12  # each step is a round trip to moto
+
     @pytest.fixture
     def backend(self, s3: S3Server) -> Backend:
         self.server = s3
