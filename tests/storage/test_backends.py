@@ -119,7 +119,7 @@ class TestS3BackendAtBucketRoot(TestS3Backend):
 @pytest.mark.s3
 def test_s3_missing_bucket_is_a_clear_storage_error(s3: S3Server) -> None:
     backend = backend_for_url("s3://no-such-bucket-here/p")
-    with pytest.raises(StorageError, match="does not exist.*create it first"):
+    with pytest.raises(StorageError, match=r"does not exist.*create it first"):
         backend.write_if_absent("k", b"v")
     with pytest.raises(StorageError, match="does not exist"):
         backend.swap("refs/k/x", b"v", None)
