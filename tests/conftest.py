@@ -52,6 +52,26 @@ def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
     return s3_server
 
 
+@pytest.fixture(scope="session")
+def s3_faults_server() -> Iterator[S3Server]:
+    """A second loopback server with the fault layer in front of moto (moto's state is shared)."""
+    with S3Server(fault_layer=True) as server:
+        yield server
+
+
+@pytest.fixture
+def s3_faults(s3_faults_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """Like ``s3``, on the server that can lose replies (``server.lose_replies(...)``)."""
+    s3_faults_server.reset()
+    s3_faults_server.make_bucket(BUCKET)
+    for key, value in s3_faults_server.environ.items():
+        monkeypatch.setenv(key, value)
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    return s3_faults_server
+
+
 @pytest.fixture(params=["local", "s3"])
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A URL for a new store, on local disk and on S3."""

@@ -206,14 +206,18 @@ class S3Backend(Backend):
         except Exception as exc:
             raise self._translate(exc, prefix, "list") from exc
         strip = len(self.root) + 1
+        under = f"{prefix}/" if prefix else ""
         for path, info in sorted(found.items()):
             if info.get("type") == "directory":
                 # s3fs answers an empty prefix it listed before from its cache,
                 # as a directory; our deletes bypass that cache.
                 continue
+            key = path[strip:]
+            if not key.startswith(under):
+                continue  # s3fs finds the object named like the prefix, which is not under it
             modified = info.get("LastModified")
             mtime = float(modified.timestamp()) if modified is not None else 0.0
-            yield KeyInfo(path[strip:], int(info.get("size", 0)), mtime)
+            yield KeyInfo(key, int(info.get("size", 0)), mtime)
 
     # --- refs -----------------------------------------------------------------
     def read_versioned(self, key: str) -> VersionedBytes | None:

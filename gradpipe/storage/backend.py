@@ -55,7 +55,11 @@ class Backend(ABC):
 
     @abstractmethod
     def write_if_absent(self, key: str, data: bytes | memoryview) -> bool:
-        """Create ``key`` atomically; False (not an error) if it already exists."""
+        """Create ``key`` atomically; False (not an error) if it already exists.
+
+        Of concurrent creates of one key exactly one returns True. After a lost
+        reply a retry may return False for a create of its own that landed.
+        """
 
     def write_many_if_absent(self, items: Sequence[tuple[str, bytes | memoryview]]) -> list[bool]:
         """:meth:`write_if_absent` for several keys, concurrently where it pays."""
@@ -80,7 +84,12 @@ class Backend(ABC):
 
     @abstractmethod
     def list(self, prefix: str) -> Iterator[KeyInfo]:
-        """Every key under ``prefix`` (a folder, without trailing slash)."""
+        """Every key under ``prefix`` (a folder, without trailing slash; ``""``: all).
+
+        ``"p"`` lists ``p/a`` and ``p/q/b``, never ``pq/x``. A backend may also
+        list its own bookkeeping files (lock files, temporary files of killed
+        writers); their last path segment starts with ``.``.
+        """
 
     @abstractmethod
     def read_versioned(self, key: str) -> VersionedBytes | None:
@@ -91,7 +100,13 @@ class Backend(ABC):
         """Replace ``key`` if its token is still ``expected`` (None: if absent).
 
         Returns the new token; raises :class:`~gradpipe.errors.ConflictError`
-        when someone else changed the key first.
+        when someone else changed the key first (or it exists and ``expected``
+        is None, or it is absent and ``expected`` is a token). Of concurrent
+        swaps from one token exactly one wins. The token changes whenever the
+        bytes do; identical bytes may keep it (an S3 ETag is an MD5), so a
+        caller that must tell two writes apart writes unique bytes, as refs
+        do. A :class:`~gradpipe.errors.StorageError` leaves the outcome unknown:
+        the swap may have landed (see :mod:`gradpipe.storage.refs`).
         """
 
     @abstractmethod

@@ -4,8 +4,12 @@ A ref lives at ``refs/<kind>/<name>`` and holds the canonical bytes of a
 :class:`~gradpipe.core.manifest.RefEntry`. Before every swap the new entry is
 also written as a block, so entries chain through ``previous`` into the ref's
 history. Each attempt stamps a fresh ``write_id``: when a swap reports a
-conflict, reading the ref back tells whether our own write landed (its reply
-was lost and a retry collided with it) or someone else's did.
+conflict or fails without a reply, reading the ref back tells whether our own
+write landed (its reply was lost and a retry collided with it), possibly with
+another writer's entry already on top of it, or someone else's did. If even
+that read fails, the next attempt's read of the ref checks again before
+writing anything, so a lost reply never becomes a false conflict or a second
+history entry.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ class _Any:
 ANY: Final = _Any()
 
 _MAX_ATTEMPTS: Final = 64
-# Swaps whose outcome was unknown (no reply) retried before the error is raised.
+# Swaps whose outcome was unknown (no reply) retried before the error is raised;
+# counted apart from lost races, which say nothing about the connection.
 _MAX_LOST_REPLIES: Final = 4
 
 
@@ -119,9 +124,16 @@ class Refs:
         """
         self._store.check_writable()
         key = self._key(name)
+        # Every entry we tried to publish, by the hash of its bytes: a swap
+        # whose reply was lost may have landed, and only our bytes tell.
+        tried: dict[str, RefEntry] = {}
+        lost_replies = 0
         with self._store.writing(f"update ref {name}"):
             for _attempt in range(_MAX_ATTEMPTS):
                 current, entry = self.read(name)
+                ours = _ours(current, entry, tried)
+                if ours is not None:  # an earlier attempt landed after all
+                    return ours
                 target = decide(entry.target if entry else None)
                 new = RefEntry(
                     ref=name,
@@ -143,10 +155,14 @@ class Refs:
                     # A conflict, or no reply at all: the swap may still have landed
                     # (a retry that collided with our own first attempt). Our bytes,
                     # with their unique write id, tell.
-                    if self._landed(key, data):
-                        return new
-                    if isinstance(exc, StorageError) and _attempt >= _MAX_LOST_REPLIES:
-                        raise
+                    tried[hash_bytes(data)] = new
+                    ours = self._landed(name, tried)
+                    if ours is not None:
+                        return ours
+                    if isinstance(exc, StorageError):
+                        lost_replies += 1
+                        if lost_replies > _MAX_LOST_REPLIES:
+                            raise
                     continue
                 return new
         raise ConflictError(
@@ -154,12 +170,13 @@ class Refs:
             f"{_MAX_ATTEMPTS} attempts"
         )
 
-    def _landed(self, key: str, data: bytes) -> bool:
+    def _landed(self, name: str, tried: dict[str, RefEntry]) -> RefEntry | None:
+        """Which of our attempts the ref shows, if the ref can be read now."""
         try:
-            landed = self._store.backend.read_versioned(key)
+            current, entry = self.read(name)
         except StorageError:
-            return False
-        return landed is not None and landed.data == data
+            return None  # unknown yet: the next attempt's read looks again
+        return _ours(current, entry, tried)
 
     def history(self, name: str) -> Iterator[RefEntry]:
         """Entries of ``name``, newest first (deletions included, target None)."""
@@ -192,3 +209,19 @@ class Refs:
             if entry is not None:
                 out[name] = entry
         return out
+
+
+def _ours(
+    current: VersionedBytes | None, entry: RefEntry | None, tried: dict[str, RefEntry]
+) -> RefEntry | None:
+    """Our entry if the ref holds it, or holds an entry written right on top of it.
+
+    One step back is enough in practice: looking further would read history
+    blocks on every conflict, for a writer who lost its reply *and* two races.
+    """
+    if current is None or entry is None or not tried:
+        return None
+    mine = tried.get(hash_bytes(current.data))
+    if mine is None and entry.previous is not None:
+        mine = tried.get(entry.previous)
+    return mine

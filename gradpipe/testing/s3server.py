@@ -5,16 +5,28 @@ and then writing in two steps, which real S3 does atomically. The server
 here runs moto's WSGI app behind one lock for writes so that, under
 concurrent clients, it behaves like S3 rather than like a race: without it a
 concurrency test would measure moto, not gradpipe.
+
+With ``S3Server(fault_layer=True)`` a WSGI middleware sits in front of moto
+and can lose replies: a request matching a :class:`LostReply` rule reaches
+moto and does its work, and the client gets a 5xx instead of moto's answer,
+so botocore retries it, exactly as when a real reply is lost on the way. A
+retried ``If-None-Match: *`` or ``If-Match`` PUT then gets a 412 although
+the write it retries landed. Without ``fault_layer`` nothing is in front of
+moto at all.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from http import HTTPStatus
 from typing import Any
 
-__all__ = ["S3Server"]
+__all__ = ["LostReply", "S3Request", "S3Server"]
 
 _WRITES = {"PUT", "POST", "DELETE"}
 
@@ -27,11 +39,13 @@ class S3Server:
     ...     server.storage_options
     """
 
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, *, fault_layer: bool = False) -> None:
         self.port = port or _free_port()
         self.endpoint_url = f"http://127.0.0.1:{self.port}"
         self._server: Any = None
         self._thread: threading.Thread | None = None
+        self._faults: _FaultLayer | None = None
+        self._fault_layer = fault_layer
 
     @property
     def storage_options(self) -> dict[str, Any]:
@@ -63,6 +77,8 @@ class S3Server:
                 pass
 
         app = _serialize_writes(DomainDispatcherApplication(create_backend_app))
+        if self._fault_layer:
+            app = self._faults = _FaultLayer(app)
         self._server = make_server(
             "127.0.0.1", self.port, app, threaded=True, request_handler=QuietHandler
         )
@@ -77,9 +93,41 @@ class S3Server:
             self._server.server_close()
             self._server = None
 
+    @contextmanager
+    def lose_replies(self, *rules: LostReply) -> Iterator[list[S3Request]]:
+        """Apply ``rules`` inside the ``with`` block; yields the log of requests meanwhile.
+
+        Needs ``S3Server(fault_layer=True)``. The log lists every request the
+        server received in the block, with moto's status and the one sent back.
+        """
+        if self._faults is None:
+            raise RuntimeError("start the server with S3Server(fault_layer=True) to lose replies")
+        faults = self._faults
+        log: list[S3Request] = []
+        with faults.lock:
+            faults.rules = [*faults.rules, *rules]
+            faults.logs.append(log)
+        try:
+            yield log
+        finally:
+            with faults.lock:
+                faults.rules = [r for r in faults.rules if all(r is not x for x in rules)]
+                faults.logs.remove(log)
+
     def reset(self) -> None:
         """Forget every bucket and object (moto's reset API)."""
         self._call("POST", "/moto-api/reset")
+
+    def set_mtime(self, bucket: str, key: str, mtime: float) -> None:
+        """Set an object's last-modified time (moto runs in this process), for tests."""
+        from datetime import UTC, datetime
+
+        from moto.s3.models import s3_backends
+
+        account = "123456789012"  # moto's default account, which our credentials map to
+        obj = s3_backends[account]["global"].buckets[bucket].keys[key]
+        # moto keeps naive UTC times.
+        obj.last_modified = datetime.fromtimestamp(mtime, UTC).replace(tzinfo=None)
 
     def make_bucket(self, name: str) -> None:
         """Create a bucket."""
@@ -98,6 +146,140 @@ class S3Server:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass
+class LostReply:
+    """A rule of the fault layer: which requests lose their reply.
+
+    Parameters
+    ----------
+    method : str
+        HTTP method (``"PUT"``, ``"DELETE"``, ...).
+    key : str
+        :func:`fnmatch.fnmatchcase` pattern on ``bucket/key`` (``*`` crosses ``/``).
+    calls : container of int, optional
+        Which matching requests lose their reply, counting from 1; all if None.
+    header : str, optional
+        Only requests carrying this header (``"If-Match"``, ``"If-None-Match"``).
+    status : int
+        The status sent instead of moto's (500 and 503 are retried by botocore).
+    code : str, optional
+        The S3 error code in the body (default: by status, ``ServiceUnavailable``
+        or ``InternalError``); e.g. ``ConditionalRequestConflict`` with 409.
+    reach : bool
+        Let the request reach moto first (True: the reply is lost; False: the
+        request is).
+    """
+
+    method: str
+    key: str = "*"
+    calls: Container[int] | None = None
+    header: str | None = None
+    status: int = 503
+    code: str | None = None
+    reach: bool = True
+    matched: int = field(default=0, init=False)
+    fired: int = field(default=0, init=False)
+
+    def matches(self, method: str, path: str, environ: dict[str, Any]) -> bool:
+        """Whether this rule is about the request at all (calls aside)."""
+        if method != self.method or not fnmatchcase(path, self.key):
+            return False
+        return self.header is None or _header_key(self.header) in environ
+
+
+@dataclass(frozen=True)
+class S3Request:
+    """One request the fault layer saw: what moto answered and what the client got."""
+
+    method: str
+    path: str  # bucket/key
+    headers: frozenset[str]  # the conditional headers it carried
+    moto_status: int | None  # None: it never reached moto
+    status: int
+
+
+_CONDITIONS = ("If-Match", "If-None-Match")
+
+
+def _header_key(name: str) -> str:
+    return "HTTP_" + name.upper().replace("-", "_")
+
+
+class _FaultLayer:
+    """WSGI middleware in front of moto that replaces replies by errors, by rule."""
+
+    def __init__(self, app: Callable[..., Iterable[bytes]]) -> None:
+        self.app = app
+        self.rules: list[LostReply] = []
+        self.logs: list[list[S3Request]] = []
+        self.lock = threading.Lock()
+
+    def __call__(
+        self, environ: dict[str, Any], start_response: Callable[..., Any]
+    ) -> Iterable[bytes]:
+        if not self.logs:  # nothing asked for: moto answers, untouched
+            return self.app(environ, start_response)
+        method = str(environ.get("REQUEST_METHOD", ""))
+        path = str(environ.get("PATH_INFO", "")).lstrip("/")
+        rule = self._due(method, path, environ)
+        statuses: list[int] = []
+
+        def keep_status(status: str, headers: Any, exc_info: Any = None) -> Callable[..., Any]:
+            statuses.append(int(status.split(maxsplit=1)[0]))
+            if rule is None:
+                return start_response(status, headers, exc_info)  # type: ignore[no-any-return]
+            return lambda _data: None
+
+        body: Iterable[bytes] = []
+        if rule is None or rule.reach:
+            body = list(self.app(environ, keep_status))
+        else:
+            _drain(environ)
+        moto_status = statuses[0] if statuses else None
+        status = moto_status if rule is None else rule.status
+        self._record(S3Request(method, path, _conditions(environ), moto_status, status or 0))
+        if rule is None:
+            return body
+        code = rule.code or ("ServiceUnavailable" if rule.status == 503 else "InternalError")
+        payload = (
+            '<?xml version="1.0" encoding="UTF-8"?>'
+            f"<Error><Code>{code}</Code><Message>injected: reply lost</Message></Error>"
+        ).encode()
+        start_response(
+            f"{rule.status} {HTTPStatus(rule.status).phrase}",
+            [("Content-Type", "application/xml"), ("Content-Length", str(len(payload)))],
+        )
+        return [payload]
+
+    def _due(self, method: str, path: str, environ: dict[str, Any]) -> LostReply | None:
+        due = None
+        with self.lock:
+            for rule in self.rules:
+                if not rule.matches(method, path, environ):
+                    continue
+                rule.matched += 1
+                if due is None and (rule.calls is None or rule.matched in rule.calls):
+                    rule.fired += 1
+                    due = rule
+        return due
+
+    def _record(self, request: S3Request) -> None:
+        with self.lock:
+            for log in self.logs:
+                log.append(request)
+
+
+def _conditions(environ: dict[str, Any]) -> frozenset[str]:
+    return frozenset(h for h in _CONDITIONS if _header_key(h) in environ)
+
+
+def _drain(environ: dict[str, Any]) -> None:
+    """Read a request body nobody will use, so the connection stays in step."""
+    from werkzeug.wrappers import Request
+
+    Request(environ).get_data()
 
 
 def _serialize_writes(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:

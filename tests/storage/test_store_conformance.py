@@ -1,8 +1,9 @@
-"""The store conformance suite on local disk and on S3 (a real server on loopback)."""
+"""The store conformance suite on local disk, in memory and on S3 (a real server on loopback)."""
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,14 @@ class TestFileUrlStore(StoreTests):
     @pytest.fixture
     def store(self, tmp_path: Path) -> gp.Store:
         return gp.open_store(f"file://{tmp_path}/store", mode="w")
+
+
+class TestMemoryStore(StoreTests):
+    @pytest.fixture
+    def store(self) -> Iterator[gp.Store]:
+        store = gp.open_store(f"memory://{uuid.uuid4().hex}", mode="w")
+        yield store
+        store.backend.delete_all()
 
 
 class TestS3Store(StoreTests):
