@@ -19,7 +19,7 @@ import threading
 import time
 import types
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import dask.config
@@ -29,6 +29,7 @@ import gradpipe as gp
 from gradpipe.formats.safetensors import read_safetensors
 from gradpipe.ingest import ingest
 from gradpipe.runs import open_run
+from gradpipe.testing.s3server import S3Server
 from gradpipe.testing.training import SampleRun, TrainingConfig, write_sample_run
 
 pytestmark = pytest.mark.slow
@@ -68,6 +69,21 @@ def _age_everything(root: Path) -> int:
             os.utime(path, (old, old))
             count += 1
     return count
+
+
+def _aging_on_s3(server: S3Server, url: str) -> Callable[[], int]:
+    """The same for a store on the loopback S3 server (moto runs in this process)."""
+    store = gp.open_store(url, mode="a")
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+
+    def age() -> int:
+        old = time.time() - TWO_DAYS
+        keys = [info.key for info in store.backend.list("blocks")]
+        for key in keys:
+            server.set_mtime(bucket, f"{prefix}/{key}", old)
+        return len(keys)
+
+    return age
 
 
 def _orphan_runs(store: gp.Store) -> None:
@@ -133,7 +149,7 @@ def _stress(
     url: str,
     sample: SampleRun,
     grace: float,
-    local_root: Path | None,
+    age: Callable[[], int],
     rounds: int = ROUNDS,
 ) -> GcLoop:
     store = gp.open_store(url, mode="a")
@@ -141,8 +157,7 @@ def _stress(
     assert first.ok
     for round_no in range(rounds):
         _orphan_runs(store)
-        if local_root is not None:
-            assert _age_everything(local_root) > 500
+        assert age() > 300
         cli_run, api_run = f"cli{round_no}", f"api{round_no}"
         with GcLoop(url, grace) as loop:
             proc = _cli_ingest(url, sample.dump_pattern, cli_run)
@@ -177,21 +192,25 @@ def test_gc_loop_never_loses_what_concurrent_ingests_reuse_local(
     root = tmp_path / "store"
     gp.open_store(root, mode="w")
     effective = gp.config.get_seconds("gc.grace") if grace is None else grace
-    loop = _stress(kit, str(root), sample, effective, local_root=root)
+    loop = _stress(kit, str(root), sample, effective, lambda: _age_everything(root))
     # The blocks were two days old: both graces let gc delete the orphans it saw.
     assert loop.deleted > 0
 
 
+@pytest.mark.parametrize("grace", [0.0, None], ids=["grace-0", "grace-default"])
 def test_gc_loop_never_loses_what_concurrent_ingests_reuse_s3(
-    kit: types.ModuleType, sample: SampleRun, s3: object, small_chunks: None
+    kit: types.ModuleType,
+    sample: SampleRun,
+    s3: S3Server,
+    small_chunks: None,
+    grace: float | None,
 ) -> None:
-    # moto stamps objects with the time of their write, so blocks cannot be
-    # aged on S3: grace 0 is the case where every orphan is fair game. moto
-    # takes ~10 ms per request: fewer, larger chunks and two rounds.
+    # moto takes ~10 ms per request: fewer, larger chunks and two rounds.
     url = f"s3://gradpipe-test/{uuid.uuid4().hex[:8]}"
     gp.open_store(url, mode="w")
+    effective = gp.config.get_seconds("gc.grace") if grace is None else grace
     with dask.config.set({"gradpipe.chunk-bytes": 8192}):
-        loop = _stress(kit, url, sample, 0.0, local_root=None, rounds=2)
+        loop = _stress(kit, url, sample, effective, _aging_on_s3(s3, url), rounds=2)
     assert loop.deleted > 0
 
 
