@@ -18,6 +18,11 @@ DEFAULTS: Final[dict[str, Any]] = {
         # Bytes of raw tensor data per chunk: big enough that per-chunk costs
         # (a block, a request) vanish, small enough to decode in a few ms.
         "chunk-bytes": "4 MiB",
+        # Chunks whose encoded block is at most this big live inside their tensor
+        # manifest instead of an object of their own: a bias or LayerNorm vector
+        # then costs no file (~1 ms to create on a local disk, a request on S3).
+        # 0 turns inlining off.
+        "inline-bytes": "8 KiB",
         # zstd level of the default lossless codecs (1 measured best for float planes).
         "codec-level": 1,
         "storage": {

@@ -124,7 +124,11 @@ class Dump:
 
     def info(self, name: str) -> TensorManifest:
         """Dtype, shape, chunks and statistics of a tensor; reads no data."""
-        return self.store.tensor_info(self._tensor_id(name))
+        tensor_id = self._tensor_id(name)
+        embedded = self.manifest.embedded.get(tensor_id)
+        if embedded is not None:
+            return embedded
+        return self.store.get_typed(tensor_id, TensorManifest, context=self._where(name))
 
     def read(self, name: str, *, lazy: bool = False) -> np.ndarray | DaskArray:
         """A tensor as numpy (bit-exact) or, with ``lazy=True``, as a dask.array."""
@@ -138,15 +142,16 @@ class Dump:
 
     def read_all(self) -> dict[str, np.ndarray]:
         """Every tensor of the dump, in the file's order (manifests fetched in one batch)."""
-        manifests = self.store.get_typed_many(
-            [tid for _, tid in self.manifest.tensors],
-            TensorManifest,
-            context=f"step {self.step}, peer {self.peer!r}",
+        embedded = self.manifest.embedded
+        elsewhere = [tid for _, tid in self.manifest.tensors if tid not in embedded]
+        fetched = self.store.get_typed_many(
+            elsewhere, TensorManifest, context=f"step {self.step}, peer {self.peer!r}"
         )
-        out = {}
-        for (name, _), manifest in zip(self.manifest.tensors, manifests, strict=True):
-            out[name] = self.store.read_tensor(manifest, context=self._where(name))
-        return out
+        manifests = {**dict(zip(elsewhere, fetched, strict=True)), **embedded}
+        return {
+            name: self.store.read_tensor(manifests[tid], context=self._where(name))
+            for name, tid in self.manifest.tensors
+        }
 
     def _where(self, name: str) -> str:
         return f"tensor {name!r} of step {self.step}, peer {self.peer!r}"

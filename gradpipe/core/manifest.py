@@ -33,7 +33,9 @@ __all__ = [
 ]
 
 #: The manifest format this version of gradpipe writes and the newest it reads.
-FORMAT_VERSION: Final = 1
+#: 2: small chunks inline in tensor manifests, tensor manifests embedded in
+#: dump manifests (format 1, which has neither, is still read).
+FORMAT_VERSION: Final = 2
 
 #: Every manifest type, by its stored ``type``: ``"module:Class"``, imported on first use.
 MANIFEST_TYPES: Final[dict[str, str]] = {
@@ -65,7 +67,15 @@ class Manifest(ABC):
         return iter(())
 
     def data_children(self) -> Iterator[str]:
-        """Ids of the data blocks this one links to."""
+        """Ids of the data blocks this one links to (stored as objects of their own)."""
+        return iter(())
+
+    def inline_frames(self) -> Iterator[tuple[str, bytes, str]]:
+        """``(block id, encoded frame, where)`` of the data blocks kept inside this manifest."""
+        return iter(())
+
+    def embedded_manifests(self) -> Iterator[tuple[str, Manifest]]:
+        """``(id, manifest)`` of the manifests kept inside this one."""
         return iter(())
 
 

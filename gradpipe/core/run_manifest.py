@@ -8,7 +8,7 @@ dump of the run agrees on each tensor's dtype and shape).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, ClassVar
@@ -17,6 +17,7 @@ from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.ids import parse_id
 from gradpipe.core.manifest import Manifest
 from gradpipe.core.names import parse_name
+from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import InvalidInputError
 
 __all__ = ["DumpEntry", "DumpManifest", "RunManifest", "TensorSchema", "merge_run"]
@@ -49,7 +50,10 @@ class DumpManifest(Manifest):
     """The tensors of one (run, step, peer), with metadata and provenance.
 
     ``tensors`` keeps the file's order (pairs of name and tensor id), so the
-    dump lists its tensors as the file did.
+    dump lists its tensors as the file did. ``embedded`` holds the manifests of
+    tensors kept inside this one (format 2: ingest embeds every tensor of a
+    dump, so a dump is one object plus its large chunks); a tensor's id is the
+    hash of its own encoding wherever it is kept.
     """
 
     type: ClassVar[str] = "dump"
@@ -60,6 +64,7 @@ class DumpManifest(Manifest):
     tensors: tuple[tuple[str, str], ...]
     metadata: dict[str, str] = field(default_factory=dict)
     source: dict[str, str] = field(default_factory=dict)
+    embedded: Mapping[str, TensorManifest] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         parse_name(self.run, what="run name")
@@ -68,6 +73,10 @@ class DumpManifest(Manifest):
             raise InvalidInputError(f"step must be >= 0, got {self.step}")
         for _, tensor_id in self.tensors:
             parse_id(tensor_id)
+        listed = {tensor_id for _, tensor_id in self.tensors}
+        for tensor_id in self.embedded:
+            if tensor_id not in listed:
+                raise InvalidInputError(f"embedded tensor {tensor_id} is not one of the dump's")
 
     @cached_property
     def tensor_ids(self) -> dict[str, str]:
@@ -75,10 +84,22 @@ class DumpManifest(Manifest):
         return dict(self.tensors)
 
     def manifest_children(self) -> Iterator[str]:
-        return (tensor_id for _, tensor_id in self.tensors)
+        return (t for t in dict.fromkeys(self.tensor_ids.values()) if t not in self.embedded)
+
+    def data_children(self) -> Iterator[str]:
+        for manifest in self.embedded.values():
+            yield from manifest.data_children()
+
+    def embedded_manifests(self) -> Iterator[tuple[str, Manifest]]:
+        return iter(self.embedded.items())
+
+    def inline_frames(self) -> Iterator[tuple[str, bytes, str]]:
+        for tensor_id, manifest in self.embedded.items():
+            for block, frame, where in manifest.inline_frames():
+                yield block, frame, f"tensor {tensor_id}, {where}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "run": self.run,
             "step": self.step,
             "peer": self.peer,
@@ -86,6 +107,9 @@ class DumpManifest(Manifest):
             "metadata": dict(self.metadata),
             "source": dict(self.source),
         }
+        if self.embedded:
+            out["embedded"] = {t: m.to_dict() for t, m in self.embedded.items()}
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DumpManifest:
@@ -96,6 +120,10 @@ class DumpManifest(Manifest):
             tensors=tuple((str(n), str(t)) for n, t in data["tensors"]),
             metadata={str(k): str(v) for k, v in data["metadata"].items()},
             source={str(k): str(v) for k, v in data["source"].items()},
+            embedded={
+                parse_id(t): TensorManifest.from_dict(m)
+                for t, m in data.get("embedded", {}).items()
+            },
         )
 
 

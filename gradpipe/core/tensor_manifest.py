@@ -1,10 +1,18 @@
-"""The manifest of a stored tensor: dtype, shape, chunk grid, one block per chunk, stats."""
+"""The manifest of a stored tensor: dtype, shape, chunk grid, one block per chunk, stats.
+
+Small chunks live inside the manifest (icechunk inlines small chunks the same
+way): their encoded block frame is kept in ``inline`` instead of an object of
+its own, so a bias vector costs no file. The chunk keeps its block id (the
+hash of its logical bytes), and every read checks the frame against it.
+"""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from gradpipe.core.chunk_stats import ChunkStats, merge_stats
@@ -22,6 +30,8 @@ class TensorManifest(Manifest):
     """A stored tensor: dtype, shape, chunk grid, one block id per chunk, chunk stats.
 
     ``blocks[i]`` is ``None`` for a chunk whose bytes are all zero: it takes no block.
+    ``inline[i]``, where present, is chunk ``i``'s encoded block frame, kept here
+    instead of as an object of its own (format 2).
     """
 
     type: ClassVar[str] = "tensor"
@@ -31,6 +41,7 @@ class TensorManifest(Manifest):
     chunk_shape: tuple[int, ...]
     blocks: tuple[str | None, ...]
     stats: tuple[ChunkStats, ...]
+    inline: Mapping[int, bytes] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         parse_shape(self.shape, parse_dtype(self.dtype).itemsize, where=f"{self.dtype} tensor")
@@ -41,6 +52,13 @@ class TensorManifest(Manifest):
                 f"tensor of shape {self.shape} in chunks {self.chunk_shape} has {n} chunks, "
                 f"manifest lists {len(self.blocks)} blocks and {len(self.stats)} stats"
             )
+        for index, frame in self.inline.items():
+            if not 0 <= index < n or self.blocks[index] is None:
+                raise InvalidInputError(
+                    f"inline frame for chunk {index}, which has no block (of {n} chunks)"
+                )
+            if not isinstance(frame, bytes):
+                raise InvalidInputError(f"inline frame of chunk {index} is not bytes")
 
     @property
     def size(self) -> int:
@@ -61,19 +79,32 @@ class TensorManifest(Manifest):
         return merge_stats(self.stats)
 
     def data_children(self) -> Iterator[str]:
-        return (b for b in self.blocks if b is not None)
+        return (b for i, b in enumerate(self.blocks) if b is not None and i not in self.inline)
+
+    def inline_frames(self) -> Iterator[tuple[str, bytes, str]]:
+        return (
+            (block, frame, f"chunk {i}")
+            for i, frame in sorted(self.inline.items())
+            if (block := self.blocks[i]) is not None
+        )
 
     def to_dict(self) -> dict[str, Any]:
         columns: dict[str, list[Any]] = {"block": list(self.blocks)}
         for record in self.stats:
             for key, value in record.to_dict().items():
                 columns.setdefault(key, []).append(value)
-        return {
+        out: dict[str, Any] = {
             "dtype": self.dtype,
             "shape": list(self.shape),
             "chunk_shape": list(self.chunk_shape),
             "chunks": columns,
         }
+        if self.inline:
+            out["inline"] = {
+                str(i): base64.b64encode(frame).decode("ascii")
+                for i, frame in sorted(self.inline.items())
+            }
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TensorManifest:
@@ -87,4 +118,10 @@ class TensorManifest(Manifest):
             ChunkStats.from_dict({k: columns[k][i] for k in keys}, count=count)
             for i, count in enumerate(counts)
         )
-        return cls(data["dtype"], shape, chunk_shape, blocks, stats)
+        inline = {}
+        for index, text in data.get("inline", {}).items():
+            try:
+                inline[int(index)] = base64.b64decode(text, validate=True)
+            except (binascii.Error, TypeError) as exc:
+                raise ValueError(f"inline frame of chunk {index} is not base64: {exc}") from None
+        return cls(data["dtype"], shape, chunk_shape, blocks, stats, inline)

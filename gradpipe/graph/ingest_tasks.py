@@ -24,7 +24,8 @@ from typing import Any, ParamSpec, TypeVar
 import numpy as np
 from numcodecs.abc import Codec
 
-from gradpipe.core.chunk_stats import ChunkStats
+from gradpipe.core.ids import hash_bytes
+from gradpipe.core.manifest import encode_manifest
 from gradpipe.core.chunking import chunk_ranges
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.run_manifest import DumpEntry, DumpManifest, RunManifest, TensorSchema, merge_run
@@ -36,7 +37,7 @@ from gradpipe.graph.ingest_plan import ReadUnit, tensor_chunks
 from gradpipe.storage.blocks import WriteStats
 from gradpipe.storage.catalog import read_run_at, run_ref
 from gradpipe.storage.store import Store
-from gradpipe.storage.tensors import write_chunks
+from gradpipe.storage.tensors import ChunkRecord, build_tensor_manifest, write_chunks
 
 __all__ = [
     "CommitResult",
@@ -99,12 +100,12 @@ def read_unit(fs: Any, dump: DumpFile, header: DumpHeader, unit: ReadUnit) -> An
     return read_byte_range(fs, dump.path, unit.start, unit.stop)
 
 
-ChunkRecords = dict[str, list[tuple[str | None, ChunkStats]]]
+ChunkRecords = dict[str, list[ChunkRecord]]
 
 
 @dataclass
 class UnitResult:
-    """Chunk records of one unit: per tensor, (block id, stats) for chunks ``part.lo…``."""
+    """Chunk records of one unit: per tensor, the records of chunks ``part.lo…``."""
 
     records: ChunkRecords = field(default_factory=dict)
     stats: WriteStats = field(default_factory=WriteStats)
@@ -170,30 +171,31 @@ def write_dump(
     results: list[UnitResult],
     chunk_bytes: int,
 ) -> DumpResult:
-    """Assemble and store the tensor manifests and the dump manifest of one dump."""
+    """Assemble the tensor manifests and store them inside the dump manifest of one dump."""
     records: ChunkRecords = {}
     stats = WriteStats()
     for unit_result in results:
         stats.add(unit_result.stats)
         for name, recs in unit_result.records.items():
             records.setdefault(name, []).extend(recs)
-    manifests: list[TensorManifest] = []
     nonfinite: dict[str, tuple[int, int]] = {}
+    embedded: dict[str, TensorManifest] = {}
+    tensors: list[tuple[str, str]] = []
     for spec in header.tensors:
-        recs = records.get(spec.name, [])
-        manifest = TensorManifest(
+        manifest = build_tensor_manifest(
             spec.dtype,
             spec.shape,
             tensor_chunks(spec.shape, spec.dtype, chunk_bytes),
-            tuple(block for block, _ in recs),
-            tuple(s for _, s in recs),
+            records.get(spec.name, []),
         )
         summary = manifest.summary()
         if summary.nan or summary.inf:
             nonfinite[spec.name] = (summary.nan, summary.inf)
-        manifests.append(manifest)
-    ids = store.put_manifests(manifests, stats=stats)
-    tensors = [(spec.name, tensor_id) for spec, tensor_id in zip(header.tensors, ids, strict=True)]
+        # Every tensor's manifest goes inside the dump's: one object for the
+        # dump, whatever its number of tensors. Its id is that of its encoding.
+        tensor_id = hash_bytes(encode_manifest(manifest))
+        embedded[tensor_id] = manifest
+        tensors.append((spec.name, tensor_id))
     source = {
         "path": dump.path,
         "format": header.format,
@@ -201,7 +203,7 @@ def write_dump(
         "fingerprint": dump.fingerprint,
     }
     dump_manifest = DumpManifest(
-        run, dump.step, dump.peer, tuple(tensors), dict(header.metadata), source
+        run, dump.step, dump.peer, tuple(tensors), dict(header.metadata), source, embedded
     )
     [manifest_id] = store.put_manifests([dump_manifest], stats=stats)
     return DumpResult(

@@ -43,6 +43,7 @@ class BlockToWrite:
     data: Any  # logical bytes: bytes or a 1-D array
     codecs: Sequence[Codec] | None  # None: the lossless policy chooses per block
     nonzero: int | None  # elements with non-zero bits, if known (helps the policy)
+    frame: bytes | None = None  # the block already encoded, if the writer has it
 
 
 @dataclass
@@ -52,6 +53,7 @@ class WriteStats:
     blocks_written: int = 0
     blocks_reused: int = 0
     zero_chunks: int = 0
+    inline_chunks: int = 0  # kept inside their manifest (counted in its stored bytes)
     logical_bytes: int = 0
     stored_bytes: int = 0
 

@@ -129,7 +129,7 @@ class Store:
             if mtime is not None and (mtime >= stale or self._touch(key)):
                 stats.blocks_reused += 1
                 continue
-            todo.append((key, self._encode(item, level)))
+            todo.append((key, self.encode_block(item, level)))
         created = self.backend.write_many_if_absent(todo)
         for (_, frame), new in zip(todo, created, strict=True):
             if new:
@@ -138,7 +138,12 @@ class Store:
             else:
                 stats.blocks_reused += 1
 
-    def _encode(self, item: BlockToWrite, level: int) -> bytes:
+    def encode_block(self, item: BlockToWrite, level: int | None = None) -> bytes:
+        """The frame of a block to write: the policy's codec, or the caller's checked chain."""
+        if item.frame is not None:
+            return item.frame
+        if level is None:
+            level = int(get_setting("codec-level"))
         if item.codecs is None:
             return encode_block(item.data, (choose_codec(item.data, item.nonzero, level=level),))
         frame = encode_block(item.data, item.codecs)

@@ -1,15 +1,18 @@
 """Tensors in a store: arrays cut into contiguous chunks, one block per chunk.
 
 The write path hashes each chunk, computes its statistics, skips all-zero
-chunks (they take no block) and hands the rest to the store in batched
-windows; the read path fetches a tensor's blocks in batches and decodes each
-straight into the output buffer. Both are used by :class:`Store` and by the
+chunks (they take no block), keeps chunks whose encoded block is small
+(``gradpipe.inline-bytes``) for their manifest, and hands the rest to the
+store in batched windows; the read path decodes inline chunks from the
+manifest, fetches the other blocks in batches and decodes each straight into
+the output buffer. Both are used by :class:`Store` and by the
 ingest graph's tasks, so every path into the store checks the same things.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 import numpy as np
@@ -27,7 +30,14 @@ from gradpipe.storage.blocks import BlockToWrite, WriteStats, decode_block
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
 
-__all__ = ["READ_WINDOW", "read_tensor", "write_chunks", "write_tensor"]
+__all__ = [
+    "READ_WINDOW",
+    "ChunkRecord",
+    "build_tensor_manifest",
+    "read_tensor",
+    "write_chunks",
+    "write_tensor",
+]
 
 # Blocks encoded and written per batched round trip (one existence check, then
 # concurrent writes on S3): by count for small blocks, by bytes for large ones.
@@ -35,8 +45,33 @@ WRITE_WINDOW: Final = 64
 WRITE_WINDOW_BYTES: Final = 64 * 2**20
 #: Blocks fetched per batched read.
 READ_WINDOW: Final = 64
+#: Chunks up to this many times ``inline-bytes`` (raw) are encoded first, to see
+#: whether their block is small enough to inline; larger ones never are (their
+#: frame, once made, is not made twice).
+_INLINE_RAW_FACTOR: Final = 4
 
-ChunkRecord = tuple[str | None, ChunkStats]
+
+@dataclass(frozen=True, slots=True)
+class ChunkRecord:
+    """What the manifest keeps of one written chunk."""
+
+    block: str | None  # id of the chunk's logical bytes; None for an all-zero chunk
+    stats: ChunkStats
+    frame: bytes | None = None  # the encoded block, when it lives inside the manifest
+
+
+def build_tensor_manifest(
+    dtype: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...], records: Sequence[ChunkRecord]
+) -> TensorManifest:
+    """The manifest of a tensor from its chunks' records, in chunk order."""
+    return TensorManifest(
+        dtype,
+        shape,
+        chunk_shape,
+        tuple(r.block for r in records),
+        tuple(r.stats for r in records),
+        {i: r.frame for i, r in enumerate(records) if r.frame is not None},
+    )
 
 
 def write_chunks(
@@ -49,12 +84,15 @@ def write_chunks(
 ) -> list[ChunkRecord]:
     """Write 1-D chunks (canonical little-endian); per chunk, its block id and stats.
 
-    All-zero chunks take no block (id None). ``codecs=None`` lets the policy
-    choose a lossless codec per chunk. Values a dtype cannot hold (a bool
-    byte other than 0 and 1) are refused before anything is written.
+    All-zero chunks take no block (id None); a chunk whose encoded block is at
+    most ``gradpipe.inline-bytes`` keeps it in its record, for the manifest,
+    and is not written as an object. ``codecs=None`` lets the policy choose a
+    lossless codec per chunk. Values a dtype cannot hold (a bool byte other
+    than 0 and 1) are refused before anything is written.
     """
     store.check_writable()
     stats = stats if stats is not None else WriteStats()
+    inline_max = get_bytes("inline-bytes")
     records: list[ChunkRecord] = []
     window: list[BlockToWrite] = []
     window_bytes = 0
@@ -65,11 +103,19 @@ def write_chunks(
         stats.logical_bytes += chunk.nbytes
         if nonzero == 0:
             stats.zero_chunks += 1  # all-zero bytes: no block at all
-            records.append((None, record_stats))
+            records.append(ChunkRecord(None, record_stats))
             continue
         block_id = hash_bytes(chunk.view(np.uint8))
-        records.append((block_id, record_stats))
-        window.append(BlockToWrite(block_id, chunk, codecs, nonzero))
+        item = BlockToWrite(block_id, chunk, codecs, nonzero)
+        if chunk.nbytes <= inline_max * _INLINE_RAW_FACTOR:
+            frame = store.encode_block(item)
+            if len(frame) <= inline_max:
+                stats.inline_chunks += 1
+                records.append(ChunkRecord(block_id, record_stats, frame))
+                continue
+            item = BlockToWrite(block_id, chunk, codecs, nonzero, frame)
+        records.append(ChunkRecord(block_id, record_stats))
+        window.append(item)
         window_bytes += chunk.nbytes
         if len(window) >= WRITE_WINDOW or window_bytes >= WRITE_WINDOW_BYTES:
             store.write_blocks(window, stats)
@@ -95,13 +141,7 @@ def write_tensor(
     chunk_shape = choose_chunk_shape(array.shape, dtype.itemsize, target)
     chunks = (flat[start:stop] for start, stop in chunk_ranges(array.shape, chunk_shape))
     records = write_chunks(store, chunks, codecs=codecs, stats=stats, where=where)
-    return TensorManifest(
-        dtype_name(dtype),
-        array.shape,
-        chunk_shape,
-        tuple(block for block, _ in records),
-        tuple(stat for _, stat in records),
-    )
+    return build_tensor_manifest(dtype_name(dtype), array.shape, chunk_shape, records)
 
 
 def read_tensor(store: Store, manifest: TensorManifest, *, context: str = "") -> np.ndarray:
@@ -109,7 +149,15 @@ def read_tensor(store: Store, manifest: TensorManifest, *, context: str = "") ->
     dtype = parse_dtype(manifest.dtype)
     out = np.zeros(manifest.size, dtype=dtype)
     ranges = manifest.chunk_ranges()
-    wanted = [(i, b) for i, b in enumerate(manifest.blocks) if b is not None]
+    for i, frame in manifest.inline.items():
+        block_id = manifest.blocks[i]
+        if block_id is not None:  # TensorManifest checks this; mypy needs it said
+            where = f"{context}, chunk {i}" if context else f"chunk {i}"
+            start, stop = ranges[i]
+            decode_block(frame, block_id, out=out[start:stop], context=where)
+    wanted = [
+        (i, b) for i, b in enumerate(manifest.blocks) if b is not None and i not in manifest.inline
+    ]
     for lo in range(0, len(wanted), READ_WINDOW):
         batch = wanted[lo : lo + READ_WINDOW]
         frames = store.backend.read_many([block_key(b) for _, b in batch])

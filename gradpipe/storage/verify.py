@@ -7,7 +7,8 @@ from typing import Any
 
 from dask.utils import format_bytes
 
-from gradpipe.core.ids import block_key, id_from_block_key
+from gradpipe.core.ids import block_key, hash_bytes, id_from_block_key
+from gradpipe.core.manifest import Manifest, encode_manifest
 from gradpipe.errors import IntegrityError, NotFoundError, UnsupportedFormatError
 from gradpipe.storage.blocks import decode_block
 from gradpipe.storage.store import Store
@@ -69,8 +70,29 @@ def verify(store: Store, *, all_blocks: bool = False) -> VerifyReport:
     and compared with its id. Blocks that nothing references are counted
     (one listing) and, with ``all_blocks=True``, checked too.
     """
-    reachable = walk_reachable(store)
-    report = VerifyReport(manifests=len(reachable.manifests), problems=list(reachable.problems))
+    inside: list[Problem] = []
+    counts = {"blocks": 0, "bytes": 0}
+
+    def check_inside(manifest_id: str, manifest: Manifest, where: str) -> None:
+        """What a manifest keeps inside itself: inline chunks and embedded manifests."""
+        for block_id, frame, part in manifest.inline_frames():
+            counts["blocks"] += 1
+            try:
+                counts["bytes"] += decode_block(frame, block_id, context=part).nbytes
+            except (IntegrityError, UnsupportedFormatError) as exc:
+                inside.append(Problem("corrupt", block_id, f"{where}, {part}", str(exc)))
+        for embedded_id, embedded in manifest.embedded_manifests():
+            if hash_bytes(encode_manifest(embedded)) != embedded_id:
+                detail = "the embedded manifest does not hash to its id"
+                inside.append(Problem("corrupt", embedded_id, where, detail))
+
+    reachable = walk_reachable(store, visit=check_inside)
+    report = VerifyReport(
+        manifests=len(reachable.manifests),
+        blocks=counts["blocks"],
+        bytes=counts["bytes"],
+        problems=[*reachable.problems, *inside],
+    )
     todo = list(reachable.data.items())
     for info in store.backend.list("blocks"):
         block_id = id_from_block_key(info.key)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from gradpipe.core.ids import block_key, hash_bytes, parse_id
@@ -65,7 +65,13 @@ def _roots(store: Store, found: Reachable) -> Iterator[tuple[str, str]]:
 _BATCH = 256
 
 
-def walk_reachable(store: Store, *, known: Reachable | None = None) -> Reachable:
+#: Called with each manifest the walk reads: (its id, the manifest, its context).
+Visitor = Callable[[str, Manifest, str], None]
+
+
+def walk_reachable(
+    store: Store, *, known: Reachable | None = None, visit: Visitor | None = None
+) -> Reachable:
     """Read every manifest reachable from the refs (checking each) and collect ids.
 
     The walk goes level by level (refs, runs, dumps, tensors), fetching each
@@ -76,7 +82,8 @@ def walk_reachable(store: Store, *, known: Reachable | None = None) -> Reachable
 
     With ``known`` (an earlier walk), manifests already walked are not read
     again: they are immutable, so their children are known. gc walks once
-    without the lock and again, incrementally, while holding it.
+    without the lock and again, incrementally, while holding it. ``visit``
+    sees every manifest read (verify checks what is kept inside manifests).
     """
     found = Reachable()
     if known is not None:
@@ -100,6 +107,8 @@ def walk_reachable(store: Store, *, known: Reachable | None = None) -> Reachable
                     found.problems.append(manifest)
                     continue
                 here = f"{type(manifest).type} {manifest_id} ({context})"
+                if visit is not None:
+                    visit(manifest_id, manifest, here)
                 level.extend((child, here) for child in manifest.manifest_children())
                 for i, block_id in enumerate(manifest.data_children()):
                     found.data.setdefault(block_id, f"{here}, block {i}")
