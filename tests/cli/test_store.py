@@ -81,7 +81,7 @@ def test_init_ls_verify_gc(store_url: str, capsys: pytest.CaptureFixture[str]) -
 def test_gc_dry_run_deletes_nothing(store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     store = gp.open_store(store_url, mode="w")
     kept = store.put_tensor(np.arange(50, dtype="int32"))
-    store.refs.set("runs/r", kept)
+    store.refs.set("tags/r", kept)
     orphan = store.put_tensor(np.arange(1, 51, dtype="int32"))
     before = listing(store)
 
@@ -107,7 +107,7 @@ def test_gc_dry_run_deletes_nothing(store_url: str, capsys: pytest.CaptureFixtur
 def test_verify_reports_damage_exit_1(store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     store = gp.open_store(store_url, mode="w")
     tensor_id = store.put_tensor(np.arange(64, dtype="float64"))
-    store.refs.set("runs/r", tensor_id)
+    store.refs.set("tags/r", tensor_id)
     block = store.tensor_info(tensor_id).blocks[0]
     assert block is not None
     store.backend.delete(block_key(block))
