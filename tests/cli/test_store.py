@@ -186,3 +186,71 @@ def test_ls_store_summarises_runs(tmp_path: Path) -> None:
     outcome = run_cli("ls", str(tmp_path / "store"))
     assert outcome.status == 0
     assert "3 steps x 2 peers" in outcome.out
+
+
+# --- the texts are the reports' own ---------------------------------------------------
+def test_verify_and_gc_tell_about_unreferenced_blocks(store_url: str) -> None:
+    """An unnamed put_tensor is unreferenced: verify and gc --dry-run say so, as the README does.
+
+    The commands used to build their own text, which said "all good" and nothing
+    about the blocks verify had not checked, nor gc --dry-run about unreferenced ones.
+    """
+    store = gp.open_store(store_url, mode="w")
+    named = store.put_tensor(np.arange(30, dtype="float32"), name="kept")
+    store.put_tensor(np.arange(40, dtype="float32"))  # a manifest and a data block, no ref
+
+    status, doc = run_cli_json("verify", store_url)
+    assert (status, doc["ok"], doc["unreferenced"], doc["unchecked"]) == (0, True, 2, 2)
+    assert doc["store"] == store_url
+    outcome = run_cli("verify", store_url)
+    assert outcome.status == 0
+    assert outcome.out.strip() == gp.verify(store).summary()
+    assert "2 unreferenced block(s) not checked" in outcome.out
+    assert "--all checks them too" in outcome.out
+    status, doc = run_cli_json("verify", store_url, "--all")
+    assert (status, doc["unreferenced"], doc["unchecked"]) == (0, 2, 0)
+    assert "not checked" not in run_cli("verify", store_url, "--all").out
+
+    status, doc = run_cli_json("gc", store_url, "--dry-run")  # default grace: all are young
+    assert (status, doc["ok"], doc["dry_run"], doc["unreferenced"]) == (0, True, True, 2)
+    assert (doc["deleted"], doc["kept_young"]) == (0, 2)
+    outcome = run_cli("gc", store_url, "--dry-run")
+    assert outcome.status == 0
+    assert outcome.out.strip() == gp.gc(store, dry_run=True).summary()
+    assert "2 block(s) are unreferenced" in outcome.out
+    assert "would delete 0 unreferenced block(s)" in outcome.out
+
+    status, doc = run_cli_json("gc", store_url, "--grace", "0s")
+    assert (status, doc["unreferenced"], doc["deleted"]) == (0, 2, 2)
+    status, doc = run_cli_json("verify", store_url)
+    assert (status, doc["unreferenced"], doc["unchecked"]) == (0, 0, 0)
+    assert store.get_tensor(store.refs.get("tensors/kept")).tolist() == list(range(30))
+    assert store.refs.get("tensors/kept") == named
+
+
+def test_gc_wait_gives_up_on_a_live_writer(store_url: str) -> None:
+    """`gc --wait 0.2s` facing a writer's lease gives up with one line, exit 1."""
+    gp.open_store(store_url, mode="w")
+    writer = gp.open_store(store_url, mode="a")  # another Store object: another job
+    with writer.writing("test"):
+        outcome = run_cli("gc", store_url, "--wait", "0.2s", "--grace", "0s")
+        assert outcome.status == 1
+        message = outcome.error_message("gc")
+        assert "in use by 1 job(s)" in message
+        assert "(test by " in message  # names the writer's purpose
+        assert "gc --wait" in message
+        assert outcome.out == ""
+        status, doc = run_cli_json("gc", store_url, "--wait", "0s")
+        assert (status, doc["type"]) == (1, "LockedError")
+    status, doc = run_cli_json("gc", store_url, "--wait", "0.2s")  # the writer is gone
+    assert (status, doc["ok"]) == (0, True)
+
+
+def test_gc_wait_is_a_duration(store_url: str) -> None:
+    gp.open_store(store_url, mode="w")
+    status, doc = run_cli_json("gc", store_url, "--wait", "soon")
+    assert status == 2
+    assert "'soon' is not a duration" in str(doc["error"])
+    outcome = run_cli("gc", "--help")
+    assert "--wait DURATION" in outcome.out
+    assert "gradpipe.lock.wait" in outcome.out
