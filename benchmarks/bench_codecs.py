@@ -11,10 +11,24 @@ gradpipe's default policy (``choose_codec`` per 4 MiB chunk) and for
   ``numcodecs.Zstd(level=0)`` without zarr's async buffer machinery,
 - ZipNN (``zipnn.ZipNN``, byte input, one thread),
 
+- numcodecs ``Blosc(cname="lz4", clevel=5, shuffle=Blosc.SHUFFLE)`` and
+  ``Blosc(cname="zstd", clevel=1, shuffle=Blosc.BITSHUFFLE)``, one thread,
+
 all on the same chunks in the same run; "vs gp" is each ratio over gradpipe's.
 
-Run: ``python benchmarks/bench_codecs.py`` (``--density-sweep`` prints instead
-the sparse-versus-dense measurement behind ``gradpipe.codecs.policy``).
+The data (:func:`datasets`, the one place it is made) is the dense training
+state of a MiniLM-sized encoder trained for a few AdamW steps
+(``benchmarks/transformer_data.py``, needs torch): gradients, parameters,
+``exp_avg`` and ``exp_avg_sq`` of its 384×384 and 384×1536 weights, in float32
+and bfloat16, one chunk per tensor (all are under 4 MiB). Without torch it
+falls back to ``gradpipe.testing.train``'s small federated run (sparse
+embedding gradients and dense layers). After each data set, PASS/FAIL lines
+check the dense targets: decode >= 1 GiB/s and encode >= 500 MiB/s on one
+core, ratio >= ZipNN's.
+
+Run: ``python benchmarks/bench_codecs.py`` (``--repeat N``: best of N, default
+5; ``--density-sweep`` prints instead the sparse-versus-dense measurement
+behind ``gradpipe.codecs.policy``).
 """
 
 from __future__ import annotations
@@ -36,7 +50,9 @@ from gradpipe.codecs import ByteGroupCodec, SparseCodec, choose_codec
 from gradpipe.codecs.sparse import nonzero_mask
 
 CHUNK_BYTES = 4 << 20
-REPEATS = 3
+REPEATS = 5
+DECODE_TARGET = 1024.0  # MiB/s, one core, dense chunks
+ENCODE_TARGET = 500.0
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 Encoder = Callable[[np.ndarray], object]
@@ -137,6 +153,8 @@ def anchors(dtype: np.dtype) -> dict[str, tuple[Encoder, Decoder]]:
     for name, codec in [
         ("numcodecs Zstd(level=1)", Zstd(level=1)),
         ("Blosc(zstd, 5, SHUFFLE)", Blosc(cname="zstd", clevel=5, shuffle=Blosc.SHUFFLE)),
+        ("Blosc(lz4, 5, SHUFFLE)", Blosc(cname="lz4", clevel=5, shuffle=Blosc.SHUFFLE)),
+        ("Blosc(zstd, 1, BITSHUFFLE)", Blosc(cname="zstd", clevel=1, shuffle=Blosc.BITSHUFFLE)),
         ("zarr v3 default (Zstd 0)", Zstd(level=0)),
     ]:
         out[name] = (lambda c, codec=codec: codec.encode(c.view(word)), codec.decode)
@@ -159,39 +177,69 @@ def make_zipnn(dtype: np.dtype) -> tuple[Encoder, Decoder] | None:
 
 
 def datasets() -> tuple[list[tuple[str, list[np.ndarray]]], str]:
-    grads, params, source = training_data()
-    sets = [
-        ("gradients float32", chunked(grads)),
-        ("gradients bfloat16", chunked(g.astype(BF16) for g in grads)),
-        ("params float32", chunked(params)),
-        ("params bfloat16", chunked(p.astype(BF16) for p in params)),
-    ]
-    return sets, source
+    """The data every table row is measured on: ``[(label, chunks)]`` and where it came from."""
+    try:
+        from transformer_data import transformer_state
+    except ImportError:  # run from elsewhere than benchmarks/
+        from benchmarks.transformer_data import transformer_state
+    try:
+        state = transformer_state()
+    except ImportError:
+        grads, params, source = training_data()
+        sets = [
+            ("gradients float32", chunked(grads)),
+            ("gradients bfloat16", chunked(g.astype(BF16) for g in grads)),
+            ("params float32", chunked(params)),
+            ("params bfloat16", chunked(p.astype(BF16) for p in params)),
+        ]
+        return sets, source + " (torch missing: no transformer data)"
+    sets = []
+    for kind, tensors in state.items():
+        for dtype in (np.dtype(np.float32), BF16):
+            name = "bfloat16" if dtype == BF16 else "float32"
+            sets.append((f"{kind} {name}", chunked(t.astype(dtype) for t in tensors.values())))
+    shapes = sorted({t.shape for t in state["params"].values()})
+    return sets, (
+        f"MiniLM-like encoder (benchmarks/transformer_data.py): 4 layers, hidden 384, "
+        f"intermediate 1536, 8 AdamW steps; {len(state['params'])} dense weights {shapes}"
+    )
 
 
 def main_table() -> None:
     numcodecs.blosc.set_nthreads(1)
     sets, source = datasets()
     print(f"data: {source}")
-    print(f"chunks of {CHUNK_BYTES >> 20} MiB, best of {REPEATS}, one thread\n")
+    print(f"chunks of at most {CHUNK_BYTES >> 20} MiB, best of {REPEATS}, one thread\n")
     header = (
         f"{'data':<20} {'MiB':>6} {'codec':<26} {'ratio':>8} {'vs gp':>6}"
         f" {'enc MiB/s':>10} {'dec MiB/s':>10}"
     )
     print(header)
     print("-" * len(header))
+    verdicts = []
     for label, chunks in sets:
         raw = sum(c.nbytes for c in chunks) / 2**20
         methods = {"gradpipe (choose_codec)": gradpipe_methods(chunks), **anchors(chunks[0].dtype)}
-        base = None
+        results = {}
         for name, (encode, decode) in methods.items():
-            ratio, enc, dec = measure(chunks, encode, decode)
-            base = base or ratio
+            results[name] = ratio, enc, dec = measure(chunks, encode, decode)
+            base = results["gradpipe (choose_codec)"][0]
             print(
                 f"{label:<20} {raw:>6.1f} {name:<26} {ratio:>8.3f} {ratio / base:>6.2f}"
                 f" {enc:>10.0f} {dec:>10.0f}"
             )
+        ratio, enc, dec = results["gradpipe (choose_codec)"]
+        checks = [
+            (f"decode {dec:.0f} >= {DECODE_TARGET:.0f} MiB/s", dec >= DECODE_TARGET),
+            (f"encode {enc:.0f} >= {ENCODE_TARGET:.0f} MiB/s", enc >= ENCODE_TARGET),
+        ]
+        if "zipnn" in results:
+            zipnn = results["zipnn"][0]
+            checks.append((f"ratio {ratio:.4f} >= zipnn {zipnn:.4f}", ratio >= zipnn))
+        for text, ok in checks:
+            verdicts.append(f"{'PASS' if ok else 'FAIL'}  {label:<20} {text}")
         print()
+    print("\n".join(verdicts))
 
 
 def density_sweep() -> None:
@@ -223,9 +271,12 @@ def density_sweep() -> None:
 
 
 def main() -> None:
+    global REPEATS  # noqa: PLW0603 - a module constant the timing helpers read
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--density-sweep", action="store_true", help="measure the policy threshold")
+    parser.add_argument("--repeat", type=int, default=REPEATS, help="best of N timings")
     args = parser.parse_args()
+    REPEATS = max(1, args.repeat)
     if args.density_sweep:
         density_sweep()
     else:

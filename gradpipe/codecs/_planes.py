@@ -53,19 +53,52 @@ def join_planes(planes: list[np.ndarray], dest: np.ndarray) -> None:
             grid[:, k] = plane
 
 
+_LANE = np.dtype("<u8")
+_TOP = 0x8080808080808080
+_LOW7 = 0x7F7F7F7F7F7F7F7F
+_LOW1 = 0x0101010101010101
+
+
+def _lanes(plane: np.ndarray) -> np.ndarray:
+    """``plane`` as 8-byte words (numpy has no SIMD shifts of single bytes)."""
+    return plane[: plane.size - plane.size % 8].view(_LANE)
+
+
 def move_sign(high: np.ndarray, low: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """From the top two planes, the exponent plane and the sign-and-mantissa plane."""
-    exponent = np.left_shift(high, 1)
-    exponent |= low >> 7
-    rest = np.bitwise_and(low, 0x7F)
-    rest |= high & 0x80
+    exponent = np.empty_like(high)
+    rest = np.empty_like(low)
+    h, lo, e, r = _lanes(high), _lanes(low), _lanes(exponent), _lanes(rest)
+    # Byte-wise (high << 1) | (low >> 7) and (low & 0x7F) | (high & 0x80),
+    # eight bytes at a time: the masks stop bits crossing byte boundaries.
+    np.left_shift(h, 1, out=e)
+    e &= ~_LOW1 & 0xFFFFFFFFFFFFFFFF
+    tmp = np.right_shift(lo, 7)
+    tmp &= _LOW1
+    e |= tmp
+    np.bitwise_and(lo, _LOW7, out=r)
+    np.bitwise_and(h, _TOP, out=tmp)
+    r |= tmp
+    tail = slice(h.size * 8, None)
+    exponent[tail] = (high[tail] << 1) | (low[tail] >> 7)
+    rest[tail] = (low[tail] & 0x7F) | (high[tail] & 0x80)
     return exponent, rest
 
 
 def restore_sign(exponent: np.ndarray, rest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The inverse of :func:`move_sign`."""
-    high = np.right_shift(exponent, 1)
-    high |= rest & 0x80
-    low = np.left_shift(exponent, 7)
-    low |= rest & 0x7F
+    high = np.empty_like(exponent)
+    low = np.empty_like(rest)
+    e, r, h, lo = _lanes(exponent), _lanes(rest), _lanes(high), _lanes(low)
+    np.right_shift(e, 1, out=h)
+    h &= _LOW7
+    tmp = np.bitwise_and(r, _TOP)
+    h |= tmp
+    np.left_shift(e, 7, out=lo)
+    lo &= _TOP
+    np.bitwise_and(r, _LOW7, out=tmp)
+    lo |= tmp
+    tail = slice(e.size * 8, None)
+    high[tail] = (exponent[tail] >> 1) | (rest[tail] & 0x80)
+    low[tail] = (exponent[tail] << 7) | (rest[tail] & 0x7F)
     return high, low

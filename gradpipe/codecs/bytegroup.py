@@ -56,7 +56,7 @@ from gradpipe.codecs._zstd import (
     parse_level,
     zstd_content_size,
 )
-from gradpipe.core.dtypes import dtype_name, parse_dtype
+from gradpipe.core.dtypes import dtype_name, is_float, parse_dtype
 from gradpipe.errors import IntegrityError, InvalidInputError
 
 __all__ = [
@@ -98,6 +98,14 @@ _WORDS: Final[dict[int, np.dtype]] = {
 # would store most of them raw anyway, after spending ~40% of encode time).
 _SAMPLE_BYTES: Final = 32 * 1024
 _SAMPLE_MIN_GAIN: Final = 0.99
+
+
+def _sample(plane: np.ndarray) -> np.ndarray:
+    """The part of ``plane`` that settings are judged on: its middle, or all of a small one."""
+    if plane.size <= 2 * _SAMPLE_BYTES:
+        return plane
+    middle = plane.size // 2
+    return plane[middle : middle + _SAMPLE_BYTES]
 
 
 def _rotate_sign_v1(words: np.ndarray, bits: int) -> np.ndarray:
@@ -150,6 +158,7 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
         # aligns to a byte. For float16 it would split the mantissa's top
         # bits, and float64's 11-bit exponent never fits one byte.
         self._exponent_byte = self.dtype in ("float32", "bfloat16")
+        self._float = is_float(self._dtype)
 
     def encode(self, buf: object) -> bytes:
         """Encode a buffer of little-endian elements.
@@ -179,13 +188,15 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
         # One setting per plane: a compressor level, LITERAL, or None for raw.
         if self._exponent_byte and count:
             high, low = planes[-1], planes[-2]
-            moved_high, moved_low = move_sign(high, low)
             as_is = self._choose(high), self._choose(low)
-            moved = self._choose(moved_high), self._choose(moved_low)
-            if moved[0][1] + moved[1][1] < as_is[0][1] + as_is[1][1]:
+            # The sign move is judged on the samples first and done in full
+            # only when it pays.
+            sample_high, sample_low = _sample(high), _sample(low)
+            moved = self._choose_pair(*move_sign(sample_high, sample_low), scale=high.size)
+            if moved < as_is[0][1] + as_is[1][1]:
                 flags |= _FLAG_SIGN_MOVED
-                planes[-1], planes[-2] = moved_high, moved_low
-                top = [moved[1][0], moved[0][0]]
+                planes[-1], planes[-2] = move_sign(high, low)
+                top = [self._choose(planes[-2])[0], self._choose(planes[-1])[0]]
             else:
                 top = [as_is[1][0], as_is[0][0]]
             settings = [self._choose(p)[0] for p in planes[:-2]] + top
@@ -210,25 +221,22 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
         size = plane.size
         if size == 0:
             return None, 0.0
-        if size <= 2 * _SAMPLE_BYTES:
-            sample = plane
-        else:
-            middle = size // 2
-            sample = plane[middle : middle + _SAMPLE_BYTES]
+        sample = _sample(plane)
         literal = len(compressor(LITERAL)(sample))
-        best: tuple[int | None, float] = (LITERAL, literal)
-        if literal >= _SAMPLE_MIN_GAIN * sample.size:
-            # Noise to the entropy coder. The matching setting can still win
-            # where whole runs repeat (an all-equal plane, integer counters).
-            matching = len(compressor(self.level)(sample))
-            if matching >= _SAMPLE_MIN_GAIN * sample.size:
-                return None, float(size)
-            best = (self.level, matching)
-        else:
-            matching = len(compressor(self.level)(sample))
-            if matching < literal:
-                best = (self.level, matching)
-        return best[0], best[1] * size / sample.size
+        if literal >= _SAMPLE_MIN_GAIN * sample.size and self._float:
+            # Noise to the entropy coder: a mantissa plane. (Integer planes
+            # also get the matching setting, for counters whose low byte
+            # cycles: no Huffman code shortens that, matches do.)
+            return None, float(size)
+        matching = len(compressor(self.level)(sample))
+        best = min((literal, LITERAL), (matching, self.level))
+        if best[0] >= _SAMPLE_MIN_GAIN * sample.size:
+            return None, float(size)
+        return best[1], best[0] * size / sample.size
+
+    def _choose_pair(self, high: np.ndarray, low: np.ndarray, scale: int) -> float:
+        """Estimated size of two planes ``scale`` bytes long, from their samples."""
+        return sum(self._choose(p)[1] for p in (high, low)) * scale / high.size
 
     def decode(self, buf: object, out: object = None) -> np.ndarray:
         """Decode a frame made by :meth:`encode`.
