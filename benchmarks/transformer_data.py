@@ -27,7 +27,10 @@ __all__ = ["transformer_state"]
 def transformer_state(
     *, layers: int = 4, steps: int = 8, batch: int = 8, seq: int = 128, seed: int = 0
 ) -> dict[str, dict[str, np.ndarray]]:
-    """Train briefly and return ``{"gradients"|"params"|"exp_avg"|"exp_avg_sq": {name: float32}}``."""
+    """Train briefly; return ``{kind: {name: float32 array}}``.
+
+    ``kind`` is ``"gradients"``, ``"params"``, ``"exp_avg"`` or ``"exp_avg_sq"``.
+    """
     import torch
     from torch import nn
     from torch.nn import functional as F  # noqa: N812

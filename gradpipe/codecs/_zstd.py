@@ -21,7 +21,6 @@ Two compressors are used on byte planes:
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Final
 
 import numpy as np
@@ -67,14 +66,14 @@ def parse_level(level: int) -> int:
     return int(level)
 
 
-def compressor(level: int) -> Callable[[object], bytes]:
-    """The ``compress`` of this thread's compressor for ``level`` (or :data:`LITERAL`).
+def compressor(level: int) -> zstandard.ZstdCompressor:
+    """This thread's compressor for ``level`` (or :data:`LITERAL`).
 
     ``zstandard.ZstdCompressor`` objects must not be shared between threads
     (Dask encodes chunks on several), and making one costs more than a small
     chunk's compression, so each thread keeps its own.
     """
-    cache: dict[int, Callable[[object], bytes]] | None = getattr(_local, "cache", None)
+    cache: dict[int, zstandard.ZstdCompressor] | None = getattr(_local, "cache", None)
     if cache is None:
         cache = _local.cache = {}
     found = cache.get(level)
@@ -83,10 +82,10 @@ def compressor(level: int) -> Callable[[object], bytes]:
             params = zstandard.ZstdCompressionParameters(
                 write_content_size=True, write_checksum=False, **_LITERAL_PARAMS
             )
-            made = zstandard.ZstdCompressor(compression_params=params)
+            found = zstandard.ZstdCompressor(compression_params=params)
         else:
-            made = zstandard.ZstdCompressor(level=level, write_checksum=False)
-        found = cache[level] = made.compress
+            found = zstandard.ZstdCompressor(level=level, write_checksum=False)
+        cache[level] = found
     return found
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from typing import Final
+from typing import Final, cast
 
 import numpy as np
 from numcodecs.abc import Codec
@@ -206,7 +206,7 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
         table: list[bytes] = []
         payload: list[bytes | memoryview] = []
         for plane, setting in zip(planes, settings, strict=True):
-            packed = compressor(setting)(plane) if setting is not None else b""
+            packed = compressor(setting).compress(plane.data) if setting is not None else b""
             if packed and len(packed) < count:
                 table.append(_PLANE.pack(_ZSTD, len(packed)))
                 payload.append(packed)
@@ -222,13 +222,13 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
         if size == 0:
             return None, 0.0
         sample = _sample(plane)
-        literal = len(compressor(LITERAL)(sample))
+        literal = len(compressor(LITERAL).compress(sample.data))
         if literal >= _SAMPLE_MIN_GAIN * sample.size and self._float:
             # Noise to the entropy coder: a mantissa plane. (Integer planes
             # also get the matching setting, for counters whose low byte
             # cycles: no Huffman code shortens that, matches do.)
             return None, float(size)
-        matching = len(compressor(self.level)(sample))
+        matching = len(compressor(self.level).compress(sample.data))
         best = min((literal, LITERAL), (matching, self.level))
         if best[0] >= _SAMPLE_MIN_GAIN * sample.size:
             return None, float(size)
@@ -273,7 +273,7 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
             dest = np.empty(nbytes, dtype=np.uint8)
             result = dest.view(self._dtype)
         else:
-            result = out
+            result = cast(np.ndarray, out)  # numcodecs returns the caller's buffer
             dest = ensure_contiguous_ndarray(out).reshape(-1).view(np.uint8)
         join_planes(planes, dest)
         if version == 1 and flags & _FLAG_ROTATED_V1:
@@ -281,9 +281,7 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
             words[...] = _rotate_sign_v1(words, 8 * width)
         return result
 
-    def _read_header(
-        self, frame: np.ndarray
-    ) -> tuple[int, int, int, list[tuple[int, int]], int]:
+    def _read_header(self, frame: np.ndarray) -> tuple[int, int, int, list[tuple[int, int]], int]:
         """Parse and check the header and plane table; return where data starts."""
         size = frame.size
         width = self._width
