@@ -1,10 +1,11 @@
 """Byte planes: splitting little-endian words by byte significance and back.
 
 Pure numpy, chosen by measurement (one core, MiB/s of element bytes, 2.25 MiB
-float32 / 1.1 MiB bfloat16 chunks): a transposed copy splits 4-byte words at
-~3000 MiB/s and one strided copy per plane joins them at ~3400 MiB/s (numcodecs'
-Cython ``Shuffle`` is no faster); 2-byte words split and join with a truncating
-cast and a widening shift at ~8700 MiB/s.
+float32 / 1.1 MiB bfloat16 chunks): a shift and a truncating cast per plane
+split words at ~4700 MiB/s (a transposed copy: ~3000); one strided copy per
+plane joins 4- and 8-byte words at ~3400 MiB/s (numcodecs' Cython ``Shuffle``
+is no faster, nor are shifted ORs of widened planes), and a widening shift and
+an OR join 2-byte words at ~8700 MiB/s.
 
 The sign move for float32 and bfloat16 works on the two top planes only: the
 sign bit goes to bit 7 of the second-highest byte and the 8 exponent bits
@@ -29,12 +30,13 @@ def split_planes(data: np.ndarray, width: int) -> np.ndarray:
     if width == 1:
         return data.reshape(1, count)
     planes = np.empty((width, count), dtype=np.uint8)
-    if width == 2:
-        words = data.view("<u2")
-        np.copyto(planes[0], words, casting="unsafe")  # truncates to the low byte
-        np.right_shift(words, 8, out=planes[1], casting="unsafe")
-    else:
-        planes[...] = data.reshape(count, width).T
+    # One shift and truncating cast per plane: SIMD, unlike numpy's strided
+    # byte copies (4-byte words: 0.47 ms for 2.25 MiB against 0.68 ms for a
+    # transposed copy).
+    words = data.view(f"<u{width}")
+    np.copyto(planes[0], words, casting="unsafe")
+    for k in range(1, width):
+        np.right_shift(words, 8 * k, out=planes[k], casting="unsafe")
     return planes
 
 

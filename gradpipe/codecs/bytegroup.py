@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from typing import Final, cast
+from typing import Final, NamedTuple, cast
 
 import numpy as np
 from numcodecs.abc import Codec
@@ -98,6 +98,23 @@ _WORDS: Final[dict[int, np.dtype]] = {
 # would store most of them raw anyway, after spending ~40% of encode time).
 _SAMPLE_BYTES: Final = 32 * 1024
 _SAMPLE_MIN_GAIN: Final = 0.99
+
+
+class _TopChoice(NamedTuple):
+    moved: bool  # the sign moved below the exponent
+    high: int | None  # setting of the top plane (None: raw)
+    low: int | None  # setting of the plane below it
+
+
+def _packed_size(setting: int, sample: np.ndarray) -> int:
+    return len(compressor(setting).compress(sample.data))
+
+
+def _verdict(setting: int, size: int, sample: int, total: int) -> tuple[int | None, float]:
+    """A setting and the plane's estimated size, or raw if the sample did not shrink enough."""
+    if size >= _SAMPLE_MIN_GAIN * sample:
+        return None, float(total)
+    return setting, size * total / sample
 
 
 def _sample(plane: np.ndarray) -> np.ndarray:
@@ -187,19 +204,11 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
         flags = _FLAG_EXPONENT_BYTE if self._exponent_byte else 0
         # One setting per plane: a compressor level, LITERAL, or None for raw.
         if self._exponent_byte and count:
-            high, low = planes[-1], planes[-2]
-            as_is = self._choose(high), self._choose(low)
-            # The sign move is judged on the samples first and done in full
-            # only when it pays.
-            sample_high, sample_low = _sample(high), _sample(low)
-            moved = self._choose_pair(*move_sign(sample_high, sample_low), scale=high.size)
-            if moved < as_is[0][1] + as_is[1][1]:
+            top = self._choose_top(planes[-1], planes[-2])
+            if top.moved:
                 flags |= _FLAG_SIGN_MOVED
-                planes[-1], planes[-2] = move_sign(high, low)
-                top = [self._choose(planes[-2])[0], self._choose(planes[-1])[0]]
-            else:
-                top = [as_is[1][0], as_is[0][0]]
-            settings = [self._choose(p)[0] for p in planes[:-2]] + top
+                planes[-1], planes[-2] = move_sign(planes[-1], planes[-2])
+            settings = [self._choose(p)[0] for p in planes[:-2]] + [top.low, top.high]
         else:
             settings = [self._choose(p)[0] for p in planes]
 
@@ -218,25 +227,46 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
 
     def _choose(self, plane: np.ndarray) -> tuple[int | None, float]:
         """The better compressor for ``plane`` (None: raw) and its estimated size."""
-        size = plane.size
-        if size == 0:
+        if plane.size == 0:
             return None, 0.0
         sample = _sample(plane)
-        literal = len(compressor(LITERAL).compress(sample.data))
+        literal = _packed_size(LITERAL, sample)
         if literal >= _SAMPLE_MIN_GAIN * sample.size and self._float:
             # Noise to the entropy coder: a mantissa plane. (Integer planes
             # also get the matching setting, for counters whose low byte
             # cycles: no Huffman code shortens that, matches do.)
-            return None, float(size)
-        matching = len(compressor(self.level).compress(sample.data))
-        best = min((literal, LITERAL), (matching, self.level))
-        if best[0] >= _SAMPLE_MIN_GAIN * sample.size:
-            return None, float(size)
-        return best[1], best[0] * size / sample.size
+            return None, float(plane.size)
+        matching = _packed_size(self.level, sample)
+        size, setting = min((literal, LITERAL), (matching, self.level))
+        return _verdict(setting, size, sample.size, plane.size)
 
-    def _choose_pair(self, high: np.ndarray, low: np.ndarray, scale: int) -> float:
-        """Estimated size of two planes ``scale`` bytes long, from their samples."""
-        return sum(self._choose(p)[1] for p in (high, low)) * scale / high.size
+    def _choose_top(self, high: np.ndarray, low: np.ndarray) -> _TopChoice:
+        """Where the sign goes and how the top two planes are coded, from samples.
+
+        When matches win on the exponent byte as it is, the chunk is a
+        low-rank gradient whose rows repeat with their signs: the sign stays.
+        Otherwise the byte is coded by its symbol statistics alone, and moving
+        the sign out of it (a 9-bit exponent byte becomes 8 bits) usually
+        helps; samples of both layouts decide.
+        """
+        sample_high, sample_low = _sample(high), _sample(low)
+        literal = _packed_size(LITERAL, sample_high)
+        matching = _packed_size(self.level, sample_high)
+        size, setting = min((literal, LITERAL), (matching, self.level))
+        high_as_is = _verdict(setting, size, sample_high.size, high.size)
+        low_as_is = self._choose(low)
+        if setting != LITERAL:
+            return _TopChoice(False, high_as_is[0], low_as_is[0])
+        moved_high, moved_low = move_sign(sample_high, sample_low)
+        high_moved = _verdict(
+            LITERAL, _packed_size(LITERAL, moved_high), moved_high.size, high.size
+        )
+        low_moved = _verdict(
+            LITERAL, _packed_size(LITERAL, moved_low), moved_low.size, low.size
+        )
+        if high_moved[1] + low_moved[1] < high_as_is[1] + low_as_is[1]:
+            return _TopChoice(True, high_moved[0], low_moved[0])
+        return _TopChoice(False, high_as_is[0], low_as_is[0])
 
     def decode(self, buf: object, out: object = None) -> np.ndarray:
         """Decode a frame made by :meth:`encode`.
