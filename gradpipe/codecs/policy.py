@@ -26,15 +26,15 @@ sparse up to :data:`SPARSE_MAX_DENSITY` = 0.5 nonzero, dense above.
 
 (The table above is of frame version 1 of the dense codec. Version 2 chooses,
 per chunk, where the sign goes and how each plane is coded. On the dense state
-of a MiniLM-like encoder, measured with ``python benchmarks/bench_codecs.py``
-(best of 3, one core of a 2-core machine shared with other work, figures
-moving by ±20% between runs), ratio / encode MiB/s / decode MiB/s::
+of a MiniLM-like encoder, measured with ``python benchmarks/bench_codecs.py
+--repeat 7`` (one core of a 2-core machine shared with other work; figures
+move by ±20% between runs), ratio / encode MiB/s / decode MiB/s::
 
-                      float32            bfloat16           ZipNN ratio f32/bf16
-    gradients         1.237 / 590 / 1245  1.622 / 389 / 1120  1.175 / 1.424
-    params            1.203 / 609 / 1130  1.508 / 434 /  986  1.203 / 1.510
-    exp_avg           1.188 / 612 / 1224  1.462 / 488 /  945  1.188 / 1.462
-    exp_avg_sq        1.210 / 519 /  852  1.530 / 304 /  614  1.207 / 1.522
+                      float32             bfloat16            ZipNN ratio f32/bf16
+    gradients         1.237 / 725 / 1264  1.621 / 504 / 1174  1.175 / 1.424
+    params            1.203 / 841 / 1189  1.508 / 599 / 1110  1.203 / 1.510
+    exp_avg           1.188 / 844 / 1204  1.462 / 605 / 1116  1.188 / 1.462
+    exp_avg_sq        1.208 / 693 /  964  1.525 / 456 /  731  1.207 / 1.522
 
 Dense chunks are 100% nonzero, so the threshold is unaffected.)
 """
