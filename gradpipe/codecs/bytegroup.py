@@ -261,9 +261,7 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
         high_moved = _verdict(
             LITERAL, _packed_size(LITERAL, moved_high), moved_high.size, high.size
         )
-        low_moved = _verdict(
-            LITERAL, _packed_size(LITERAL, moved_low), moved_low.size, low.size
-        )
+        low_moved = _verdict(LITERAL, _packed_size(LITERAL, moved_low), moved_low.size, low.size)
         if high_moved[1] + low_moved[1] < high_as_is[1] + low_as_is[1]:
             return _TopChoice(True, high_moved[0], low_moved[0])
         return _TopChoice(False, high_as_is[0], low_as_is[0])
