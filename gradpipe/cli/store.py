@@ -28,6 +28,12 @@ def register(commands: Commands) -> None:
     p.add_argument("run", metavar="RUN", nargs="?", help="show this run's steps x peers")
     p = commands.add("verify", run_verify, "check every reachable object against its id")
     p.add_argument("--all", action="store_true", help="also check unreferenced blocks")
+    p.add_argument(
+        "--delete-corrupt",
+        action="store_true",
+        help="delete blocks whose bytes do not match their id, so that "
+        "`gradpipe ingest ... --repair` can write them back",
+    )
     p = commands.add("gc", run_gc, "delete unreferenced blocks older than the grace period")
     p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
     p.add_argument(
@@ -140,8 +146,9 @@ def _ls_run(store: Store, name: str) -> CommandResult:
 def run_verify(args: argparse.Namespace) -> CommandResult:
     from gradpipe.storage.verify import verify
 
-    store = open_store_arg(args, "r")
-    return report_result(store.url, verify(store, all_blocks=args.all))
+    store = open_store_arg(args, "r+" if args.delete_corrupt else "r")
+    report = verify(store, all_blocks=args.all, delete_corrupt=args.delete_corrupt)
+    return report_result(store.url, report)
 
 
 def run_gc(args: argparse.Namespace) -> CommandResult:

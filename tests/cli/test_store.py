@@ -254,3 +254,22 @@ def test_gc_wait_is_a_duration(store_url: str) -> None:
     outcome = run_cli("gc", "--help")
     assert "--wait DURATION" in outcome.out
     assert "gradpipe.lock.wait" in outcome.out
+
+
+def test_verify_delete_corrupt(tmp_path: Path) -> None:
+    url = str(tmp_path / "s")
+    store = gp.open_store(url, mode="w")
+    tensor_id = store.put_tensor(np.arange(5000, dtype="float32"), name="t")
+    [block] = [b for b in store.tensor_info(tensor_id).blocks if b is not None]
+    path = tmp_path / "s" / block_key(block)
+    frame = bytearray(path.read_bytes())
+    frame[-1] ^= 0x01
+    path.write_bytes(bytes(frame))
+    status, doc = run_cli_json("verify", url)
+    assert (status, doc["deleted_corrupt"]) == (1, [])
+    assert "--delete-corrupt" in run_cli("verify", url).out
+    status, doc = run_cli_json("verify", url, "--delete-corrupt")
+    assert (status, doc["deleted_corrupt"]) == (1, [block])
+    assert not path.exists()
+    status, doc = run_cli_json("verify", url)
+    assert [p["kind"] for p in doc["problems"]] == ["missing"]
