@@ -258,7 +258,7 @@ def _open_local(path: str, advice: str, buffering: int) -> IO[bytes]:
     except OSError as exc:
         # A socket cannot be opened (ENXIO): say what it is, as for a FIFO.
         try:
-            mode = os.stat(path).st_mode
+            mode = Path(path).stat().st_mode
         except OSError:
             raise exc from None
         _refuse_mode(path, mode, advice)
@@ -322,7 +322,7 @@ def open_regular(
 
 def _local_name(f: IO[bytes], local: bool) -> str | None:
     """A path that opens the very file ``f`` has open, where the OS has one."""
-    if not local or not os.path.isdir(_FD_DIR):
+    if not local or not Path(_FD_DIR).is_dir():
         return None
     return f"{_FD_DIR}/{f.fileno()}"
 
@@ -384,10 +384,17 @@ def read_byte_range(fs: fsspec.AbstractFileSystem, path: str, start: int, stop: 
         raise InvalidInputError(f"{path}: invalid byte range [{start}, {stop})")
     if start == stop:
         return np.empty(0, dtype=np.uint8)
+    data: bytes | bytearray
     if is_local(fs):
+        data = bytearray(stop - start)
+        view = memoryview(data)
         with open_regular(fs, path, block_size=0) as f:
             f.seek(start)
-            data = f.read(stop - start)
+            got = 0  # one read() returns at most ~2 GiB: loop
+            while got < len(data) and (n := f.readinto(view[got:])):  # type: ignore[attr-defined]
+                got += n
+        view.release()
+        del data[got:]
     else:
         data = fs.cat_file(path, start=start, end=stop)
     if len(data) != stop - start:
@@ -395,7 +402,9 @@ def read_byte_range(fs: fsspec.AbstractFileSystem, path: str, start: int, stop: 
             f"{path}: truncated: asked for bytes [{start}, {stop}) but got {len(data)}; "
             "the file is shorter than its header says, copy it again"
         )
-    return np.frombuffer(data, dtype=np.uint8)
+    array = np.frombuffer(data, dtype=np.uint8)
+    array.flags.writeable = False
+    return array
 
 
 def _select(header: DumpHeader, names: Iterable[str] | None) -> dict[str, TensorSpec]:

@@ -27,6 +27,7 @@ array: a zip holding anything else is not a gradient dump.
 
 from __future__ import annotations
 
+import itertools
 import struct
 import zipfile
 import zlib
@@ -186,7 +187,7 @@ def _members(
         ((info.header_offset, start + info.compress_size, info) for _, info, start in out),
         key=lambda extent: extent[:2],
     )
-    for (_, end, first), (begin, _, second) in zip(extents, extents[1:], strict=False):
+    for (_, end, first), (begin, _, second) in itertools.pairwise(extents):
         if begin < end:
             raise _invalid(
                 path,

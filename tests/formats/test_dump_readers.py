@@ -722,7 +722,7 @@ def _without_hanging(func: object, fifo: Path) -> BaseException | None:
         try:
             func()  # type: ignore[operator]
             outcome.append(None)
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
+        except BaseException as exc:  # handed to the test
             outcome.append(exc)
 
     thread = threading.Thread(target=run, daemon=True)
