@@ -142,3 +142,91 @@ def test_expanded_torch_view_fails_per_dump(kit: types.ModuleType, tmp_path: Pat
     assert "tensor 'w'" in failure.reason
     assert ".contiguous()" in failure.reason
     kit.assert_bit_exact(open_run(store, "r").dump(1, "a").read("w"), np.ones(4, "<f4"))
+
+
+# A sidecar that blocks (a FIFO) or never ends (a device) must fail its dump, not hang the
+# batch: the ingest runs in a child process with a timeout so a regression fails here.
+SIDECAR_CHILD = """
+import json, resource, sys
+import gradpipe as gp
+
+def vm_bytes():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+
+store = gp.open_store(sys.argv[1], mode="w")
+limit = vm_bytes() + (1536 << 20)  # reading /dev/zero whole fails here, not on the machine
+resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+report = gp.ingest(store, sys.argv[2], run="r", workers=2)
+print(json.dumps(report.to_dict()))
+"""
+
+
+def test_bad_sidecars_fail_their_dump_and_the_good_dump_commits(
+    kit: types.ModuleType, tmp_path: Path
+) -> None:
+    from gradpipe.formats.dump import MAX_SIDECAR_BYTES
+
+    root = tmp_path / "dumps" / "step=1"
+    root.mkdir(parents=True)
+    good = {"w": np.arange(3, dtype="<f4")}
+    for peer in "abcd":
+        (root / f"peer={peer}.safetensors").write_bytes(kit.safetensors_bytes(good, {}))
+    (root / "peer=a.safetensors.json").write_text('{"num_examples": 4}')
+    os.mkfifo(root / "peer=b.safetensors.json")
+    (root / "peer=c.safetensors.json").symlink_to("/dev/zero")
+    with (root / "peer=d.safetensors.json").open("wb") as f:
+        f.truncate(MAX_SIDECAR_BYTES + 1)  # sparse: costs no disk
+    try:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                SIDECAR_CHILD,
+                str(tmp_path / "store"),
+                str(tmp_path / "dumps" / "step={step}/peer={peer}.safetensors"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            check=False,
+        )
+    except subprocess.TimeoutExpired:  # run() has killed the child
+        pytest.fail("ingest hung on a sidecar")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["ingested"] == 1
+    assert report["run_id"] is not None
+    reasons = {f["peer"]: f["reason"] for f in report["failures"]}
+    assert sorted(reasons) == ["b", "c", "d"]
+    for peer, reason in reasons.items():
+        assert str(root / f"peer={peer}.safetensors.json") in reason
+        assert "sidecar" in reason
+    assert "named pipe (FIFO), not a regular file" in reasons["b"]
+    assert "character device, not a regular file" in reasons["c"]
+    assert str(MAX_SIDECAR_BYTES) in reasons["d"]
+    store = gp.open_store(str(tmp_path / "store"))
+    dump = open_run(store, "r").dump(1, "a")
+    kit.assert_bit_exact(dump.read("w"), good["w"])
+
+
+def test_torch_file_whose_names_share_one_storage_fails_per_dump(
+    kit: types.ModuleType, tmp_path: Path
+) -> None:
+    torch = pytest.importorskip("torch")
+    root = tmp_path / "dumps" / "step=1"
+    root.mkdir(parents=True)
+    (root / "peer=a.pt").write_bytes(kit.torch_bytes({"w": torch.ones(4)}))
+    shared = torch.ones(1 << 18)  # 1 MiB on disk, claimed 64 times
+    bad = root / "peer=b.pt"
+    bad.write_bytes(kit.torch_bytes({f"layer{i}.weight": shared for i in range(64)}))
+    store = gp.open_store(str(tmp_path / "store"), mode="w")
+    report = ingest(store, str(tmp_path / "dumps" / "step={step}/peer={peer}.pt"), run="r")
+    assert report.ingested == 1
+    [failure] = report.failures
+    assert failure.path == str(bad)
+    assert str(64 * shared.nbytes) in failure.reason
+    assert ".clone()" in failure.reason
+    assert report.raw_bytes == 16

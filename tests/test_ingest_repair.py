@@ -99,3 +99,40 @@ def test_find_missing_names_each_root(tmp_path: Path) -> None:
     assert "a" in found[0][0].context
     store.backend.delete(block_key(c))
     assert [p.kind for p in find_missing(store, [(c, "c")])[0]] == ["missing"]
+
+
+def test_corrupt_block_deleted_by_verify_then_repaired(
+    kit: types.ModuleType, sample: SampleRun, store: gp.Store
+) -> None:
+    assert ingest(store, sample.dump_pattern, run="r").ok
+    _, _, blocks = _objects(store, "r", sample.steps[0], sample.peers[0])
+    key = block_key(blocks[0])
+    frame = bytearray(store.backend.read(key))
+    frame[-1] ^= 0xFF
+    store.backend.delete(key)
+    store.backend.write_if_absent(key, bytes(frame))
+    # Present, so a presence check cannot see it; verify can.
+    assert ingest(store, sample.dump_pattern, run="r", repair=True).repaired == 0
+    found = gp.verify(store)
+    assert [p.kind for p in found.problems] == ["corrupt"]
+    assert "--repair" in found.summary()
+    cleaned = gp.verify(store, delete_corrupt=True)
+    assert cleaned.deleted_corrupt == [blocks[0]]
+    assert "--repair" in cleaned.summary()
+    assert store.backend.mtimes([key]) == [None]
+    fixed = ingest(store, sample.dump_pattern, run="r", repair=True)
+    assert fixed.repaired >= 1
+    assert gp.verify(store).ok
+    _check_exports(kit, store, sample, "r")
+
+
+def test_verify_reports_a_ref_moved_to_the_wrong_kind_of_object(store: gp.Store) -> None:
+    tensor = store.put_tensor(np.arange(5, dtype=np.float32), name="t")
+    store.refs.set("runs/r", tensor, expected=None)  # a run ref at a tensor
+    report = gp.verify(store)
+    assert not report.ok
+    [problem] = report.problems
+    assert (problem.kind, problem.id) == ("wrong kind", tensor)
+    assert "runs/r" in problem.context
+    with pytest.raises(gp.IntegrityError, match="gradpipe verify"):
+        gp.gc(store, grace=0)

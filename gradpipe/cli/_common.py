@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Final, NoReturn
 from gradpipe.errors import InvalidInputError, NotFoundError
 
 if TYPE_CHECKING:
+    from gradpipe.core.report import Report
     from gradpipe.storage.store import Mode, Store
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "open_store_arg",
     "parse_duration",
     "positive_int",
+    "report_result",
     "storage_options",
 ]
 
@@ -50,6 +52,18 @@ class CommandResult:
 
 
 Handler = Callable[[argparse.Namespace], CommandResult]
+
+
+def report_result(store_url: str, report: Report, *, hints: str = "") -> CommandResult:
+    """What a command that ran an operation prints: the report's own words.
+
+    ``summary()`` (then ``hints``) as text, ``to_dict()`` with the store URL
+    under ``--json``, and exit 1 when the report is not ``ok``: one rendering
+    per report, shared by the command line, workflows and Python callers.
+    """
+    text = report.summary() + (f"\n{hints}" if hints else "")
+    status = EXIT_OK if report.ok else EXIT_FAILED
+    return CommandResult({"store": store_url, **report.to_dict()}, text, status)
 
 
 class UsageError(Exception):

@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 
 from gradpipe.cli._common import (
-    EXIT_FAILED,
-    EXIT_OK,
     CommandResult,
     Commands,
     positive_int,
+    report_result,
     storage_options,
 )
 
@@ -44,11 +43,7 @@ def run_demo(args: argparse.Namespace) -> CommandResult:
         storage_options=storage_options(args.storage_option),
     )
     hints = (
-        f"\nnext: gradpipe ls {args.store} demo   |   gradpipe verify {args.store}   |   "
+        f"next: gradpipe ls {args.store} demo   |   gradpipe verify {args.store}   |   "
         f"gradpipe export {args.store} --run demo --step 0 --peer peer0 -o peer0.safetensors"
     )
-    return CommandResult(
-        {"store": args.store, **report.to_dict()},
-        report.summary() + hints,
-        EXIT_OK if report.ok else EXIT_FAILED,
-    )
+    return report_result(args.store, report, hints=hints)

@@ -12,12 +12,11 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from gradpipe.cli._common import (
-    EXIT_FAILED,
-    EXIT_OK,
     CommandResult,
     Commands,
     open_store_arg,
     positive_int,
+    report_result,
 )
 from gradpipe.errors import InvalidInputError
 
@@ -91,9 +90,7 @@ def run_ingest(args: argparse.Namespace) -> CommandResult:
 
     options = ingest_options(args)
     store = open_store_arg(args, "a")  # ingest creates the store if needed, as documented
-    report = ingest(store, args.pattern, run=args.run, **options)
-    doc = {"store": store.url, **report.to_dict()}
-    return CommandResult(doc, report.summary(), EXIT_OK if report.ok else EXIT_FAILED)
+    return report_result(store.url, ingest(store, args.pattern, run=args.run, **options))
 
 
 def parse_codecs(spec: str | None) -> list[Codec] | None:

@@ -12,6 +12,7 @@ from gradpipe.cli._common import (
     Commands,
     open_store_arg,
     parse_duration,
+    report_result,
 )
 
 if TYPE_CHECKING:
@@ -27,10 +28,22 @@ def register(commands: Commands) -> None:
     p.add_argument("run", metavar="RUN", nargs="?", help="show this run's steps x peers")
     p = commands.add("verify", run_verify, "check every reachable object against its id")
     p.add_argument("--all", action="store_true", help="also check unreferenced blocks")
+    p.add_argument(
+        "--delete-corrupt",
+        action="store_true",
+        help="delete blocks whose bytes do not match their id, so that "
+        "`gradpipe ingest ... --repair` can write them back",
+    )
     p = commands.add("gc", run_gc, "delete unreferenced blocks older than the grace period")
     p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
     p.add_argument(
         "--grace", metavar="DURATION", help="e.g. 24h, 30m, 0s (default gradpipe.gc.grace)"
+    )
+    p.add_argument(
+        "--wait",
+        metavar="DURATION",
+        help="how long to wait for running writers before giving up, e.g. 30m, 10s "
+        "(default gradpipe.lock.wait)",
     )
 
 
@@ -69,37 +82,33 @@ def _describe_runs(store: Store, rows: list[dict[str, Any]]) -> int:
     """Add steps x peers to the rows of run refs (manifests read in one batch).
 
     A run ref whose target is missing, damaged or another kind of object gets
-    a ``problem`` instead; returns how many did.
+    a ``problem`` instead (the run loader's own message); returns how many did.
     """
     from gradpipe.core.run_manifest import RunManifest
     from gradpipe.errors import GradpipeError
+    from gradpipe.storage.catalog import read_run_at
 
     runs = [r for r in rows if r["ref"].startswith("runs/")]
+    manifests: list[RunManifest | GradpipeError]
     try:
-        manifests: list[Any] = store.get_manifests([r["target"] for r in runs])
-    except GradpipeError:  # one is bad: read them one by one to say which
+        manifests = list(
+            store.get_typed_many([r["target"] for r in runs], RunManifest, context="run")
+        )
+    except GradpipeError:  # one is bad: read them one by one to say which, and how
         manifests = []
         for row in runs:
             try:
-                manifests.append(store.get_manifest(row["target"], context=f"ref {row['ref']}"))
+                manifests.append(read_run_at(store, row["target"], row["ref"].split("/", 1)[1]))
             except GradpipeError as exc:
                 manifests.append(exc)
     bad = 0
     for row, manifest in zip(runs, manifests, strict=True):
-        if isinstance(manifest, RunManifest):
-            row.update(
-                steps=len(manifest.steps), peers=len(manifest.peers), dumps=len(manifest.dumps)
-            )
-            row["summary"] = f"{row['steps']} steps x {row['peers']} peers"
+        if isinstance(manifest, GradpipeError):
+            row["problem"] = " ".join(str(manifest).split())
+            bad += 1
             continue
-        bad += 1
-        if isinstance(manifest, Exception):
-            row["problem"] = str(manifest)
-        else:
-            row["problem"] = (
-                f"points at a {manifest.type} manifest, not a run; run `gradpipe verify` and "
-                "move the ref back to the run's last state"
-            )
+        row.update(steps=len(manifest.steps), peers=len(manifest.peers), dumps=len(manifest.dumps))
+        row["summary"] = f"{row['steps']} steps x {row['peers']} peers"
     return bad
 
 
@@ -135,36 +144,17 @@ def _ls_run(store: Store, name: str) -> CommandResult:
 
 # --- verify, gc ------------------------------------------------------------------------
 def run_verify(args: argparse.Namespace) -> CommandResult:
-    from dask.utils import format_bytes
-
     from gradpipe.storage.verify import verify
 
-    store = open_store_arg(args, "r")
-    report = verify(store, all_blocks=args.all)
-    doc = {"store": store.url, **report.to_dict()}
-    head = (
-        f"checked {report.manifests} manifests and {report.blocks} blocks "
-        f"({format_bytes(report.bytes)} of data)"
-    )
-    if report.ok:
-        return CommandResult(doc, f"{head}: all good")
-    lines = [f"{head}: {len(report.problems)} problem(s)"]
-    lines += [f"  {p.kind:<10} {p.id}  needed by {p.context}" for p in report.problems]
-    return CommandResult(doc, "\n".join(lines), EXIT_FAILED)
+    store = open_store_arg(args, "r+" if args.delete_corrupt else "r")
+    report = verify(store, all_blocks=args.all, delete_corrupt=args.delete_corrupt)
+    return report_result(store.url, report)
 
 
 def run_gc(args: argparse.Namespace) -> CommandResult:
-    from dask.utils import format_bytes
-
     from gradpipe.storage.gc import gc
 
     grace = parse_duration(args.grace) if args.grace is not None else None
+    wait = parse_duration(args.wait) if args.wait is not None else None
     store = open_store_arg(args, "r+")  # never creates: `gc typo` must not make a store
-    report = gc(store, grace=grace, dry_run=args.dry_run)
-    verb = "would delete" if args.dry_run else "deleted"
-    text = (
-        f"{verb} {report.deleted} unreferenced block(s), {format_bytes(report.deleted_bytes)}; "
-        f"kept {report.reachable} reachable and {report.kept_young} younger than the grace "
-        f"period; {verb} {report.stray_deleted} stale temporary file(s)"
-    )
-    return CommandResult({"store": store.url, **report.to_dict()}, text)
+    return report_result(store.url, gc(store, grace=grace, dry_run=args.dry_run, wait=wait))

@@ -7,16 +7,16 @@ wins little; grouping the bytes by significance ("byte planes") and
 compressing each plane on its own lets an entropy coder spend its bits where
 the redundancy is, and lets incompressible planes be stored as they are.
 
-For float32 and bfloat16 the sign bit is first rotated from the top of the
-word to the bottom, which puts the 8 exponent bits alone in the most
-significant byte: one plane holds exactly the exponents.
-
 Frame layout (little-endian)::
 
     magic   4s   b"GPBG"
-    version u1   1
+    version u1   2 (this gradpipe writes 2 and reads 1 and 2)
     width   u1   itemsize in bytes: 1, 2, 4 or 8
-    flags   u1   bit 0: the sign bit was rotated to bit 0
+    flags   u1   version 2: bit 1 set for float32 and bfloat16 (an 8-bit
+                 exponent under the sign); bit 0 set if the sign was moved
+                 below the exponent (see ``_planes.move_sign``).
+                 version 1: bit 0 set if the whole word was rotated left by
+                 one bit, sign to bit 0 (always, for float32 and bfloat16)
     (pad)   u1
     nbytes  u8   decoded size in bytes
     width × (method u1, length u8)   one entry per plane, least significant first
@@ -26,20 +26,37 @@ Frame layout (little-endian)::
 A plane's method is 0 (stored raw) or 1 (a Zstandard frame). The CRC makes a
 damaged header an error rather than a wrong length or a huge allocation; the
 payload is covered by the store's block hash.
+
+What version 2 changed, measured on a MiniLM-sized encoder's float32 state
+(``benchmarks/bench_codecs.py``): the sign move is chosen per chunk, because
+it helps parameters and Adam moments (their exponent byte gets 0.1 bit per
+element smaller) but hurts low-rank gradients, whose exponent rows repeat
+with their signs (1.87 against 2.21 bits per element); each compressed plane
+is coded by whichever of a matching and a literal-only Zstandard setting (see
+``_zstd``) does better on a sample; noise planes are detected on a sample and
+never given to Zstandard; and decoding writes straight into ``out``.
 """
 
 from __future__ import annotations
 
 import struct
 import zlib
-from typing import Final
+from typing import Final, NamedTuple, cast
 
 import numpy as np
-from numcodecs import zstd
 from numcodecs.abc import Codec
-from numcodecs.compat import ensure_contiguous_ndarray, ndarray_copy
+from numcodecs.compat import ensure_contiguous_ndarray
 
-from gradpipe.core.dtypes import dtype_name, parse_dtype
+from gradpipe.codecs._planes import join_planes, move_sign, restore_sign, split_planes
+from gradpipe.codecs._zstd import (
+    LITERAL,
+    MAX_EXPANSION,
+    compressor,
+    decompress_exact,
+    parse_level,
+    zstd_content_size,
+)
+from gradpipe.core.dtypes import dtype_name, is_float, parse_dtype
 from gradpipe.errors import IntegrityError, InvalidInputError
 
 __all__ = [
@@ -51,15 +68,17 @@ __all__ = [
     "zstd_content_size",
 ]
 
-#: Zstandard level used for each plane. Level 1 is both the fastest and, on
-#: exponent planes, the smallest: they are short-alphabet noise where only the
-#: Huffman stage pays off, and higher levels spend effort on matches that make
-#: the output larger (float32 gradient exponents: 2.77x at level 1, 2.48x at 3).
+#: Zstandard level of the matching compressor. Level 1 is both the fastest
+#: and, on exponent planes, the smallest: higher levels spend effort on
+#: matches that make the output larger (float32 gradient exponents: 2.77x at
+#: level 1, 2.48x at 3).
 DEFAULT_LEVEL: Final = 1
 
 _MAGIC: Final = b"GPBG"
-_VERSION: Final = 1
-_FLAG_ROTATED: Final = 0x01
+_VERSION: Final = 2
+_FLAG_ROTATED_V1: Final = 0x01
+_FLAG_SIGN_MOVED: Final = 0x01
+_FLAG_EXPONENT_BYTE: Final = 0x02
 _HEADER: Final = struct.Struct("<4sBBBxQ")
 _PLANE: Final = struct.Struct("<BQ")
 _CRC: Final = struct.Struct("<I")
@@ -72,23 +91,44 @@ _WORDS: Final[dict[int, np.dtype]] = {
     8: np.dtype("<u8"),
 }
 
-
-def parse_level(level: int) -> int:
-    """Validate a Zstandard compression level."""
-    if isinstance(level, bool) or not isinstance(level, int | np.integer):
-        raise InvalidInputError(f"level must be an integer, not {level!r}")
-    low, high = zstd.Zstd.min_level(), zstd.Zstd.max_level()
-    if not low <= int(level) <= high:
-        raise InvalidInputError(f"level {level} is outside Zstandard's range [{low}, {high}]")
-    return int(level)
+# Planes are judged on a sample from their middle: big enough to hold many
+# rows of a weight matrix (so row-stride repeats show), small enough to cost
+# a few percent of the chunk's encoding. A plane whose sample does not shrink
+# by 1% is stored raw (mantissa planes of dense floats are noise; Zstandard
+# would store most of them raw anyway, after spending ~40% of encode time).
+_SAMPLE_BYTES: Final = 32 * 1024
+_SAMPLE_MIN_GAIN: Final = 0.99
 
 
-def _rotate_sign(words: np.ndarray, bits: int, *, forward: bool) -> np.ndarray:
-    """Rotate each word by one bit: the sign moves to bit 0 (or back)."""
-    left, right = (1, bits - 1) if forward else (bits - 1, 1)
-    out: np.ndarray = np.left_shift(words, left)
-    # One temporary, then in place: three passes over the data, no more.
-    out |= np.right_shift(words, right)
+class _TopChoice(NamedTuple):
+    moved: bool  # the sign moved below the exponent
+    high: int | None  # setting of the top plane (None: raw)
+    low: int | None  # setting of the plane below it
+
+
+def _packed_size(setting: int, sample: np.ndarray) -> int:
+    return len(compressor(setting).compress(sample.data))
+
+
+def _verdict(setting: int, size: int, sample: int, total: int) -> tuple[int | None, float]:
+    """A setting and the plane's estimated size, or raw if the sample did not shrink enough."""
+    if size >= _SAMPLE_MIN_GAIN * sample:
+        return None, float(total)
+    return setting, size * total / sample
+
+
+def _sample(plane: np.ndarray) -> np.ndarray:
+    """The part of ``plane`` that settings are judged on: its middle, or all of a small one."""
+    if plane.size <= 2 * _SAMPLE_BYTES:
+        return plane
+    middle = plane.size // 2
+    return plane[middle : middle + _SAMPLE_BYTES]
+
+
+def _rotate_sign_v1(words: np.ndarray, bits: int) -> np.ndarray:
+    """Undo version 1's one-bit left rotation of each word."""
+    out: np.ndarray = np.right_shift(words, 1)
+    out |= np.left_shift(words, bits - 1)
     return out
 
 
@@ -100,9 +140,10 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
     dtype : str
         gradpipe dtype name of the elements (``"float32"``, ``"bfloat16"``,
         ``"int64"``...). It sets the plane count (the item size) and whether
-        the sign bit is rotated out of the exponent's byte.
+        the sign bit may be moved out of the exponent's byte.
     level : int
-        Zstandard compression level for each plane.
+        Zstandard level of the matching compressor, one of the two settings
+        tried on each compressible plane.
 
     Notes
     -----
@@ -130,12 +171,11 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
         self.level = parse_level(level)
         self._width = self._dtype.itemsize
         self._word = _WORDS[self._width]
-        # Only float32 and bfloat16 have an 8-bit exponent that rotation
-        # aligns to a byte. Measured on N(0, σ) data the gain is small (float32
-        # 1.190x against 1.188x, bfloat16 1.470x against 1.464x, for ~10% of
-        # encode speed); for float16 it is nil and for float64 it can lose
-        # (1.124x against 1.141x), so those keep their natural layout.
-        self._rotate = self.dtype in ("float32", "bfloat16")
+        # Only float32 and bfloat16 have an 8-bit exponent that the sign move
+        # aligns to a byte. For float16 it would split the mantissa's top
+        # bits, and float64's 11-bit exponent never fits one byte.
+        self._exponent_byte = self.dtype in ("float32", "bfloat16")
+        self._float = is_float(self._dtype)
 
     def encode(self, buf: object) -> bytes:
         """Encode a buffer of little-endian elements.
@@ -151,7 +191,7 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
         bytes
             The encoded frame.
         """
-        data = ensure_contiguous_ndarray(buf).view(np.uint8)
+        data = ensure_contiguous_ndarray(buf).reshape(-1).view(np.uint8)
         nbytes = data.size
         width = self._width
         if nbytes % width:
@@ -160,29 +200,71 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
                 f"{self.dtype} elements ({width} bytes each)"
             )
         count = nbytes // width
-        if width == 1:
-            planes = data.reshape(1, count)
+        planes = list(split_planes(data, width))
+        flags = _FLAG_EXPONENT_BYTE if self._exponent_byte else 0
+        # One setting per plane: a compressor level, LITERAL, or None for raw.
+        if self._exponent_byte and count:
+            top = self._choose_top(planes[-1], planes[-2])
+            if top.moved:
+                flags |= _FLAG_SIGN_MOVED
+                planes[-1], planes[-2] = move_sign(planes[-1], planes[-2])
+            settings = [self._choose(p)[0] for p in planes[:-2]] + [top.low, top.high]
         else:
-            words = data.view(self._word)
-            if self._rotate:
-                words = _rotate_sign(words, 8 * width, forward=True)
-            # A transposed copy is numpy's fastest de-interleave (1.2 ms for
-            # 4 MiB, against 2.2 ms for one strided copy per plane).
-            planes = np.ascontiguousarray(words.view(np.uint8).reshape(count, width).T)
+            settings = [self._choose(p)[0] for p in planes]
 
         table: list[bytes] = []
         payload: list[bytes | memoryview] = []
-        for plane in planes:
-            packed = zstd.compress(plane, self.level) if _worth_trying(plane, self.level) else b""
+        for plane, setting in zip(planes, settings, strict=True):
+            packed = compressor(setting).compress(plane.data) if setting is not None else b""
             if packed and len(packed) < count:
                 table.append(_PLANE.pack(_ZSTD, len(packed)))
                 payload.append(packed)
             else:
                 table.append(_PLANE.pack(_RAW, count))
                 payload.append(plane.data)
-        flags = _FLAG_ROTATED if self._rotate else 0
         header = b"".join([_HEADER.pack(_MAGIC, _VERSION, width, flags, nbytes), *table])
         return b"".join([header, _CRC.pack(zlib.crc32(header)), *payload])
+
+    def _choose(self, plane: np.ndarray) -> tuple[int | None, float]:
+        """The better compressor for ``plane`` (None: raw) and its estimated size."""
+        if plane.size == 0:
+            return None, 0.0
+        sample = _sample(plane)
+        literal = _packed_size(LITERAL, sample)
+        if literal >= _SAMPLE_MIN_GAIN * sample.size and self._float:
+            # Noise to the entropy coder: a mantissa plane. (Integer planes
+            # also get the matching setting, for counters whose low byte
+            # cycles: no Huffman code shortens that, matches do.)
+            return None, float(plane.size)
+        matching = _packed_size(self.level, sample)
+        size, setting = min((literal, LITERAL), (matching, self.level))
+        return _verdict(setting, size, sample.size, plane.size)
+
+    def _choose_top(self, high: np.ndarray, low: np.ndarray) -> _TopChoice:
+        """Where the sign goes and how the top two planes are coded, from samples.
+
+        When matches win on the exponent byte as it is, the chunk is a
+        low-rank gradient whose rows repeat with their signs: the sign stays.
+        Otherwise the byte is coded by its symbol statistics alone, and moving
+        the sign out of it (a 9-bit exponent byte becomes 8 bits) usually
+        helps; samples of both layouts decide.
+        """
+        sample_high, sample_low = _sample(high), _sample(low)
+        literal = _packed_size(LITERAL, sample_high)
+        matching = _packed_size(self.level, sample_high)
+        size, setting = min((literal, LITERAL), (matching, self.level))
+        high_as_is = _verdict(setting, size, sample_high.size, high.size)
+        low_as_is = self._choose(low)
+        if setting != LITERAL:
+            return _TopChoice(False, high_as_is[0], low_as_is[0])
+        moved_high, moved_low = move_sign(sample_high, sample_low)
+        high_moved = _verdict(
+            LITERAL, _packed_size(LITERAL, moved_high), moved_high.size, high.size
+        )
+        low_moved = _verdict(LITERAL, _packed_size(LITERAL, moved_low), moved_low.size, low.size)
+        if high_moved[1] + low_moved[1] < high_as_is[1] + low_as_is[1]:
+            return _TopChoice(True, high_moved[0], low_moved[0])
+        return _TopChoice(False, high_as_is[0], low_as_is[0])
 
     def decode(self, buf: object, out: object = None) -> np.ndarray:
         """Decode a frame made by :meth:`encode`.
@@ -199,33 +281,35 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
         numpy.ndarray
             The elements as a 1-D array of ``dtype``, or ``out`` if given.
         """
-        frame = ensure_contiguous_ndarray(buf).view(np.uint8)
-        nbytes, entries, offset = self._read_header(frame)
+        frame = ensure_contiguous_ndarray(buf).reshape(-1).view(np.uint8)
+        version, flags, nbytes, entries, offset = self._read_header(frame)
         check_out_size(out, nbytes, self.codec_id)
         width = self._width
         count = nbytes // width
-        dec = np.empty(nbytes, dtype=np.uint8)
-        grid = dec.reshape(count, width)
-        scratch: np.ndarray | None = None
+        planes: list[np.ndarray] = []
         for k, (method, length) in enumerate(entries):
             chunk = frame[offset : offset + length]
             offset += length
             if method == _RAW:
-                plane = chunk
+                planes.append(chunk)
             else:
-                if scratch is None:
-                    scratch = np.empty(count, dtype=np.uint8)
-                plane = decompress_exact(chunk, scratch, f"{self.codec_id}: plane {k}")
-            # One strided copy per plane beats a transposed copy of all of
-            # them (1.1 ms against 3.0 ms for 4 MiB).
-            grid[:, k] = plane
-        if self._rotate:
-            words = dec.view(self._word)
-            dec = _rotate_sign(words, 8 * width, forward=False).view(np.uint8)
-        result: np.ndarray = ndarray_copy(dec.view(self._dtype), out)
+                scratch = np.empty(count, dtype=np.uint8)
+                planes.append(decompress_exact(chunk, scratch, f"{self.codec_id}: plane {k}"))
+        if version == _VERSION and flags & _FLAG_SIGN_MOVED:
+            planes[-1], planes[-2] = restore_sign(planes[-1], planes[-2])
+        if out is None:
+            dest = np.empty(nbytes, dtype=np.uint8)
+            result = dest.view(self._dtype)
+        else:
+            result = cast(np.ndarray, out)  # numcodecs returns the caller's buffer
+            dest = ensure_contiguous_ndarray(out).reshape(-1).view(np.uint8)
+        join_planes(planes, dest)
+        if version == 1 and flags & _FLAG_ROTATED_V1:
+            words = dest.view(self._word)
+            words[...] = _rotate_sign_v1(words, 8 * width)
         return result
 
-    def _read_header(self, frame: np.ndarray) -> tuple[int, list[tuple[int, int]], int]:
+    def _read_header(self, frame: np.ndarray) -> tuple[int, int, int, list[tuple[int, int]], int]:
         """Parse and check the header and plane table; return where data starts."""
         size = frame.size
         width = self._width
@@ -235,10 +319,10 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
         magic, version, found_width, flags, nbytes = _HEADER.unpack_from(frame.data)
         if magic != _MAGIC:
             raise IntegrityError(f"{self.codec_id}: not a byte-group frame (magic {magic!r})")
-        if version != _VERSION:
+        if version not in (1, _VERSION):
             raise IntegrityError(
                 f"{self.codec_id}: frame version {version} is not supported "
-                f"(this gradpipe reads version {_VERSION})"
+                f"(this gradpipe reads versions 1 to {_VERSION}); upgrade gradpipe"
             )
         if found_width != width:
             raise IntegrityError(
@@ -250,7 +334,13 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
             raise IntegrityError(f"{self.codec_id}: frame header fails its CRC check")
         # The layout follows from the dtype, so a flag that disagrees with it
         # is a frame from elsewhere, not a choice to honour.
-        if flags != (_FLAG_ROTATED if self._rotate else 0) or nbytes % width:
+        if version == 1:
+            valid = {_FLAG_ROTATED_V1} if self._exponent_byte else {0}
+        elif self._exponent_byte:
+            valid = {_FLAG_EXPONENT_BYTE, _FLAG_EXPONENT_BYTE | _FLAG_SIGN_MOVED}
+        else:
+            valid = {0}
+        if flags not in valid or nbytes % width:
             raise IntegrityError(f"{self.codec_id}: frame layout does not match dtype {self.dtype}")
         count = nbytes // width
         entries = [
@@ -262,7 +352,10 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
                 raise IntegrityError(f"{self.codec_id}: raw plane {k} has the wrong length")
             if method == _ZSTD:
                 packed = frame[total : total + length]
-                if zstd_content_size(packed) != count:
+                # Checked against the frame's own size first, so a forged
+                # count cannot make the decoder allocate more than a
+                # Zstandard frame of this length could ever hold.
+                if count > MAX_EXPANSION * packed.size or zstd_content_size(packed) != count:
                     raise IntegrityError(f"{self.codec_id}: plane {k} does not hold {count} bytes")
             elif method != _RAW:
                 raise IntegrityError(f"{self.codec_id}: plane {k} has unknown method {method}")
@@ -271,22 +364,7 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
             raise IntegrityError(
                 f"{self.codec_id}: frame is {size} bytes but its plane table says {total}"
             )
-        return nbytes, entries, offset
-
-
-# Mantissa planes of dense floats are noise: zstd spends ~40% of encode time
-# confirming that. A 16 KiB sample from the middle of a large plane decides;
-# a plane whose sample does not shrink by 0.5% is stored raw.
-_SAMPLE_BYTES = 16 * 1024
-_SAMPLE_MIN_GAIN = 0.995
-
-
-def _worth_trying(plane: np.ndarray, level: int) -> bool:
-    if plane.size <= 4 * _SAMPLE_BYTES:
-        return plane.size > 0
-    middle = plane.size // 2
-    sample = plane[middle : middle + _SAMPLE_BYTES]
-    return len(zstd.compress(sample, level)) < _SAMPLE_MIN_GAIN * sample.size
+        return version, flags, nbytes, entries, _HEADER.size + width * _PLANE.size + _CRC.size
 
 
 def check_out_size(out: object, nbytes: int, codec_id: str) -> None:
@@ -295,50 +373,3 @@ def check_out_size(out: object, nbytes: int, codec_id: str) -> None:
         raise InvalidInputError(
             f"{codec_id}: out holds {size} bytes but the frame decodes to {nbytes}"
         )
-
-
-def zstd_content_size(frame: np.ndarray) -> int | None:
-    """The Frame_Content_Size of a Zstandard frame (RFC 8878, 3.1.1), if present.
-
-    numcodecs' ``decompress`` into a larger destination does not say how much
-    it wrote, so the declared size is checked here before trusting a plane.
-    """
-    if frame.size < 6 or bytes(frame[:4]) != b"\x28\xb5\x2f\xfd":
-        return None
-    descriptor = int(frame[4])
-    fcs_flag, single_segment, did_flag = descriptor >> 6, (descriptor >> 5) & 1, descriptor & 3
-    start = 5 + (0 if single_segment else 1) + (0, 1, 2, 4)[did_flag]
-    width = (1 if single_segment else 0, 2, 4, 8)[fcs_flag]
-    if width == 0 or frame.size < start + width:
-        return None
-    value = int.from_bytes(bytes(frame[start : start + width]), "little")
-    return value + 256 if width == 2 else value
-
-
-def decompress_exact(packed: np.ndarray, dest: np.ndarray, what: str) -> np.ndarray:
-    """Decompress a Zstandard frame that must fill ``dest`` exactly.
-
-    Parameters
-    ----------
-    packed : numpy.ndarray
-        The compressed bytes.
-    dest : numpy.ndarray
-        Contiguous ``uint8`` destination of the expected size.
-    what : str
-        What is being decoded, for the error message.
-
-    Returns
-    -------
-    numpy.ndarray
-        ``dest``, filled.
-    """
-    declared = zstd_content_size(packed)
-    if declared != dest.size:
-        raise IntegrityError(f"{what} declares {declared} bytes, expected {dest.size}")
-    try:
-        # Passing the destination bounds the output: a damaged frame cannot
-        # make us allocate whatever its header claims.
-        zstd.decompress(packed, dest)
-    except (RuntimeError, ValueError) as exc:
-        raise IntegrityError(f"{what} is not a valid Zstandard frame: {exc}") from exc
-    return dest

@@ -23,6 +23,20 @@ is a scatter, though, whose cost grows with the density: above one half it
 falls under 1 GiB/s for bfloat16 and under the dense codec's speed, to save
 a few percent. Encoding is never slower than dense below that point. So:
 sparse up to :data:`SPARSE_MAX_DENSITY` = 0.5 nonzero, dense above.
+
+(The table above is of frame version 1 of the dense codec. Version 2 chooses,
+per chunk, where the sign goes and how each plane is coded. On the dense state
+of a MiniLM-like encoder, measured with ``python benchmarks/bench_codecs.py
+--repeat 7`` (one core of a 2-core machine shared with other work; figures
+move by ±20% between runs), ratio / encode MiB/s / decode MiB/s::
+
+                      float32             bfloat16            ZipNN ratio f32/bf16
+    gradients         1.237 / 725 / 1264  1.621 / 504 / 1174  1.175 / 1.424
+    params            1.203 / 841 / 1189  1.508 / 599 / 1110  1.203 / 1.510
+    exp_avg           1.188 / 844 / 1204  1.462 / 605 / 1116  1.188 / 1.462
+    exp_avg_sq        1.208 / 693 /  964  1.525 / 456 /  731  1.207 / 1.522
+
+Dense chunks are 100% nonzero, so the threshold is unaffected.)
 """
 
 from __future__ import annotations

@@ -10,7 +10,17 @@ from gradpipe.core.ids import parse_id
 from gradpipe.core.manifest import Manifest
 from gradpipe.core.names import parse_ref_name
 
-__all__ = ["RefEntry"]
+__all__ = ["REF_TARGET_TYPES", "RefEntry", "target_type"]
+
+#: What the refs of each kind point at (a manifest ``type``); a kind not listed
+#: may point at anything. A ref moved by hand to another kind of object is
+#: damage that verify reports and readers refuse.
+REF_TARGET_TYPES: dict[str, str] = {"runs": "run", "tensors": "tensor"}
+
+
+def target_type(ref: str) -> str | None:
+    """The manifest type ref ``ref`` (``kind/name``) must point at, if its kind says."""
+    return REF_TARGET_TYPES.get(ref.partition("/")[0])
 
 
 @dataclass(frozen=True)

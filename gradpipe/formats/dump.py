@@ -33,6 +33,13 @@ mislabelled files, and local paths that are not regular files (a FIFO would
 block the reader for ever), raise :class:`~gradpipe.errors.InvalidInputError`
 naming the file; errors of the storage backend itself (``OSError``, e.g. a
 missing file) pass through untouched.
+
+A local file is opened once, by :func:`open_regular`, non-blocking, and the
+*descriptor* is checked to be a regular file before a byte is read: header
+reads, whole reads, byte ranges and sidecars all go through it, so a path
+swapped for a FIFO after discovery looked at it is refused, not waited on.
+A sidecar is at most :data:`MAX_SIDECAR_BYTES` (1 MiB): it holds a few metadata
+fields, and a larger one (or one that never ends) fails its dump.
 """
 
 from __future__ import annotations
@@ -41,10 +48,11 @@ import json
 import os
 import posixpath
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import IO, TYPE_CHECKING, Any, Final
 
 import numpy as np
 
@@ -59,17 +67,34 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DUMP_FORMATS",
+    "MAX_SIDECAR_BYTES",
     "DumpHeader",
     "TensorSpec",
     "check_regular_file",
     "dump_format",
     "is_local",
+    "open_regular",
     "read_byte_range",
     "read_dump_header",
     "read_dump_tensors",
 ]
 
 SIDECAR_SUFFIX: Final = ".json"
+#: Largest sidecar read, in bytes: a sidecar holds a few metadata fields
+#: (``num_examples``, a learning rate, a note), far below this; a larger one is
+#: refused before it is read, so a huge or endless file cannot fill a worker.
+MAX_SIDECAR_BYTES: Final = 1 << 20
+_DUMP_ADVICE: Final = (
+    "gradpipe reads regular files only; remove it or make the pattern more specific"
+)
+_SIDECAR_ADVICE: Final = (
+    "a sidecar must be a regular file holding a small JSON object; replace or remove it"
+)
+# Opening a FIFO without O_NONBLOCK waits for a writer; with it, open returns at once.
+_NONBLOCK: Final = getattr(os, "O_NONBLOCK", 0)
+_OPEN_FLAGS: Final = os.O_RDONLY | _NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+# /proc/self/fd/N names the very file descriptor N has open (Linux).
+_FD_DIR: Final = "/proc/self/fd"
 # Header reads fetch small blocks: object stores would otherwise read ahead by
 # their default block size (tens of MB) to parse a few hundred bytes.
 _HEADER_BLOCK_SIZE: Final = 1 << 16
@@ -144,12 +169,31 @@ def _sidecar_value(value: object, *, where: str, key: str) -> str:
 
 
 def read_sidecar(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, str]:
-    """The metadata of ``<path>.json``, or ``{}`` when there is no sidecar."""
+    """The metadata of ``<path>.json``, or ``{}`` when there is no sidecar.
+
+    Raises
+    ------
+    InvalidInputError
+        If the sidecar is not a regular file (a FIFO, a device, ...), is larger
+        than :data:`MAX_SIDECAR_BYTES`, or is not a JSON object of plain values;
+        the message names the sidecar.
+    """
     where = path + SIDECAR_SUFFIX
     try:
-        raw = fs.cat_file(where)
+        with open_regular(fs, where, advice=_SIDECAR_ADVICE) as f:
+            size = f.seek(0, os.SEEK_END)
+            if size <= MAX_SIDECAR_BYTES:
+                f.seek(0)
+                raw = f.read(MAX_SIDECAR_BYTES + 1)  # never more, should it grow meanwhile
+                size = max(size, len(raw))
     except FileNotFoundError:
         return {}
+    if size > MAX_SIDECAR_BYTES:
+        raise InvalidInputError(
+            f"{where}: sidecar is {size} bytes, more than the {MAX_SIDECAR_BYTES} bytes "
+            "gradpipe reads from a sidecar; a sidecar holds a few metadata fields "
+            '(e.g. {"num_examples": 512}): keep only those, or remove it'
+        )
     try:
         data = json.loads(bytes(raw).decode("utf-8"), object_pairs_hook=reject_duplicate_keys)
     except (UnicodeDecodeError, ValueError) as exc:
@@ -167,6 +211,14 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return "file" in protocols or "local" in protocols
 
 
+def _refuse_mode(path: str, mode: int, advice: str) -> None:
+    """Raise unless ``mode`` (from ``stat`` or ``fstat``) is a regular file's."""
+    if stat.S_ISREG(mode):
+        return
+    kind = next((text for test, text in _KINDS if test(mode)), "a special file")
+    raise InvalidInputError(f"{path} is {kind}, not a regular file; {advice}")
+
+
 def check_regular_file(
     fs: fsspec.AbstractFileSystem, path: str, info: Mapping[str, Any] | None = None
 ) -> None:
@@ -176,6 +228,8 @@ def check_regular_file(
     and a directory has no bytes: none is a dump. A local path is checked with
     ``os.stat`` (symbolic links followed); any other filesystem by the ``type``
     of ``info`` (as ``fs.glob(detail=True)`` gives it) or of ``fs.info(path)``.
+    Discovery uses it to list such files as failures up front; readers check
+    what they actually opened, with :func:`open_regular`.
 
     Raises
     ------
@@ -183,21 +237,94 @@ def check_regular_file(
         If the path is not a regular file, or a local path cannot be examined
         (e.g. a dangling symbolic link).
     """
-    advice = "gradpipe reads regular files only; remove it or make the pattern more specific"
     if is_local(fs):
         try:
             mode = Path(path).stat().st_mode
         except OSError as exc:
             raise InvalidInputError(
-                f"{path}: cannot examine it ({exc.strerror}); {advice}"
+                f"{path}: cannot examine it ({exc.strerror}); {_DUMP_ADVICE}"
             ) from None
-        if stat.S_ISREG(mode):
-            return
-        kind = next((what for test, what in _KINDS if test(mode)), "a special file")
-        raise InvalidInputError(f"{path} is {kind}, not a regular file; {advice}")
+        _refuse_mode(path, mode, _DUMP_ADVICE)
+        return
     found = (info if info is not None else fs.info(path)).get("type")
     if found != "file":
-        raise InvalidInputError(f"{path} is a {found}, not a regular file; {advice}")
+        raise InvalidInputError(f"{path} is a {found}, not a regular file; {_DUMP_ADVICE}")
+
+
+def _open_local(path: str, advice: str, buffering: int) -> IO[bytes]:
+    """Open a local file without blocking, and refuse it unless the descriptor is a regular file."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as exc:
+        # A socket cannot be opened (ENXIO): say what it is, as for a FIFO.
+        try:
+            mode = Path(path).stat().st_mode
+        except OSError:
+            raise exc from None
+        _refuse_mode(path, mode, advice)
+        raise
+    try:
+        _refuse_mode(path, os.fstat(fd).st_mode, advice)
+        if _NONBLOCK:
+            import fcntl
+
+            # A regular file never blocks anyway; clear the flag so reads behave as usual.
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_NONBLOCK)
+        return os.fdopen(fd, "rb", buffering=buffering)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+@contextmanager
+def open_regular(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    *,
+    block_size: int | None = None,
+    advice: str = _DUMP_ADVICE,
+) -> Iterator[IO[bytes]]:
+    """Open a file for reading, refusing anything but a regular file, without blocking.
+
+    A local path is opened with ``O_NONBLOCK`` (a FIFO opens at once instead of
+    waiting for a writer) and the open descriptor is checked with ``os.fstat``,
+    so the check is on the very file that will be read, not on whatever the path
+    named a moment before. Symbolic links are followed: a link to a regular file
+    is a regular file. On other filesystems (object stores have no FIFOs) the
+    file is opened with ``fs.open``.
+
+    Parameters
+    ----------
+    fs : fsspec.AbstractFileSystem
+        The filesystem holding the file.
+    path : str
+        The file's path on ``fs``.
+    block_size : int, optional
+        Read-ahead of a remote file; buffer size of a local one (0: unbuffered).
+    advice : str
+        What to do about a file that is not a regular file.
+
+    Raises
+    ------
+    InvalidInputError
+        If a local path is a FIFO, socket, device or directory.
+    OSError
+        If the file cannot be opened (``FileNotFoundError`` for a missing one).
+    """
+    if is_local(fs):
+        f = _open_local(path, advice, -1 if block_size is None else block_size)
+    else:
+        f = fs.open(path, "rb", **({"block_size": block_size} if block_size else {}))
+    with f:
+        yield f
+
+
+def _local_name(f: IO[bytes], local: bool) -> str | None:
+    """A path that opens the very file ``f`` has open, where the OS has one."""
+    if not local or not Path(_FD_DIR).is_dir():
+        return None
+    return f"{_FD_DIR}/{f.fileno()}"
 
 
 def read_dump_header(fs: fsspec.AbstractFileSystem, path: str) -> DumpHeader:
@@ -229,15 +356,12 @@ def read_dump_header(fs: fsspec.AbstractFileSystem, path: str) -> DumpHeader:
     """
     reader = get_reader(dump_format(path))
     local = is_local(fs)
-    if local:
-        # Before opening: open() on a FIFO waits for a writer for ever. (A
-        # remote object store has no such files, and a stat would cost a request.)
-        check_regular_file(fs, path)
-    options = {"block_size": _HEADER_BLOCK_SIZE} if reader.partial_header else {}
-    with fs.open(path, "rb", **options) as f:
+    block_size = _HEADER_BLOCK_SIZE if reader.partial_header else None
+    with open_regular(fs, path, block_size=block_size) as f:
         size = f.seek(0, os.SEEK_END)
         f.seek(0)
-        specs, metadata = reader.parse_header(DumpSource(f, path, size, local))
+        source = DumpSource(f, path, size, _local_name(f, local))
+        specs, metadata = reader.parse_header(source)
     metadata = {**metadata, **read_sidecar(fs, path)}
     return DumpHeader(path, reader.format, specs, metadata, size)
 
@@ -260,13 +384,27 @@ def read_byte_range(fs: fsspec.AbstractFileSystem, path: str, start: int, stop: 
         raise InvalidInputError(f"{path}: invalid byte range [{start}, {stop})")
     if start == stop:
         return np.empty(0, dtype=np.uint8)
-    data = fs.cat_file(path, start=start, end=stop)
+    data: bytes | bytearray
+    if is_local(fs):
+        data = bytearray(stop - start)
+        view = memoryview(data)
+        with open_regular(fs, path, block_size=0) as f:
+            f.seek(start)
+            got = 0  # one read() returns at most ~2 GiB: loop
+            while got < len(data) and (n := f.readinto(view[got:])):  # type: ignore[attr-defined]
+                got += n
+        view.release()
+        del data[got:]
+    else:
+        data = fs.cat_file(path, start=start, end=stop)
     if len(data) != stop - start:
         raise InvalidInputError(
             f"{path}: truncated: asked for bytes [{start}, {stop}) but got {len(data)}; "
             "the file is shorter than its header says, copy it again"
         )
-    return np.frombuffer(data, dtype=np.uint8)
+    array = np.frombuffer(data, dtype=np.uint8)
+    array.flags.writeable = False
+    return array
 
 
 def _select(header: DumpHeader, names: Iterable[str] | None) -> dict[str, TensorSpec]:
@@ -317,13 +455,11 @@ def read_dump_tensors(
     """
     specs = _select(header, names)
     reader = get_reader(header.format)
-    local = is_local(fs)
-    if local:
-        check_regular_file(fs, path)
-    with fs.open(path, "rb") as f:
+    with open_regular(fs, path) as f:
         size = f.seek(0, os.SEEK_END)
         f.seek(0)
-        arrays = reader.read_tensors(DumpSource(f, path, size, local), specs)
+        source = DumpSource(f, path, size, _local_name(f, is_local(fs)))
+        arrays = reader.read_tensors(source, specs)
     out = {}
     for n, spec in specs.items():
         arr = arrays.get(n)

@@ -13,7 +13,12 @@ than :data:`~gradpipe.formats.spec.DEFLATE_MAX_RATIO` (1032) bytes per
 compressed byte, and other compression methods (which ``np.savez*`` never
 writes, and whose ratios are unbounded) are refused. A deflated member is then
 inflated piece by piece, never past its declared size, so a 233-byte archive
-claiming gigabytes costs nothing.
+claiming gigabytes costs nothing. Members may not share bytes: a forged zip
+directory can list one stored member under 64 names (every entry pointing at
+the same local header), which would make a file claim 64 times its size, so
+every member's extent (local header to end of data) is read and overlaps are
+refused. The members of one file thus claim at most the file (stored) or 1032
+times it (deflated) in total, on the header read and the whole read alike.
 
 Like ``np.load(allow_pickle=False)``, pickled (object) members are refused from
 their header, before anything is unpickled. Every member must be an ``.npy``
@@ -22,6 +27,7 @@ array: a zip holding anything else is not a gradient dump.
 
 from __future__ import annotations
 
+import itertools
 import struct
 import zipfile
 import zlib
@@ -139,9 +145,32 @@ def _room(info: zipfile.ZipInfo) -> int:
     return info.compress_size
 
 
-def _members(zf: zipfile.ZipFile, path: str, size: int) -> list[tuple[str, zipfile.ZipInfo]]:
-    """``(array name, info)`` of every member, in archive order, validated."""
-    out: list[tuple[str, zipfile.ZipInfo]] = []
+def _data_start(f: IO[bytes], info: zipfile.ZipInfo, size: int, path: str) -> int:
+    """Absolute offset of a member's first data byte, from its local header."""
+    if not 0 <= info.header_offset < size:
+        raise _invalid(path, f"member {info.filename!r} starts outside the file")
+    f.seek(info.header_offset)
+    raw = f.read(_LOCAL_HEADER.size)
+    if len(raw) < _LOCAL_HEADER.size:
+        raise _invalid(path, f"truncated: local header of {info.filename!r} is cut short")
+    signature, name_len, extra_len = _LOCAL_HEADER.unpack(raw)
+    if signature != _LOCAL_SIGNATURE:
+        raise _invalid(path, f"bad local header signature for member {info.filename!r}")
+    start: int = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    if start + info.compress_size > size:
+        raise _invalid(path, f"truncated: member {info.filename!r} does not fit in the file")
+    return start
+
+
+def _members(
+    zf: zipfile.ZipFile, f: IO[bytes], path: str, size: int
+) -> list[tuple[str, zipfile.ZipInfo, int]]:
+    """``(array name, info, data start)`` of every member, in archive order, validated.
+
+    Members must not share bytes (see the module docstring): each one's extent,
+    from its local header to the end of its data, is checked against the others.
+    """
+    out: list[tuple[str, zipfile.ZipInfo, int]] = []
     seen: set[str] = set()
     for info in zf.infolist():
         if info.is_dir() or not info.filename.endswith(".npy"):
@@ -153,25 +182,19 @@ def _members(zf: zipfile.ZipFile, path: str, size: int) -> list[tuple[str, zipfi
         if name in seen:
             raise _invalid(path, f"member {info.filename!r} appears twice")
         seen.add(name)
-        out.append((name, info))
+        out.append((name, info, _data_start(f, info, size, path)))
+    extents = sorted(
+        ((info.header_offset, start + info.compress_size, info) for _, info, start in out),
+        key=lambda extent: extent[:2],
+    )
+    for (_, end, first), (begin, _, second) in itertools.pairwise(extents):
+        if begin < end:
+            raise _invalid(
+                path,
+                f"members {first.filename!r} and {second.filename!r} overlap in the file (the "
+                "zip directory points both at the same bytes); the file is damaged or forged",
+            )
     return out
-
-
-def _stored_data_start(f: IO[bytes], info: zipfile.ZipInfo, size: int, path: str) -> int:
-    """Absolute offset of a stored member's first byte, from its local header."""
-    if not 0 <= info.header_offset < size:
-        raise _invalid(path, f"member {info.filename!r} starts outside the file")
-    f.seek(info.header_offset)
-    raw = f.read(_LOCAL_HEADER.size)
-    if len(raw) < _LOCAL_HEADER.size:
-        raise _invalid(path, f"truncated: local header of {info.filename!r} is cut short")
-    signature, name_len, extra_len = _LOCAL_HEADER.unpack(raw)
-    if signature != _LOCAL_SIGNATURE:
-        raise _invalid(path, f"bad local header signature for member {info.filename!r}")
-    start: int = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-    if info.compress_size != info.file_size or start + info.file_size > size:
-        raise _invalid(path, f"truncated: member {info.filename!r} does not fit in the file")
-    return start
 
 
 def _member_spec(
@@ -224,10 +247,9 @@ def read_npz_members(f: IO[bytes], *, path: str, size: int) -> list[NpzMember]:
     """
     out = []
     with _open_zip(f, path) as zf:
-        for name, info in _members(zf, path, size):
+        for name, info, start in _members(zf, f, path, size):
             where = f"{path}: member {info.filename!r}"
             if info.compress_type == zipfile.ZIP_STORED:
-                start = _stored_data_start(f, info, size, path)
                 f.seek(start)
                 header = read_npy_header(f, where=where)
                 offset: int | None = start + header.header_size
@@ -271,7 +293,7 @@ def read_npz_arrays(
     """
     out = {}
     with _open_zip(f, path) as zf:
-        for name, info in _members(zf, path, size):
+        for name, info, _ in _members(zf, f, path, size):
             if names is not None and name not in names:
                 continue
             where = f"{path}: member {info.filename!r}"

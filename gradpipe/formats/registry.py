@@ -57,14 +57,17 @@ class DumpSource:
         The file's path on its filesystem, for messages.
     size : int
         File size in bytes.
-    local : bool
-        ``path`` names a local file (a reader may memory-map it).
+    local_path : str or None
+        An OS path that opens the very file ``file`` is (``/proc/self/fd/N``),
+        so a reader may memory-map it; ``None`` for a remote file, or where the
+        OS has no such path. Never ``path`` itself: by the time a reader opened
+        it, it could name another file than the one checked.
     """
 
     file: IO[bytes]
     path: str
     size: int
-    local: bool
+    local_path: str | None
 
 
 @runtime_checkable

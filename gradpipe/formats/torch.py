@@ -23,6 +23,12 @@ elements repeat storage (``expand``, stride 0, overlapping ``as_strided``) would
 turn a kilobyte file into gigabytes, so it is refused with a message saying to
 ``.clone()`` it before saving. Views that merely skip elements (a transpose, a
 slice) are read as before.
+
+The same holds for the file as a whole: many names may refer to one storage
+(``{f"w{i}": t for i in range(64)}`` saves ``t`` once and claims it 64 times),
+so all tensors of one file together may claim at most
+:data:`SHARED_STORAGE_FACTOR` times the file's size plus
+:data:`SHARED_STORAGE_FLOOR`, checked before anything is copied.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Final
 
 import numpy as np
+from dask.utils import format_bytes
 
 from gradpipe.core.dtypes import bfloat16
 from gradpipe.errors import InvalidInputError
@@ -47,7 +54,24 @@ if TYPE_CHECKING:
 
     from gradpipe.formats.registry import DumpSource
 
-__all__ = ["READER", "TorchReader", "load_torch"]
+__all__ = [
+    "READER",
+    "SHARED_STORAGE_FACTOR",
+    "SHARED_STORAGE_FLOOR",
+    "TorchReader",
+    "load_torch",
+]
+
+#: How many times its own size the tensors of one file may claim in total. A
+#: storage is saved once however many tensors refer to it; weight tying (an
+#: embedding shared with the output layer) legitimately gives one storage two
+#: names, so 2 is the common case; 4 leaves room for a few more shared names
+#: while keeping a file from claiming without bound (64 names for one storage
+#: made a 64 MiB file ingest as 4 GiB).
+SHARED_STORAGE_FACTOR: Final = 4
+#: Added to the bound, in bytes, so a tiny file's tensors are never refused for
+#: the file's fixed overhead; it costs nothing worth guarding.
+SHARED_STORAGE_FLOOR: Final = 1 << 20
 
 _CLONE: Final = "call .clone() or .contiguous() on it before torch.save"
 _RESAVE: Final = (
@@ -204,6 +228,7 @@ class _Flattener:
         self.file_size = file_size
         self.tensors: dict[str, tuple[torch.Tensor, TensorSpec]] = {}
         self.metadata: dict[str, str] = {}
+        self.claimed = 0  # bytes all tensors claim, a shared storage counted once per name
 
     def add(self, obj: object, key: str) -> None:
         import torch
@@ -211,6 +236,7 @@ class _Flattener:
         if isinstance(obj, torch.Tensor):
             self._claim(key)
             spec = _spec(obj, path=self.path, name=key, file_size=self.file_size)
+            self.claimed += spec.nbytes
             self.tensors[key] = (obj, spec)
         elif isinstance(obj, Mapping):
             for k, v in obj.items():
@@ -230,6 +256,19 @@ class _Flattener:
             raise InvalidInputError(
                 f"{self.path}: {key or 'the top level'!r} holds a {type(obj).__name__}; "
                 f"gradpipe reads tensors, dicts, lists, tuples and plain values; {_RESAVE}"
+            )
+
+    def check_total(self) -> None:
+        """Refuse a file whose tensors together claim far more than the file holds."""
+        bound = SHARED_STORAGE_FACTOR * self.file_size + SHARED_STORAGE_FLOOR
+        if self.claimed > bound:
+            raise InvalidInputError(
+                f"{self.path}: its {len(self.tensors)} tensors claim {self.claimed} bytes "
+                f"({format_bytes(self.claimed)}) in total, more than {bound} bytes "
+                f"({SHARED_STORAGE_FACTOR} x the file's {self.file_size} bytes + "
+                f"{SHARED_STORAGE_FLOOR}): many names refer to the same storage. Save each "
+                "tensor once, or call .clone() on the tensors that must stay separate before "
+                "torch.save"
             )
 
     def _claim(self, key: str) -> None:
@@ -291,6 +330,7 @@ def _flatten(f: IO[bytes] | str, *, path: str, stem: str, size: int) -> _Flatten
             f"{path}: holds a {type(obj).__name__}, not tensors; save a dict of tensors "
             "(a state_dict) instead"
         )
+    flat.check_total()  # before any tensor is copied
     return flat
 
 
@@ -351,8 +391,9 @@ class TorchReader:
 
     def _flatten(self, source: DumpSource) -> _Flattener:
         source.file.seek(0)
-        # A local file is memory-mapped: its header costs no data read.
-        target: IO[bytes] | str = source.path if source.local else source.file
+        # A local file is memory-mapped (through the descriptor that was checked to
+        # be a regular file): its header costs no data read.
+        target: IO[bytes] | str = source.local_path or source.file
         return _flatten(target, path=source.path, stem=_stem(source.path), size=source.size)
 
     def parse_header(self, source: DumpSource) -> tuple[tuple[TensorSpec, ...], dict[str, str]]:

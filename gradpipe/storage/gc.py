@@ -120,14 +120,13 @@ def gc(
     report = GcReport(dry_run=dry_run)
     marked = _checked_walk(store, None)
     candidates = _candidates(store, marked, time.time() - grace, report)
+    old_blocks = [c for c in candidates if id_from_block_key(c.key) is not None]
+    report.unreferenced = len(old_blocks) + report.kept_young  # as the mark found them
     if dry_run:
         report.reachable = len(marked.manifests) + len(marked.data)
-        report.deleted = sum(1 for c in candidates if id_from_block_key(c.key) is not None)
+        report.deleted = len(old_blocks)
         report.stray_deleted = len(candidates) - report.deleted
-        report.deleted_bytes = sum(
-            c.size for c in candidates if id_from_block_key(c.key) is not None
-        )
-        report.unreferenced = report.deleted + report.kept_young
+        report.deleted_bytes = sum(c.size for c in old_blocks)
         report.stray_deleted += len(_ref_strays(store, time.time() - grace))
         report.stale_locks_deleted = len(store.lock.stale_locks(time.time()))
         return report

@@ -23,6 +23,7 @@ object.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import logging
 import os
@@ -195,13 +196,14 @@ def check_lease(store: Store, key: str, *, purpose: str = "job") -> None:
 
 
 _SKEWS: dict[str, float] = {}
+_PROBE: Final = "probe-"
 
 
 def _probe_skew(store: Store) -> float:
     """The backend's clock minus ours, measured once per store URL per process."""
     skew = _SKEWS.get(store.url)
     if skew is None:
-        key = f"{LOCK_PREFIX}/probe-{uuid.uuid4().hex}"
+        key = f"{LOCK_PREFIX}/{_PROBE}{uuid.uuid4().hex}"
         before = time.time()
         store.backend.write_if_absent(key, b"{}")
         after = time.time()
@@ -218,9 +220,15 @@ class StoreLock:
     def __init__(self, store: Store) -> None:
         self._store = store
         self._mutex = threading.Lock()
+        self._acquiring = threading.Lock()
         self._shared: Lease | None = None
         self._depth = 0
-        self._joined: str | None = None
+        # The lease a task publishes under (join) is the task's own: one Store
+        # object serves every task of a worker, concurrently, each for its own
+        # client, so it lives in the running context (per thread), not here.
+        self._joined: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+            f"gradpipe-joined-lease-{id(self)}", default=None
+        )
 
     @property
     def held(self) -> Lease | None:
@@ -237,41 +245,48 @@ class StoreLock:
         return out
 
     def stale_locks(self, now: float) -> list[LockInfo]:
-        """Lock objects whose holders died (not refreshed within the ttl)."""
+        """Lock objects whose holders died (not refreshed within the ttl).
+
+        Clock probes (``locks/probe-*``) a process could not delete count too:
+        they are no lock, but nothing else would ever remove them.
+        """
         out = []
         for entry in self._store.backend.list(LOCK_PREFIX):
+            if now - entry.mtime <= _ttl():
+                continue
             info = LockInfo.parse(entry.key, entry.mtime)
-            if info is not None and now - info.mtime > _ttl():
+            if info is None and entry.key.rsplit("/", 1)[-1].startswith(_PROBE):
+                info = LockInfo(entry.key, "shared", "probe", entry.mtime)
+            if info is not None:
                 out.append(info)
         return out
 
     def check(self) -> None:
         """Raise :class:`LockedError` unless this store object holds a live lease."""
-        if self._shared is not None:
+        joined = self._joined.get()
+        if joined is not None:
+            check_lease(self._store, joined)
+        elif self._shared is not None:
             self._shared.check()
-        elif self._joined is not None:
-            check_lease(self._store, self._joined)
 
     # --- writers --------------------------------------------------------------
     @contextlib.contextmanager
     def shared(self, purpose: str, *, wait: float | None = None) -> Iterator[Lease | None]:
         """Hold a writer's lease (re-entrant); waits while gc holds the store."""
-        with self._mutex:
-            if self._shared is not None or self._joined is not None:
-                self._depth += 1
-                outer = self._shared
-            else:
-                outer = None
-        if outer is not None or self._joined is not None:
-            try:
-                yield outer
-            finally:
-                with self._mutex:
-                    self._depth -= 1
+        if self._joined.get() is not None:
+            yield None  # publishing under the client's lease: no lease of our own
             return
-        lease = self._acquire_shared(purpose, wait)
-        with self._mutex:
-            self._shared, self._depth = lease, 1
+        # One thread acquires; the others wait for it and share its lease (two
+        # leases acquired at once would leave one counted by nobody, alive for ever).
+        with self._acquiring:
+            with self._mutex:
+                lease = self._shared
+                if lease is not None:
+                    self._depth += 1
+            if lease is None:
+                lease = self._acquire_shared(purpose, wait)
+                with self._mutex:
+                    self._shared, self._depth = lease, 1
         try:
             yield lease
         finally:
@@ -322,19 +337,17 @@ class StoreLock:
             yield
             return
         check_lease(self._store, key)
-        with self._mutex:
-            previous, self._joined = self._joined, key
+        token = self._joined.set(key)
         try:
             yield
         finally:
-            with self._mutex:
-                self._joined = previous
+            self._joined.reset(token)
 
     # --- gc -------------------------------------------------------------------
     @contextlib.contextmanager
     def exclusive(self, purpose: str, *, wait: float | None = None) -> Iterator[Lease]:
         """Hold the store alone: no writer runs while the block runs."""
-        if self._shared is not None or self._joined is not None:
+        if self._shared is not None or self._joined.get() is not None:
             raise LockedError(
                 f"'{purpose}' cannot take store {self._store.url} exclusively while this "
                 "store object is writing; use another Store object or wait for the write"

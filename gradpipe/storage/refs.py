@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Final
 
 from gradpipe.core.ids import hash_bytes
@@ -44,6 +44,10 @@ _MAX_ATTEMPTS: Final = 64
 # Swaps whose outcome was unknown (no reply) retried before the error is raised;
 # counted apart from lost races, which say nothing about the connection.
 _MAX_LOST_REPLIES: Final = 4
+#: How far back a writer looks for its own landed entry after a lost reply.
+_MAX_LOOKBACK: Final = 64
+#: Writers' clocks may disagree by this much when entry times are compared.
+_CLOCK_MARGIN: Final = timedelta(minutes=5)
 
 
 def _now() -> str:
@@ -131,7 +135,7 @@ class Refs:
         with self._store.writing(f"update ref {name}"):
             for _attempt in range(_MAX_ATTEMPTS):
                 current, entry = self.read(name)
-                ours = _ours(current, entry, tried)
+                ours = self._ours(name, current, entry, tried)
                 if ours is not None:  # an earlier attempt landed after all
                     return ours
                 target = decide(entry.target if entry else None)
@@ -174,9 +178,42 @@ class Refs:
         """Which of our attempts the ref shows, if the ref can be read now."""
         try:
             current, entry = self.read(name)
+            return self._ours(name, current, entry, tried)
         except StorageError:
             return None  # unknown yet: the next attempt's read looks again
-        return _ours(current, entry, tried)
+
+    def _ours(
+        self,
+        name: str,
+        current: VersionedBytes | None,
+        entry: RefEntry | None,
+        tried: dict[str, RefEntry],
+    ) -> RefEntry | None:
+        """Our entry if the ref's history since our first attempt holds it.
+
+        Other writers may have moved the ref on top of our landed entry before
+        we could look, so the history is walked back through the entries
+        written since our first attempt (by their times, with a margin for
+        skewed clocks; at most :data:`_MAX_LOOKBACK`). This costs reads only
+        after a lost reply or a conflict, never on the common path.
+        """
+        if current is None or entry is None or not tried:
+            return None
+        mine = tried.get(hash_bytes(current.data))
+        since = min(e.time for e in tried.values())
+        horizon = (datetime.fromisoformat(since) - _CLOCK_MARGIN).isoformat()
+        for _ in range(_MAX_LOOKBACK):
+            if mine is not None or entry.previous is None:
+                break
+            mine = tried.get(entry.previous)
+            if mine is not None:
+                break
+            entry = self._store.get_typed(
+                entry.previous, RefEntry, context=f"history of ref {name!r}"
+            )
+            if entry.time < horizon:
+                break
+        return mine
 
     def history(self, name: str) -> Iterator[RefEntry]:
         """Entries of ``name``, newest first (deletions included, target None)."""
@@ -209,19 +246,3 @@ class Refs:
             if entry is not None:
                 out[name] = entry
         return out
-
-
-def _ours(
-    current: VersionedBytes | None, entry: RefEntry | None, tried: dict[str, RefEntry]
-) -> RefEntry | None:
-    """Our entry if the ref holds it, or holds an entry written right on top of it.
-
-    One step back is enough in practice: looking further would read history
-    blocks on every conflict, for a writer who lost its reply *and* two races.
-    """
-    if current is None or entry is None or not tried:
-        return None
-    mine = tried.get(hash_bytes(current.data))
-    if mine is None and entry.previous is not None:
-        mine = tried.get(entry.previous)
-    return mine

@@ -334,8 +334,9 @@ def _typed(manifest: Manifest, manifest_id: str, cls: type[M], context: str) -> 
     if not isinstance(manifest, cls):
         raise IntegrityError(
             f"{_what(manifest_id, context)} is a {manifest.type} manifest where a {cls.type} "
-            "was expected; a ref points at the wrong object. Run `gradpipe verify`, and move "
-            "the ref back with its history (`gradpipe log`)"
+            "was expected; a ref points at the wrong object. Run `gradpipe verify`, then move "
+            "the ref back: store.refs.history(ref) lists its earlier targets, newest first, "
+            "and store.refs.set(ref, target) restores one"
         )
     return manifest
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from dask.utils import format_bytes
 
-from gradpipe.core.ids import block_key, hash_bytes, id_from_block_key
+from gradpipe.core.ids import block_key, hash_bytes, id_from_block_key, is_id
 from gradpipe.core.manifest import Manifest, encode_manifest
 from gradpipe.errors import IntegrityError, NotFoundError, UnsupportedFormatError
 from gradpipe.storage.blocks import decode_block
@@ -29,6 +29,7 @@ class VerifyReport:
     unreferenced: int = 0
     unchecked: int = 0
     problems: list[Problem] = field(default_factory=list)
+    deleted_corrupt: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -45,6 +46,7 @@ class VerifyReport:
             "unreferenced": self.unreferenced,
             "unchecked": self.unchecked,
             "problems": [p.to_dict() for p in self.problems],
+            "deleted_corrupt": list(self.deleted_corrupt),
         }
 
     def summary(self) -> str:
@@ -55,6 +57,18 @@ class VerifyReport:
         )
         lines = [f"{head}: all good" if self.ok else f"{head}: {len(self.problems)} problem(s)"]
         lines += [f"  {p.kind:<10} {p.id}  needed by {p.context}" for p in self.problems]
+        if self.deleted_corrupt:
+            lines.append(
+                f"deleted {len(self.deleted_corrupt)} corrupt block(s): they are missing now; "
+                "`gradpipe ingest STORE PATTERN --run RUN --repair` writes them back from the "
+                "dump files"
+            )
+        elif any(p.kind in ("missing", "corrupt") for p in self.problems):
+            lines.append(
+                "to mend dumps: `gradpipe ingest STORE PATTERN --run RUN --repair` rewrites what "
+                "is missing from the dump files (`verify --delete-corrupt` first turns corrupt "
+                "blocks into missing ones)"
+            )
         if self.unchecked:
             lines.append(
                 f"{self.unchecked} unreferenced block(s) not checked (nothing reachable from a "
@@ -63,12 +77,18 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def verify(store: Store, *, all_blocks: bool = False) -> VerifyReport:
+def verify(store: Store, *, all_blocks: bool = False, delete_corrupt: bool = False) -> VerifyReport:
     """Check every object reachable from the store's refs.
 
     Manifests are parsed and data blocks decoded, and every one is hashed
     and compared with its id. Blocks that nothing references are counted
     (one listing) and, with ``all_blocks=True``, checked too.
+
+    With ``delete_corrupt=True`` (a writable store), blocks whose bytes do
+    not match their id are deleted afterwards, under a writer's lease: their
+    content is lost either way, and once missing they are what
+    ``ingest(..., repair=True)`` rewrites from the dump files (a block cannot
+    be replaced in place: writes are create-if-absent).
     """
     inside: list[Problem] = []
     counts = {"blocks": 0, "bytes": 0}
@@ -119,4 +139,15 @@ def verify(store: Store, *, all_blocks: bool = False) -> VerifyReport:
                 report.problems.append(Problem("unreadable", block_id, context, str(exc)))
             except IntegrityError as exc:
                 report.problems.append(Problem("corrupt", block_id, context, str(exc)))
+    if delete_corrupt:
+        _delete_corrupt(store, report)
     return report
+
+
+def _delete_corrupt(store: Store, report: VerifyReport) -> None:
+    store.check_writable()
+    # Blocks only: a damaged ref is mended by moving it, never by deleting it.
+    corrupt = sorted({p.id for p in report.problems if p.kind == "corrupt" and is_id(p.id)})
+    with store.writing("verify --delete-corrupt"):
+        store.backend.delete_many([block_key(i) for i in corrupt])
+    report.deleted_corrupt = corrupt

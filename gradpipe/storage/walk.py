@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from gradpipe.core.ids import block_key, hash_bytes, parse_id
 from gradpipe.core.manifest import Manifest, decode_manifest
+from gradpipe.core.ref_entry import target_type
 from gradpipe.errors import GradpipeError, IntegrityError, NotFoundError, UnsupportedFormatError
 from gradpipe.storage.blocks import decode_block
 from gradpipe.storage.store import Store
 
-__all__ = ["Problem", "Reachable", "find_missing", "walk_reachable"]
+__all__ = ["Problem", "Reachable", "Visitor", "find_missing", "walk_reachable"]
 
 
 @dataclass(frozen=True, slots=True)
 class Problem:
-    """A missing or corrupt object, and where it was needed."""
+    """A missing, corrupt or misplaced object, and where it was needed."""
 
-    kind: str  # "missing" | "corrupt" | "unreadable"
+    kind: str  # "missing" | "corrupt" | "unreadable" | "wrong kind"
     id: str
     context: str
     detail: str
@@ -40,8 +41,18 @@ class Reachable:
         return block_id in self.manifests or block_id in self.data
 
 
-def _roots(store: Store, found: Reachable) -> Iterator[tuple[str, str]]:
-    """(manifest id, context) of every ref's current entry and target.
+#: A manifest to read: its id, the context that needs it, and the type it must
+#: have (None: any).
+Wanted = tuple[str, str, str | None]
+#: Called with each manifest the walk reads: (its id, the manifest, its context).
+Visitor = Callable[[str, Manifest, str], None]
+
+# Manifests fetched per batched round trip while walking.
+_BATCH = 256
+
+
+def _roots(store: Store, found: Reachable) -> Iterator[Wanted]:
+    """Every ref's current entry and target.
 
     A ref that cannot be read is recorded in ``found.problems``, not raised:
     verify must report it and gc must refuse to run.
@@ -56,17 +67,38 @@ def _roots(store: Store, found: Reachable) -> Iterator[tuple[str, str]]:
         if current is None:
             continue
         # The current entry was written as a block too; it heads the history.
-        yield hash_bytes(current.data), f"history of ref {name!r}"
+        yield hash_bytes(current.data), f"history of ref {name!r}", "ref"
         if entry is not None and entry.target is not None:
-            yield entry.target, f"ref {name!r}"
+            yield entry.target, f"ref {name!r}", target_type(name)
 
 
-# Manifests fetched per batched round trip while walking.
-_BATCH = 256
+def _read_levels(
+    store: Store, level: list[Wanted], done: Collection[str]
+) -> Iterator[tuple[str, str, Manifest | Problem]]:
+    """Read manifests level by level, in batches, each once; queue their manifest children.
 
-
-#: Called with each manifest the walk reads: (its id, the manifest, its context).
-Visitor = Callable[[str, Manifest, str], None]
+    Yields ``(id, context, manifest or problem)`` for every manifest reachable
+    from ``level`` that is not in ``done``. On S3 a level is a few concurrent
+    round trips instead of one request after another.
+    """
+    seen: set[str] = set()
+    while level:
+        wanted: dict[str, Wanted] = {}
+        for item in level:
+            if item[0] not in done and item[0] not in seen and item[0] not in wanted:
+                wanted[item[0]] = item
+        seen.update(wanted)
+        level = []
+        items = list(wanted.values())
+        for lo in range(0, len(items), _BATCH):
+            batch = items[lo : lo + _BATCH]
+            frames = store.backend.read_many([block_key(parse_id(i)) for i, _, _ in batch])
+            for (manifest_id, context, kind), frame in zip(batch, frames, strict=True):
+                manifest = _parse(manifest_id, context, frame, kind)
+                if isinstance(manifest, Manifest):
+                    here = f"{manifest.type} {manifest_id} ({context})"
+                    level.extend((child, here, None) for child in manifest.manifest_children())
+                yield manifest_id, context, manifest
 
 
 def walk_reachable(
@@ -74,11 +106,10 @@ def walk_reachable(
 ) -> Reachable:
     """Read every manifest reachable from the refs (checking each) and collect ids.
 
-    The walk goes level by level (refs, runs, dumps, tensors), fetching each
-    level's manifests in batches: on S3 that is a few concurrent round trips
-    per level instead of one request after another. Data blocks are
-    collected, not read: :func:`gradpipe.storage.verify.verify` reads them,
-    gc does not need to.
+    The walk goes level by level (refs, runs, dumps, tensors). Data blocks
+    are collected, not read: :func:`gradpipe.storage.verify.verify` reads
+    them, gc does not need to. A ref whose target is not the kind of object
+    its name says (``runs/x`` at a tensor) is a problem, as a damaged one is.
 
     With ``known`` (an earlier walk), manifests already walked are not read
     again: they are immutable, so their children are known. gc walks once
@@ -89,45 +120,42 @@ def walk_reachable(
     if known is not None:
         found.manifests.update(known.manifests)
         found.data.update(known.data)
-    level: list[tuple[str, str]] = list(_roots(store, found))
-    while level:
-        wanted: dict[str, str] = {}
-        for manifest_id, context in level:
-            if manifest_id not in found.manifests and manifest_id not in wanted:
-                wanted[manifest_id] = context
-        found.manifests.update(wanted)
-        level = []
-        items = list(wanted.items())
-        for lo in range(0, len(items), _BATCH):
-            batch = items[lo : lo + _BATCH]
-            frames = store.backend.read_many([block_key(parse_id(i)) for i, _ in batch])
-            for (manifest_id, context), frame in zip(batch, frames, strict=True):
-                manifest = _parse(manifest_id, context, frame)
-                if isinstance(manifest, Problem):
-                    found.problems.append(manifest)
-                    continue
-                here = f"{type(manifest).type} {manifest_id} ({context})"
-                if visit is not None:
-                    visit(manifest_id, manifest, here)
-                level.extend((child, here) for child in manifest.manifest_children())
-                for i, block_id in enumerate(manifest.data_children()):
-                    found.data.setdefault(block_id, f"{here}, block {i}")
+    roots = list(_roots(store, found))
+    for manifest_id, context, manifest in _read_levels(store, roots, set(found.manifests)):
+        found.manifests[manifest_id] = context
+        if isinstance(manifest, Problem):
+            found.problems.append(manifest)
+            continue
+        here = f"{manifest.type} {manifest_id} ({context})"
+        if visit is not None:
+            visit(manifest_id, manifest, here)
+        for i, block_id in enumerate(manifest.data_children()):
+            found.data.setdefault(block_id, f"{here}, block {i}")
     return found
 
 
-def _parse(manifest_id: str, context: str, frame: bytes | Exception) -> Manifest | Problem:
+def _parse(
+    manifest_id: str, context: str, frame: bytes | Exception, kind: str | None
+) -> Manifest | Problem:
     """A fetched manifest, or the problem that keeps it from being read."""
     try:
         if isinstance(frame, Exception):
             raise frame
         data = decode_block(frame, manifest_id, context=context)
-        return decode_manifest(bytes(data), what=f"manifest {manifest_id} ({context})")
+        manifest = decode_manifest(bytes(data), what=f"manifest {manifest_id} ({context})")
     except NotFoundError as exc:
         return Problem("missing", manifest_id, context, str(exc))
     except IntegrityError as exc:
         return Problem("corrupt", manifest_id, context, str(exc))
     except GradpipeError as exc:
         return Problem("unreadable", manifest_id, context, str(exc))
+    if kind is not None and manifest.type != kind:
+        detail = (
+            f"a {manifest.type} manifest where a {kind} was expected: the ref was moved to the "
+            "wrong object; move it back to an earlier entry of its history"
+        )
+        return Problem("wrong kind", manifest_id, context, detail)
+    return manifest
 
 
 def find_missing(store: Store, roots: Sequence[tuple[str, str]]) -> list[list[Problem]]:
@@ -142,25 +170,16 @@ def find_missing(store: Store, roots: Sequence[tuple[str, str]]) -> list[list[Pr
     children: dict[str, list[str]] = {}
     problems: dict[str, Problem] = {}
     data: dict[str, str] = {}
-    level = list(dict.fromkeys(roots))
-    while level:
-        wanted = [(i, c) for i, c in dict(level).items() if i not in children and i not in problems]
-        level = []
-        for lo in range(0, len(wanted), _BATCH):
-            batch = wanted[lo : lo + _BATCH]
-            frames = store.backend.read_many([block_key(parse_id(i)) for i, _ in batch])
-            for (manifest_id, context), frame in zip(batch, frames, strict=True):
-                manifest = _parse(manifest_id, context, frame)
-                if isinstance(manifest, Problem):
-                    problems[manifest_id] = manifest
-                    continue
-                here = f"{type(manifest).type} {manifest_id} ({context})"
-                kids = list(manifest.manifest_children())
-                blocks = list(manifest.data_children())
-                children[manifest_id] = kids + blocks
-                level.extend((child, here) for child in kids)
-                for i, block_id in enumerate(blocks):
-                    data.setdefault(block_id, f"{here}, block {i}")
+    level: list[Wanted] = [(root, context, None) for root, context in roots]
+    for manifest_id, context, manifest in _read_levels(store, level, ()):
+        if isinstance(manifest, Problem):
+            problems[manifest_id] = manifest
+            continue
+        here = f"{manifest.type} {manifest_id} ({context})"
+        blocks = list(manifest.data_children())
+        children[manifest_id] = [*manifest.manifest_children(), *blocks]
+        for i, block_id in enumerate(blocks):
+            data.setdefault(block_id, f"{here}, block {i}")
     items = list(data.items())
     for lo in range(0, len(items), _BATCH * 4):
         batch = items[lo : lo + _BATCH * 4]
@@ -175,7 +194,9 @@ def _below(
     root: str, children: dict[str, list[str]], problems: dict[str, Problem]
 ) -> list[Problem]:
     """The problems of ``root`` and everything under it."""
-    out, seen, todo = [], set(), [root]
+    out: list[Problem] = []
+    seen: set[str] = set()
+    todo = [root]
     while todo:
         node = todo.pop()
         if node in seen:

@@ -3,6 +3,8 @@
 >>> outcome = run_cli("--version")
 >>> outcome.status, outcome.out.startswith("gradpipe ")
 (0, True)
+>>> run_cli_json("ls", "/nonexistent/store")[0]
+2
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CliOutcome", "run_cli"]
+__all__ = ["CliOutcome", "run_cli", "run_cli_json"]
 
 
 @dataclass(frozen=True)
@@ -62,3 +64,12 @@ def run_cli(*argv: str) -> CliOutcome:
         except SystemExit as exc:
             status = exc.code if isinstance(exc.code, int) else 1
     return CliOutcome(status, out.getvalue(), err.getvalue())
+
+
+def run_cli_json(*argv: str) -> tuple[int, dict[str, Any]]:
+    """Run ``gradpipe *argv --json``: the exit status and the one JSON object on stdout.
+
+    Fails when stdout is anything but one JSON object (see :attr:`CliOutcome.doc`).
+    """
+    outcome = run_cli(*argv, "--json")
+    return outcome.status, outcome.doc

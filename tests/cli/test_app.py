@@ -257,11 +257,15 @@ def test_ls_store_flags_run_refs_to_wrong_objects(wrong_kind: gp.Store) -> None:
     rows = {r["ref"]: r for r in outcome.doc["refs"]}
     assert rows["runs/train"]["summary"] == "3 steps x 3 peers"
     assert "problem" not in rows["runs/train"]
-    assert "tensor manifest, not a run" in rows["runs/x"]["problem"]
-    assert "ref runs/raw" in rows["runs/raw"]["problem"]
+    # One message for a wrong-kind run, whoever reads it: the run loader's.
+    with pytest.raises(gp.IntegrityError) as loader:
+        gp.open_run(wrong_kind, "x")
+    assert rows["runs/x"]["problem"] == " ".join(str(loader.value).split())
+    assert "run 'raw'" in rows["runs/raw"]["problem"]
     outcome = run_cli("ls", wrong_kind.url)
     assert outcome.status == 1
-    assert "PROBLEM: points at a tensor manifest" in outcome.out
+    assert "PROBLEM: manifest" in outcome.out
+    assert "(run 'x') is a tensor manifest where a run was expected" in outcome.out
     assert "3 steps x 3 peers" in outcome.out
 
 

@@ -2,48 +2,32 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 import gradpipe as gp
-from gradpipe.cli import main
 from gradpipe.demo import DEMO_CONFIG, run_demo
-from gradpipe.testing.cli import run_cli
+from gradpipe.testing.cli import run_cli, run_cli_json
 from gradpipe.testing.training import TrainingConfig
 
 SMALL = TrainingConfig(vocab_size=300, embed_dim=4, hidden=8, peers=2, steps=2)
 
 
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    status = main(list(argv))
-    out, err = capsys.readouterr()
-    return status, out, err
-
-
-def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]:
-    status, out, _ = run(capsys, *argv, "--json")
-    doc = json.loads(out)  # exactly one JSON document on stdout
-    assert isinstance(doc, dict)
-    return status, doc
-
-
-def test_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo(tmp_path: Path) -> None:
     """The README's first command, for real: ~100 MiB of dumps generated and ingested."""
     store = str(tmp_path / "demo")
     n = DEMO_CONFIG.steps * DEMO_CONFIG.peers
-    status, doc = run_json(capsys, "demo", store)
+    status, doc = run_cli_json("demo", store)
     assert status == 0
     assert (doc["ok"], doc["ingested"], doc["failed"]) == (True, n, 0)
     assert doc["stored_bytes"] < doc["raw_bytes"]
-    status, listing = run_json(capsys, "ls", store, "demo")
+    status, listing = run_cli_json("ls", store, "demo")
     assert status == 0
     assert listing["steps"] == list(range(DEMO_CONFIG.steps))
     assert listing["peers"] == DEMO_CONFIG.peer_names
     # Run again: the dumps are there and recorded, nothing to do.
-    status, doc = run_json(capsys, "demo", store)
+    status, doc = run_cli_json("demo", store)
     assert status == 0
     assert (doc["ingested"], doc["skipped"], doc["blocks_written"]) == (0, n, 0)
     assert gp.verify(gp.open_store(store)).ok

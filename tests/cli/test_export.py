@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from pathlib import Path
@@ -10,24 +9,9 @@ from pathlib import Path
 import pytest
 
 import gradpipe as gp
-from gradpipe.cli import main
 from gradpipe.core.ids import block_key
-from gradpipe.testing.cli import CliOutcome, run_cli
+from gradpipe.testing.cli import CliOutcome, run_cli, run_cli_json
 from gradpipe.testing.training import SampleRun
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    status = main(list(argv))
-    out, err = capsys.readouterr()
-    return status, out, err
-
-
-def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]:
-    status, out, _ = run(capsys, *argv, "--json")
-    doc = json.loads(out)  # exactly one JSON document on stdout
-    assert isinstance(doc, dict)
-    return status, doc
 
 
 @pytest.mark.parametrize(
@@ -44,12 +28,11 @@ def test_export_errors(
     word: str,
     sample: SampleRun,
     tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
 ) -> None:
     store = str(tmp_path / "store")
-    assert run(capsys, "ingest", store, sample.dump_pattern, "--run", "train")[0] == 0
+    assert run_cli("ingest", store, sample.dump_pattern, "--run", "train").status == 0
     out_file = tmp_path / "out.safetensors"
-    got, doc = run_json(capsys, "export", store, "--run", "train", *argv, "-o", str(out_file))
+    got, doc = run_cli_json("export", store, "--run", "train", *argv, "-o", str(out_file))
     assert got == status
     assert doc["ok"] is False
     assert word in doc["error"]

@@ -10,48 +10,32 @@ from pathlib import Path
 import pytest
 
 import gradpipe as gp
-from gradpipe.cli import main
 from gradpipe.core.ids import block_key
 from gradpipe.formats.safetensors import read_safetensors
 from gradpipe.runs import open_run
+from gradpipe.testing.cli import run_cli, run_cli_json
 from gradpipe.testing.training import SampleRun
 
 
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    status = main(list(argv))
-    out, err = capsys.readouterr()
-    return status, out, err
-
-
-def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]:
-    status, out, _ = run(capsys, *argv, "--json")
-    doc = json.loads(out)  # exactly one JSON document on stdout
-    assert isinstance(doc, dict)
-    return status, doc
-
-
-def test_ingest_ls_export(
-    sample: SampleRun, kit: types.ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_ingest_ls_export(sample: SampleRun, kit: types.ModuleType, tmp_path: Path) -> None:
     store = str(tmp_path / "store")
-    status, out, _ = run(capsys, "ingest", store, sample.dump_pattern, "--run", "train")
-    assert status == 0
-    assert "run 'train': 9 dumps ingested, 0 skipped" in out
+    outcome = run_cli("ingest", store, sample.dump_pattern, "--run", "train")
+    assert outcome.status == 0
+    assert "run 'train': 9 dumps ingested, 0 skipped" in outcome.out
 
-    status, doc = run_json(capsys, "ingest", store, sample.dump_pattern, "--run", "train")
+    status, doc = run_cli_json("ingest", store, sample.dump_pattern, "--run", "train")
     assert status == 0
     assert (doc["ok"], doc["ingested"], doc["skipped"], doc["blocks_written"]) == (True, 0, 9, 0)
     assert doc["run_id"] == open_run(gp.open_store(store), "train").id
 
-    status, out, _ = run(capsys, "ls", store, "train")
-    assert status == 0
-    lines = out.splitlines()
+    outcome = run_cli("ls", store, "train")
+    assert outcome.status == 0
+    lines = outcome.out.splitlines()
     assert lines[0].startswith("run 'train': 3 steps x 3 peers, 9 dumps, 7 tensors")
     assert lines[1].split() == ["step", *sample.peers]
     assert [line.split() for line in lines[2:]] == [[str(s), "x", "x", "x"] for s in sample.steps]
 
-    status, doc = run_json(capsys, "ls", store, "train")
+    status, doc = run_cli_json("ls", store, "train")
     assert status == 0
     assert doc["steps"] == sample.steps
     assert doc["peers"] == sample.peers
@@ -60,26 +44,16 @@ def test_ingest_ls_export(
     ]
     assert doc["schema"]["embedding.weight"] == {"dtype": "float32", "shape": [3000, 8]}
 
-    status, doc = run_json(capsys, "ls", store)
+    status, doc = run_cli_json("ls", store)
     assert status == 0
     assert [r["ref"] for r in doc["refs"]] == ["runs/train"]
 
     out_file = tmp_path / "out.safetensors"
-    status, out, _ = run(
-        capsys,
-        "export",
-        store,
-        "--run",
-        "train",
-        "--step",
-        "1",
-        "--peer",
-        "peer2",
-        "-o",
-        str(out_file),
+    outcome = run_cli(
+        "export", store, "--run", "train", "--step", "1", "--peer", "peer2", "-o", str(out_file)
     )
-    assert status == 0
-    assert "wrote 7 tensors of step 1, peer 'peer2'" in out
+    assert outcome.status == 0
+    assert "wrote 7 tensors of step 1, peer 'peer2'" in outcome.out
     src = sample.dump_path(1, "peer2")
     tensors, meta = read_safetensors(out_file)
     want, want_meta = read_safetensors(src)
@@ -92,10 +66,10 @@ def test_ingest_ls_export(
     assert out_file.read_bytes() == Path(src).read_bytes()
 
 
-def test_ls_unknown_run_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_ls_unknown_run_exits_1(tmp_path: Path) -> None:
     store = str(tmp_path / "store")
-    assert run(capsys, "init", store)[0] == 0
-    status, doc = run_json(capsys, "ls", store, "nope")
+    assert run_cli("init", store).status == 0
+    status, doc = run_cli_json("ls", store, "nope")
     assert status == 1
     assert "no run 'nope'" in doc["error"]
 
@@ -108,12 +82,10 @@ def block_codecs(store: gp.Store, block_id: str) -> list[dict]:
     return json.loads(frame[start : start + header_len])["codecs"]
 
 
-def test_codec_option(
-    sample: SampleRun, kit: types.ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_codec_option(sample: SampleRun, kit: types.ModuleType, tmp_path: Path) -> None:
     url = str(tmp_path / "store")
-    status, doc = run_json(
-        capsys, "ingest", url, sample.dump_pattern, "--run", "z", "--codec", "zstd:level=3"
+    status, doc = run_cli_json(
+        "ingest", url, sample.dump_pattern, "--run", "z", "--codec", "zstd:level=3"
     )
     assert status == 0
     assert doc["ingested"] == 9
@@ -130,39 +102,31 @@ def test_codec_option(
 
 
 @pytest.mark.parametrize("spec", ["nonsense", "zstd:level", "zstd:levle=3"])
-def test_bad_codec_exits_2(
-    spec: str, sample: SampleRun, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_bad_codec_exits_2(spec: str, sample: SampleRun, tmp_path: Path) -> None:
     url = str(tmp_path / "store")
-    status, doc = run_json(
-        capsys, "ingest", url, sample.dump_pattern, "--run", "z", "--codec", spec
-    )
+    status, doc = run_cli_json("ingest", url, sample.dump_pattern, "--run", "z", "--codec", spec)
     assert status == 2
     assert doc["ok"] is False
     assert spec in doc["error"]
     assert not (tmp_path / "store" / "refs" / "runs").exists()
 
 
-def test_repair_after_verify_finds_a_missing_block(
-    sample: SampleRun, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_repair_after_verify_finds_a_missing_block(sample: SampleRun, tmp_path: Path) -> None:
     store = str(tmp_path / "store")
-    assert run(capsys, "ingest", store, sample.dump_pattern, "--run", "train")[0] == 0
+    assert run_cli("ingest", store, sample.dump_pattern, "--run", "train").status == 0
     opened = gp.open_store(store)
     dump = open_run(opened, "train").dump(sample.steps[0], sample.peers[0])
     block = next(b for b in dump.info("embedding.weight").blocks if b is not None)
     opened.backend.delete(block_key(block))
-    status, doc = run_json(capsys, "verify", store)
+    status, doc = run_cli_json("verify", store)
     assert status == 1
     assert doc["ok"] is False
 
-    status, doc = run_json(capsys, "ingest", store, sample.dump_pattern, "--run", "train")
+    status, doc = run_cli_json("ingest", store, sample.dump_pattern, "--run", "train")
     assert (status, doc["repaired"], doc["skipped"]) == (0, 0, 9)  # not checked without --repair
-    status, doc = run_json(
-        capsys, "ingest", store, sample.dump_pattern, "--run", "train", "--repair"
-    )
+    status, doc = run_cli_json("ingest", store, sample.dump_pattern, "--run", "train", "--repair")
     assert status == 0
     assert doc["repaired"] >= 1
     assert doc["repaired"] + doc["skipped"] == 9
-    status, doc = run_json(capsys, "verify", store)
+    status, doc = run_cli_json("verify", store)
     assert (status, doc["ok"]) == (0, True)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import struct
+import zlib
 from collections.abc import Callable
 
 import numcodecs
@@ -17,7 +19,7 @@ from numcodecs.tests.common import (
 )
 
 from gradpipe.codecs import ByteGroupCodec, SparseCodec
-from gradpipe.core.dtypes import DTYPE_NAMES, dtype_name, parse_dtype
+from gradpipe.core.dtypes import DTYPE_NAMES, dtype_name, is_float, parse_dtype
 from gradpipe.errors import IntegrityError, InvalidInputError
 
 Maker = Callable[[str, int, float, str, int], np.ndarray]
@@ -195,3 +197,140 @@ def test_frame_of_another_codec_raises() -> None:
 def test_garbage_raises(garbage: bytes) -> None:
     with pytest.raises(IntegrityError):
         ByteGroupCodec("float32").decode(garbage)
+
+
+# Version 2 frames (sign move chosen per chunk, matching or literal-only planes).
+
+V2_NAMES = ["float32", "bfloat16", "float16", "float64", "int32", "uint16"]
+
+
+def realistic(name: str, kind: str, size: int, seed: int) -> np.ndarray:
+    """Dense chunks shaped like training state: their exponents decide the layout."""
+    rng = np.random.default_rng(seed)
+    dtype = parse_dtype(name)
+    if kind == "params":  # N(0, 0.02): the sign move pays
+        values = rng.normal(0, 0.02, size)
+    elif kind == "moment2":  # exp_avg_sq: positive, the sign plane is constant
+        values = rng.lognormal(-17, 2, size)
+    else:  # a low-rank gradient: exponent rows repeat with their signs
+        rows = -(-size // 384)
+        values = np.outer(rng.standard_normal(rows) * 1e-3, rng.standard_normal(384))
+        values = values.ravel()[:size]
+    if not is_float(dtype):
+        return (values * 1e6).astype(dtype)
+    return values.astype(dtype)
+
+
+@pytest.mark.parametrize("name", V2_NAMES)
+def test_backwards_compatibility_v2(
+    name: str, chunk_maker: Maker, in_fixtures: Callable[[str, str], None]
+) -> None:
+    prefix = f"v2/{name}"
+    in_fixtures(ByteGroupCodec.codec_id, prefix)
+    word = f"<u{parse_dtype(name).itemsize}"
+    arrays = [
+        realistic(name, "params", 40_000, 30).view(word),
+        realistic(name, "moment2", 40_000, 31).view(word),
+        realistic(name, "gradient", 40_000, 32).view(word),
+        chunk_maker(name, 600, 0.3, "special", 33).view(word),
+        np.zeros(0, dtype=word),
+    ]
+    codecs = [ByteGroupCodec(name), ByteGroupCodec(name, level=7)]
+    check_backwards_compatibility(ByteGroupCodec.codec_id, arrays, codecs, prefix=prefix)
+
+
+def test_writes_version_2() -> None:
+    encoded = ByteGroupCodec("float32").encode(np.ones(10, dtype="float32"))
+    assert encoded[:5] == b"GPBG\x02"
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["params", "moment2"])
+def test_sign_move_is_chosen_per_chunk(name: str, kind: str) -> None:
+    # The real gradients of benchmarks/transformer_data.py keep the sign in
+    # place (flags 2); parameter-like and second-moment-like chunks move it.
+    chunk = realistic(name, kind, 1 << 18, 40)
+    codec = ByteGroupCodec(name)
+    encoded = codec.encode(chunk)
+    assert encoded[6] == 3
+    assert codec.decode(encoded).tobytes() == chunk.tobytes()
+    constant = np.full(1 << 18, 1.0, dtype=chunk.dtype)  # LayerNorm weights at init
+    assert ByteGroupCodec(name).encode(constant)[6] == 2
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16"])
+def test_layout_beats_either_fixed_choice(name: str) -> None:
+    # Parameters want the sign moved, low-rank gradients want it left alone.
+    chunks = [realistic(name, k, 1 << 18, 41) for k in ("params", "gradient")]
+    sizes = [len(ByteGroupCodec(name).encode(c)) for c in chunks]
+    plain = [len(Zstd(level=1).encode(c.view(f"<u{c.itemsize}"))) for c in chunks]
+    assert all(s < 0.9 * p for s, p in zip(sizes, plain, strict=True))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(["float32", "bfloat16"]),
+    kind=st.sampled_from(["params", "moment2", "gradient"]),
+    size=st.integers(1, 70_000),
+    seed=st.integers(0, 2**32 - 1),
+    specials_at=st.lists(st.integers(0, 69_999), max_size=50),
+)
+def test_special_values_survive_either_layout(
+    name: str,
+    kind: str,
+    size: int,
+    seed: int,
+    specials_at: list[int],
+    specials: Callable[[str], np.ndarray],
+) -> None:
+    # Large enough to be judged on samples; NaN payloads, -0.0, infinities
+    # and subnormals sprinkled where the layout decision does not see them.
+    chunk = realistic(name, kind, size, seed)
+    words = chunk.view(f"<u{chunk.itemsize}")
+    pool = specials(name)
+    for i, at in enumerate(specials_at):
+        words[at % size] = pool[i % pool.size]
+    codec = ByteGroupCodec(name)
+    encoded = codec.encode(chunk)
+    assert codec.decode(encoded).tobytes() == chunk.tobytes()
+    out = np.empty_like(chunk)
+    codec.decode(encoded, out=out)
+    assert out.tobytes() == chunk.tobytes()
+
+
+def forged_frame(name: str, count: int, declared: int) -> bytes:
+    """A v2 frame with a valid CRC whose compressed planes claim ``declared`` bytes."""
+    width = parse_dtype(name).itemsize
+    # Zstandard frame header: single segment, 8-byte content size, no blocks.
+    plane = b"\x28\xb5\x2f\xfd" + bytes([0xE0]) + declared.to_bytes(8, "little")
+    flags = 2 if name in ("float32", "bfloat16") else 0
+    header = struct.pack("<4sBBBxQ", b"GPBG", 2, width, flags, count * width)
+    header += b"".join(struct.pack("<BQ", 1, len(plane)) for _ in range(width))
+    return header + struct.pack("<I", zlib.crc32(header)) + plane * width
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "int64"])
+def test_forged_size_raises_before_allocating(name: str) -> None:
+    # 2**40 elements behind a few dozen bytes: refused, not allocated.
+    with pytest.raises(IntegrityError, match="does not hold"):
+        ByteGroupCodec(name).decode(forged_frame(name, 1 << 40, 1 << 40))
+    # A plausible size with blocks missing: the frame is short, and says so.
+    with pytest.raises(IntegrityError):
+        ByteGroupCodec(name).decode(forged_frame(name, 100, 100))
+
+
+def test_unknown_version_raises() -> None:
+    encoded = bytearray(ByteGroupCodec("float32").encode(np.ones(10, dtype="float32")))
+    encoded[4] = 3
+    with pytest.raises(IntegrityError, match="version 3 is not supported"):
+        ByteGroupCodec("float32").decode(encoded)
+
+
+def test_flags_of_the_wrong_version_raise() -> None:
+    # A v2 frame relabelled v1 (CRC recomputed): its flags mean nothing there.
+    encoded = bytearray(ByteGroupCodec("float32").encode(np.ones(10, dtype="float32")))
+    encoded[4] = 1
+    end = frame_header_size("float32") - 4
+    encoded[end : end + 4] = struct.pack("<I", zlib.crc32(bytes(encoded[:end])))
+    with pytest.raises(IntegrityError, match="layout does not match"):
+        ByteGroupCodec("float32").decode(encoded)

@@ -682,3 +682,81 @@ def test_s3_headers_and_ranges() -> None:
     check_ranged(fs, header, npz)
     with pytest.raises(InvalidInputError, match="truncated"):
         read_byte_range(fs, header.path, header.size - 4, header.size + 4)
+
+
+def test_oversized_sidecar_is_refused_without_reading_it(tmp_path: Path) -> None:
+    from gradpipe.formats.dump import MAX_SIDECAR_BYTES
+
+    path = tmp_path / "w.npy"
+    np.save(path, np.zeros(2))
+    # Valid JSON, but more than a sidecar of metadata fields can need.
+    Path(f"{path}.json").write_text('{"num_examples": 3}' + " " * MAX_SIDECAR_BYTES)
+    with pytest.raises(InvalidInputError, match="sidecar") as e:
+        read_dump_header(LOCAL, str(path))
+    assert f"{path}.json" in str(e.value)
+    assert str(MAX_SIDECAR_BYTES) in str(e.value)
+
+
+def test_sidecar_that_is_a_device_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "w.npy"
+    np.save(path, np.zeros(2))
+    # /dev/null, not /dev/zero: a reader without the check must fail this test, not
+    # fill the memory of the machine the tests share.
+    Path(f"{path}.json").symlink_to("/dev/null")
+    with pytest.raises(InvalidInputError, match="character device, not a regular file") as e:
+        read_dump_header(LOCAL, str(path))
+    assert f"{path}.json" in str(e.value)
+
+
+# -- files swapped for a FIFO after a check -----------------------------------------------
+
+
+def _without_hanging(func: object, fifo: Path) -> BaseException | None:
+    """Run ``func()`` in a thread; if it blocks on ``fifo``, unblock it and fail the test."""
+    import os
+    import threading
+
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            func()  # type: ignore[operator]
+            outcome.append(None)
+        except BaseException as exc:  # handed to the test
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(20)
+    if thread.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # EOF for the blocked reader
+        thread.join(20)
+        pytest.fail(f"a read blocked on the FIFO {fifo}")
+    return outcome[0]
+
+
+@pytest.mark.parametrize("where", ["header", "tensors", "range", "sidecar"])
+def test_a_path_swapped_for_a_fifo_after_the_stat_is_refused_from_what_was_opened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    import os
+
+    import gradpipe.formats.dump as dump_module
+
+    path = tmp_path / "w.safetensors"
+    write_safetensors(path, {"w": np.arange(4, dtype=np.float32)}, {})
+    header = read_dump_header(LOCAL, str(path))
+    # The race: the path was a regular file when stat looked, a FIFO when opened.
+    monkeypatch.setattr(dump_module, "check_regular_file", lambda *a, **k: None)
+    fifo = Path(f"{path}.json") if where == "sidecar" else path
+    fifo.unlink(missing_ok=True)
+    os.mkfifo(fifo)
+    calls = {
+        "header": lambda: read_dump_header(LOCAL, str(path)),
+        "tensors": lambda: read_dump_tensors(LOCAL, str(path), header),
+        "range": lambda: read_byte_range(LOCAL, str(path), 8, 16),
+        "sidecar": lambda: read_dump_header(LOCAL, str(path)),
+    }
+    error = _without_hanging(calls[where], fifo)
+    assert isinstance(error, InvalidInputError), error
+    assert f"{fifo} is a named pipe (FIFO), not a regular file" in str(error)

@@ -125,3 +125,45 @@ def test_max_tensor_bytes_applies_to_npz(tmp_path: Path, compressed: bool) -> No
     assert str(path) in str(e.value)
     with dask.config.set({"gradpipe.max-tensor-bytes": 4000}):
         assert read_dump_header(LOCAL, str(path)).tensors[0].nbytes == 4000
+
+
+def overlapping_npz(arr: np.ndarray, copies: int) -> bytes:
+    """An ``np.savez`` archive whose zip directory lists its one stored member ``copies`` times.
+
+    Every directory entry (``w000.npy``, ``w001.npy``, ...) points at the same local
+    header, as a forged archive would, so the file claims ``copies`` times its data.
+    """
+    import io
+    import struct
+
+    buf = io.BytesIO()
+    np.savez(buf, w=arr)
+    raw = buf.getvalue()
+    eocd = raw.rindex(b"PK\x05\x06")
+    *_, cd_size, cd_offset, _ = struct.unpack("<4sHHHHIIH", raw[eocd : eocd + 22])
+    record = raw[cd_offset : cd_offset + cd_size]
+    (name_len,) = struct.unpack("<H", record[28:30])
+    names = [f"w{i:03d}.npy".encode() for i in range(copies)]
+    central = b"".join(
+        record[:28] + struct.pack("<H", len(n)) + record[30:46] + n + record[46 + name_len :]
+        for n in names
+    )
+    end = struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, copies, copies, len(central), cd_offset, 0)
+    return raw[:cd_offset] + central + end
+
+
+@pytest.mark.parametrize("read", ["header", "whole"])
+def test_members_sharing_bytes_are_refused(tmp_path: Path, read: str) -> None:
+    path = tmp_path / "g.npz"
+    path.write_bytes(overlapping_npz(np.ones(1 << 18, "<f4"), 64))
+    from gradpipe.formats.npz import read_npz_arrays
+
+    def whole() -> object:
+        with path.open("rb") as f:
+            return read_npz_arrays(f, path=str(path), size=path.stat().st_size)
+
+    call = (lambda: read_dump_header(LOCAL, str(path))) if read == "header" else whole
+    with pytest.raises(InvalidInputError, match="overlap") as e:
+        call()
+    assert str(path) in str(e.value)
+    assert "'w000.npy'" in str(e.value)

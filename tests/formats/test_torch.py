@@ -89,3 +89,28 @@ def test_compressed_records_are_refused_before_torch_inflates_them(tmp_path: Pat
     with pytest.raises(InvalidInputError, match=r"record '.*' is compressed") as e:
         read_dump_header(LOCAL, str(path))
     assert str(path) in str(e.value)
+
+
+def test_many_names_for_one_storage_are_bounded_per_file(tmp_path: Path) -> None:
+    from gradpipe.formats.torch import SHARED_STORAGE_FACTOR, SHARED_STORAGE_FLOOR
+
+    base = torch.ones(1 << 18)  # 1 MiB of float32
+    path = save(tmp_path / "g.pt", {f"w{i}": base for i in range(64)})
+    size = Path(path).stat().st_size
+    assert size < 2 * base.nbytes
+    with pytest.raises(InvalidInputError) as e:
+        read_dump_header(LOCAL, path)
+    text = str(e.value)
+    assert path in text
+    assert str(64 * base.nbytes) in text  # the claimed total
+    assert str(SHARED_STORAGE_FACTOR * size + SHARED_STORAGE_FLOOR) in text
+    assert ".clone()" in text
+
+
+def test_weight_tying_shares_one_storage_between_two_names(tmp_path: Path) -> None:
+    emb = torch.arange(1 << 18, dtype=torch.float32)
+    path = save(tmp_path / "g.pt", {"embed.weight": emb, "lm_head.weight": emb})
+    header = read_dump_header(LOCAL, path)
+    assert sum(t.nbytes for t in header.tensors) == 2 * emb.nbytes
+    arrays = read_dump_tensors(LOCAL, path, header)
+    assert np.array_equal(arrays["lm_head.weight"], emb.numpy())

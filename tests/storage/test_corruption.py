@@ -21,7 +21,7 @@ from gradpipe.core.encoding import to_json_bytes
 from gradpipe.core.ids import block_key
 from gradpipe.errors import IntegrityError, NotFoundError
 
-REF = "runs/damaged"
+REF = "tags/damaged"
 
 
 def overwrite(store: gp.Store, key: str, data: bytes) -> None:

@@ -37,7 +37,7 @@ from gradpipe.errors import NotFoundError
 from gradpipe.storage._local import TEMP_PREFIX
 from gradpipe.storage.walk import walk_reachable
 
-REF = "runs/crash"
+REF = "tags/crash"
 
 _GENERATE = r"""
 import numpy as np
@@ -220,14 +220,14 @@ def test_gc_removes_stale_temporary_files(tmp_path: Path) -> None:
     store.refs.set(REF, tensor_id)
     root = Path(store.backend.root)
     block_dir = next((root / "blocks").iterdir())
-    stale = [block_dir / f"{TEMP_PREFIX}dead1", root / "refs" / "runs" / f"{TEMP_PREFIX}dead2"]
+    stale = [block_dir / f"{TEMP_PREFIX}dead1", root / "refs" / "tags" / f"{TEMP_PREFIX}dead2"]
     fresh = block_dir / f"{TEMP_PREFIX}alive"
     old = time.time() - 3600
     for path in [*stale, fresh]:
         path.write_bytes(b"partial")
     for path in stale:
         os.utime(path, (old, old))
-    lock = root / "refs" / "runs" / ".crash.lock"
+    lock = root / "refs" / "tags" / ".crash.lock"
     assert lock.exists()
 
     dry = gp.gc(store, grace=60, dry_run=True)

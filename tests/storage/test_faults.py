@@ -116,6 +116,32 @@ def test_swap_landed_and_was_moved_on_before_the_read_back(inner: Store, expecte
     assert list(inner.refs.history(REF))[1].write_id == entry.write_id
 
 
+@pytest.mark.parametrize("expected", ["exact", "any"])
+def test_swap_landed_and_two_writers_moved_on_before_the_read_back(
+    inner: Store, expected: str
+) -> None:
+    # Ours landed, its reply was lost, and two other commits landed on top
+    # before we could look: still ours, found further back in the history.
+    a, b, c, d = targets(inner, 4)
+    inner.refs.set(REF, a, expected=None)
+    other = gp.open_store(inner.url, mode="r+")
+
+    def two_commits() -> None:
+        other.refs.set(REF, c, message="other 1")
+        other.refs.set(REF, d, message="other 2")
+
+    store, backend = faulty_store(
+        inner,
+        Fault("swap", KEY, calls={1}),
+        Fault("read_versioned", KEY, calls={2}, lose=None, action=two_commits),
+    )
+    entry = store.refs.set(REF, b, expected=a if expected == "exact" else ANY)
+    assert len(backend.fired()) == 2
+    assert entry.target == b
+    assert history(inner) == [d, c, b, a]  # no second entry of ours, no false conflict
+    assert list(inner.refs.history(REF))[2].write_id == entry.write_id
+
+
 # --- (b) a swap that did not land -------------------------------------------------------
 def test_swap_lost_before_landing_is_retried_cleanly(inner: Store) -> None:
     a, b = targets(inner)

@@ -45,7 +45,7 @@ POOL = [
     -np.arange(CHUNK, dtype=np.float32),
     np.full(CHUNK, -0.0, np.float32),  # not zero bits: needs a block
 ]
-REFS = ["runs/a", "runs/b", "tags/c"]
+REFS = ["tags/a", "tags/b", "tags/c"]
 HOUR = 3600.0
 
 chunks = st.one_of(

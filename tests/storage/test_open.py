@@ -153,7 +153,7 @@ def test_manifest_of_a_newer_format(store: gp.Store) -> None:
     manifest_id = store.put_raw(newer)
     with pytest.raises(UnsupportedFormatError, match="upgrade gradpipe"):
         store.get_tensor(manifest_id)
-    store.refs.set("runs/future", manifest_id)
+    store.refs.set("tags/future", manifest_id)
     report = gp.verify(store)
     assert [(p.kind, p.id) for p in report.problems] == [("unreadable", manifest_id)]
     with pytest.raises(gp.IntegrityError):
@@ -164,7 +164,7 @@ def test_manifest_of_a_newer_format(store: gp.Store) -> None:
 def test_mode_w_wipes_an_existing_store(store_url: str) -> None:
     store = gp.open_store(store_url, mode="w")
     tensor_id = store.put_tensor(np.arange(1000, dtype="float32"))
-    store.refs.set("runs/r", tensor_id)
+    store.refs.set("tags/r", tensor_id)
     assert len(listing(store)) > 3
 
     fresh = gp.open_store(store_url, mode="w")
@@ -253,14 +253,14 @@ def test_bad_ids(store: gp.Store) -> None:
 def test_read_only_store_refuses_writes(store_url: str) -> None:
     writer = gp.open_store(store_url, mode="w")
     tensor_id = writer.put_tensor(np.arange(6))
-    writer.refs.set("runs/r", tensor_id)
+    writer.refs.set("tags/r", tensor_id)
     reader = gp.open_store(store_url, mode="r")
     before = listing(reader)
     assert not reader.writable
     for attempt in [
         lambda: reader.put_tensor(np.ones(3)),
         lambda: reader.put_raw(b"bytes"),
-        lambda: reader.refs.set("runs/r", None),
+        lambda: reader.refs.set("tags/r", None),
         lambda: reader.refs.set("runs/new", tensor_id),
         lambda: gp.gc(reader, grace=0),
     ]:
@@ -268,7 +268,7 @@ def test_read_only_store_refuses_writes(store_url: str) -> None:
             attempt()
     assert listing(reader) == before
     assert reader.get_tensor(tensor_id).tolist() == list(range(6))
-    assert reader.refs.get("runs/r") == tensor_id
+    assert reader.refs.get("tags/r") == tensor_id
     assert gp.verify(reader).ok
 
 
@@ -278,13 +278,13 @@ def test_store_pickles(store_url: str, mode: str) -> None:
     writer = gp.open_store(store_url, mode="w")
     store = writer if mode == "w" else gp.open_store(store_url, mode=mode)  # type: ignore[arg-type]
     tensor_id = writer.put_tensor(np.arange(12, dtype="float64").reshape(3, 4))
-    writer.refs.set("runs/r", tensor_id)
+    writer.refs.set("tags/r", tensor_id)
 
     clone = pickle.loads(pickle.dumps(store))
     assert clone.url == store.url
     # A store opened with "w" must not wipe itself when it lands on a worker.
     np.testing.assert_array_equal(clone.get_tensor(tensor_id), np.arange(12.0).reshape(3, 4))
-    assert clone.refs.get("runs/r") == tensor_id
+    assert clone.refs.get("tags/r") == tensor_id
     if mode == "r":
         with pytest.raises(ReadOnlyError):
             clone.put_tensor(np.ones(2))
