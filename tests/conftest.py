@@ -304,6 +304,13 @@ def local(tmp_path: Path) -> Place:
 
 
 @pytest.fixture
+def no_inline() -> Iterator[None]:
+    """Every chunk a block of its own (tests that damage or count data blocks)."""
+    with dask.config.set({"gradpipe.inline-bytes": 0}):
+        yield
+
+
+@pytest.fixture
 def small_chunks() -> Iterator[None]:
     """Chunks of 4 KiB and read units of 16 KiB: several of each per dump."""
     with dask.config.set({"gradpipe.chunk-bytes": 4096, "gradpipe.ingest.task-bytes": 16384}):

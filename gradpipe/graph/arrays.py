@@ -10,6 +10,7 @@ import numpy as np
 from gradpipe.core.chunking import dask_chunks
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.storage.blocks import decode_block
 from gradpipe.storage.store import Store
 
 if TYPE_CHECKING:
@@ -19,11 +20,22 @@ __all__ = ["lazy_tensor", "load_chunk"]
 
 
 def load_chunk(
-    store: Store, block_id: str | None, dtype: str, shape: tuple[int, ...], context: str
+    store: Store,
+    block_id: str | None,
+    dtype: str,
+    shape: tuple[int, ...],
+    context: str,
+    frame: bytes | None = None,
 ) -> np.ndarray:
-    """One chunk of a tensor (zeros for a chunk stored as all-zero)."""
+    """One chunk of a tensor (zeros for a chunk stored as all-zero).
+
+    ``frame`` is the chunk's block when its manifest keeps it inline (a few
+    KiB at most, so it travels in the task instead of a read).
+    """
     out = np.zeros(shape, dtype=parse_dtype(dtype))
-    if block_id is not None:
+    if block_id is not None and frame is not None:
+        decode_block(frame, block_id, out=out.reshape(-1), context=context)
+    elif block_id is not None:
         store.read_chunk(block_id, out.reshape(-1), context=context)
     return out
 
@@ -51,6 +63,7 @@ def lazy_tensor(store: Store, manifest: TensorManifest, *, name: str = "tensor")
             manifest.dtype,
             shape,
             f"{name}, chunk {i}",
+            manifest.inline.get(i),
         )
     if not indices:
         empty: DaskArray = da.zeros(manifest.shape, dtype=parse_dtype(manifest.dtype), chunks=grid)

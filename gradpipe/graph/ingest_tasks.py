@@ -24,10 +24,10 @@ from typing import Any, ParamSpec, TypeVar
 import numpy as np
 from numcodecs.abc import Codec
 
-from gradpipe.core.ids import hash_bytes
-from gradpipe.core.manifest import encode_manifest
 from gradpipe.core.chunking import chunk_ranges
 from gradpipe.core.dtypes import parse_dtype
+from gradpipe.core.ids import hash_bytes
+from gradpipe.core.manifest import encode_manifest
 from gradpipe.core.run_manifest import DumpEntry, DumpManifest, RunManifest, TensorSchema, merge_run
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.formats.dump import DumpHeader, read_byte_range, read_dump_header, read_dump_tensors

@@ -34,6 +34,7 @@ __all__ = [
     "READ_WINDOW",
     "ChunkRecord",
     "build_tensor_manifest",
+    "chunk_frames",
     "read_tensor",
     "write_chunks",
     "write_tensor",
@@ -149,12 +150,12 @@ def read_tensor(store: Store, manifest: TensorManifest, *, context: str = "") ->
     dtype = parse_dtype(manifest.dtype)
     out = np.zeros(manifest.size, dtype=dtype)
     ranges = manifest.chunk_ranges()
-    for i, frame in manifest.inline.items():
-        block_id = manifest.blocks[i]
-        if block_id is not None:  # TensorManifest checks this; mypy needs it said
+    for i, kept in manifest.inline.items():
+        inline_id = manifest.blocks[i]
+        if inline_id is not None:  # TensorManifest checks this; mypy needs it said
             where = f"{context}, chunk {i}" if context else f"chunk {i}"
             start, stop = ranges[i]
-            decode_block(frame, block_id, out=out[start:stop], context=where)
+            decode_block(kept, inline_id, out=out[start:stop], context=where)
     wanted = [
         (i, b) for i, b in enumerate(manifest.blocks) if b is not None and i not in manifest.inline
     ]
@@ -170,3 +171,31 @@ def read_tensor(store: Store, manifest: TensorManifest, *, context: str = "") ->
             start, stop = ranges[i]
             decode_block(frame, block_id, out=out[start:stop], context=where)
     return out.reshape(manifest.shape)
+
+
+def chunk_frames(store: Store, manifest: TensorManifest) -> list[bytes | None]:
+    """The encoded block of every chunk, wherever it is kept (None: an all-zero chunk).
+
+    Frames are returned as stored, not decoded: for looking at codecs and
+    stored sizes, and for tests that damage them.
+    """
+    out: list[bytes | None] = [None] * len(manifest.blocks)
+    elsewhere = []
+    for i, block_id in enumerate(manifest.blocks):
+        if block_id is None:
+            continue
+        kept = manifest.inline.get(i)
+        if kept is not None:
+            out[i] = kept
+        else:
+            elsewhere.append((i, block_id))
+    for lo in range(0, len(elsewhere), READ_WINDOW):
+        batch = elsewhere[lo : lo + READ_WINDOW]
+        frames = store.backend.read_many([block_key(b) for _, b in batch])
+        for (i, block_id), frame in zip(batch, frames, strict=True):
+            if isinstance(frame, NotFoundError):
+                raise store.missing_block(block_id, f"chunk {i}")
+            if isinstance(frame, Exception):
+                raise frame
+            out[i] = frame
+    return out

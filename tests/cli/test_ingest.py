@@ -13,6 +13,7 @@ import gradpipe as gp
 from gradpipe.core.ids import block_key
 from gradpipe.formats.safetensors import read_safetensors
 from gradpipe.runs import open_run
+from gradpipe.storage.tensors import chunk_frames
 from gradpipe.testing.cli import run_cli, run_cli_json
 from gradpipe.testing.training import SampleRun
 
@@ -74,9 +75,8 @@ def test_ls_unknown_run_exits_1(tmp_path: Path) -> None:
     assert "no run 'nope'" in doc["error"]
 
 
-def block_codecs(store: gp.Store, block_id: str) -> list[dict]:
-    """The codec chain recorded in a stored block's header."""
-    frame = store._read_frame(block_id, "test")
+def block_codecs(frame: bytes) -> list[dict]:
+    """The codec chain recorded in a block's header."""
     _, _, header_len = struct.unpack_from("<4sBI", frame)
     start = struct.calcsize("<4sBI")
     return json.loads(frame[start : start + header_len])["codecs"]
@@ -92,10 +92,10 @@ def test_codec_option(sample: SampleRun, kit: types.ModuleType, tmp_path: Path) 
     store = gp.open_store(url)
     dump = open_run(store, "z").dump(2, "peer0")
     want, _ = read_safetensors(sample.dump_path(2, "peer0"))
-    blocks = [b for name in dump.names for b in dump.info(name).blocks if b is not None]
-    assert blocks
-    for block in blocks:
-        [codec] = block_codecs(store, block)
+    frames = [f for name in dump.names for f in chunk_frames(store, dump.info(name)) if f]
+    assert frames
+    for frame in frames:
+        [codec] = block_codecs(frame)
         assert (codec["id"], codec["level"]) == ("zstd", 3)
     for name, arr in want.items():
         kit.assert_bit_exact(dump.read(name), arr, name)
@@ -116,7 +116,7 @@ def test_repair_after_verify_finds_a_missing_block(sample: SampleRun, tmp_path: 
     assert run_cli("ingest", store, sample.dump_pattern, "--run", "train").status == 0
     opened = gp.open_store(store)
     dump = open_run(opened, "train").dump(sample.steps[0], sample.peers[0])
-    block = next(b for b in dump.info("embedding.weight").blocks if b is not None)
+    block = next(iter(dump.info("embedding.weight").data_children()))
     opened.backend.delete(block_key(block))
     status, doc = run_cli_json("verify", store)
     assert status == 1

@@ -13,6 +13,9 @@ from gradpipe.core.ids import block_key
 from gradpipe.testing import TrainingConfig, write_sample_run
 from gradpipe.testing.cli import run_cli, run_cli_json
 
+# These tests damage and count data blocks: every chunk is a block of its own.
+pytestmark = pytest.mark.usefixtures("no_inline")
+
 
 def listing(store: gp.Store) -> list[str]:
     return sorted(info.key for info in store.backend.list(""))

@@ -11,6 +11,9 @@ import pytest
 import gradpipe as gp
 from gradpipe.core.ids import block_key
 
+# The damaged report deletes a data block: every chunk is a block of its own.
+pytestmark = pytest.mark.usefixtures("no_inline")
+
 
 def _reports(tmp_path: Path) -> dict[str, list[gp.Report]]:
     """Reports of each operation, one that succeeded and (where it can) one that did not."""

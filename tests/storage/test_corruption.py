@@ -22,6 +22,8 @@ from gradpipe.core.ids import block_key
 from gradpipe.errors import IntegrityError, NotFoundError
 
 REF = "tags/damaged"
+# These tests damage and count data blocks: every chunk is a block of its own.
+pytestmark = pytest.mark.usefixtures("no_inline")
 
 
 def overwrite(store: gp.Store, key: str, data: bytes) -> None:

@@ -7,11 +7,15 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import gradpipe as gp
 from gradpipe.core.ids import block_key
 from gradpipe.storage import gc as gc_module
 from gradpipe.storage.backend import KeyInfo
+
+# These tests damage and count data blocks: every chunk is a block of its own.
+pytestmark = pytest.mark.usefixtures("no_inline")
 
 
 def test_sweep_keeps_a_block_touched_after_it_was_listed(tmp_path: Path) -> None:

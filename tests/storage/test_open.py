@@ -13,6 +13,7 @@ import pytest
 
 import gradpipe as gp
 from gradpipe.core.encoding import to_json_bytes
+from gradpipe.core.manifest import FORMAT_VERSION
 from gradpipe.errors import (
     IntegrityError,
     InvalidInputError,
@@ -149,7 +150,9 @@ def test_store_of_a_newer_format(store_url: str, mode: str) -> None:
 
 
 def test_manifest_of_a_newer_format(store: gp.Store) -> None:
-    newer = to_json_bytes({"type": "tensor", "format": 2, "dtype": "float32", "shape": [1]})
+    newer = to_json_bytes(
+        {"type": "tensor", "format": FORMAT_VERSION + 1, "dtype": "float32", "shape": [1]}
+    )
     manifest_id = store.put_raw(newer)
     with pytest.raises(UnsupportedFormatError, match="upgrade gradpipe"):
         store.get_tensor(manifest_id)

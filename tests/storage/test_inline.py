@@ -1,0 +1,131 @@
+"""Small chunks inside their tensor manifest, tensor manifests inside their dump (format 2)."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import dask.config
+import numpy as np
+import pytest
+
+import gradpipe as gp
+from gradpipe.core.ids import hash_bytes
+from gradpipe.core.manifest import decode_manifest, encode_manifest
+from gradpipe.core.run_manifest import DumpManifest
+from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.errors import IntegrityError, InvalidInputError
+from gradpipe.formats.safetensors import write_safetensors
+from gradpipe.ingest import ingest
+from gradpipe.runs import open_run
+from gradpipe.storage.tensors import chunk_frames
+
+
+def _objects(root: Path) -> int:
+    return sum(1 for p in (root / "blocks").rglob("*") if p.is_file())
+
+
+def _transformer_like(seed: int) -> dict[str, np.ndarray]:
+    """Many small vectors beside a few matrices, as a transformer's gradients are."""
+    rng = np.random.default_rng(seed)
+    out = {"embed.weight": rng.standard_normal((512, 64)).astype(np.float32)}
+    for i in range(4):
+        out[f"layer.{i}.attn.weight"] = rng.standard_normal((64, 64)).astype(np.float32)
+        out[f"layer.{i}.attn.bias"] = rng.standard_normal(64).astype(np.float32)
+        out[f"layer.{i}.norm.weight"] = np.ones(64, np.float32) + 1e-3 * i
+        out[f"layer.{i}.norm.bias"] = np.zeros(64, np.float32)
+        out[f"layer.{i}.mlp.bias"] = rng.standard_normal(256).astype(np.float32)
+    return out
+
+
+def test_a_dump_is_one_object_plus_its_large_chunks(tmp_path: Path, kit: types.ModuleType) -> None:
+    tensors = _transformer_like(0)
+    (tmp_path / "d").mkdir()
+    write_safetensors(tmp_path / "d" / "step=1.safetensors", tensors, {"num_examples": "8"})
+    root = tmp_path / "s"
+    store = gp.open_store(root, mode="w")
+    with dask.config.set({"gradpipe.chunk-bytes": 16384}):
+        report = ingest(store, str(tmp_path / "d" / "step={step}.safetensors"), run="r")
+    assert report.ok
+    dump = open_run(store, "r").dump(1, "0")
+    big = {n for n, a in tensors.items() if a.nbytes > 8192}
+    stored = [b for name in dump.names for b in dump.info(name).data_children()]
+    # Only the chunks of the two large tensors are objects of their own.
+    assert {n for n in dump.names if list(dump.info(n).data_children())} <= big
+    assert report.writes.inline_chunks == 12  # the 4 LayerNorm biases are zero: no block at all
+    assert report.writes.zero_chunks == 4
+    assert report.writes.blocks_written == len(set(stored)) + 1  # + the dump manifest
+    # + the run manifest and the run ref's history entry
+    assert _objects(root) == len(set(stored)) + 3
+    kit.assert_all_bit_exact(dump.read_all(), tensors)
+    assert gp.verify(store).ok
+    # The lazy path reads inline chunks too.
+    lazy = dump.read("layer.0.mlp.bias", lazy=True)
+    kit.assert_bit_exact(lazy.compute(), tensors["layer.0.mlp.bias"])
+    # Re-ingesting the same data from another file writes no data block.
+    write_safetensors(tmp_path / "d" / "step=2.safetensors", tensors, {"num_examples": "8"})
+    with dask.config.set({"gradpipe.chunk-bytes": 16384}):
+        again = ingest(store, str(tmp_path / "d" / "step={step}.safetensors"), run="r")
+    assert again.ingested == 1
+    assert again.writes.blocks_written == 1  # its dump manifest (its source path differs)
+
+
+def test_inline_bytes_0_stores_every_chunk_as_a_block(tmp_path: Path, no_inline: None) -> None:
+    store = gp.open_store(tmp_path / "s", mode="w")
+    tensor_id = store.put_tensor(np.arange(10, dtype=np.float32), name="v")
+    manifest = store.tensor_info(tensor_id)
+    assert manifest.inline == {}
+    assert list(manifest.data_children()) == [manifest.blocks[0]]
+
+
+def test_inline_frames_are_checked_on_every_read(tmp_path: Path) -> None:
+    store = gp.open_store(tmp_path / "s", mode="w")
+    data = np.arange(100, dtype=np.float32)
+    tensor_id = store.put_tensor(data, name="v")
+    manifest = store.tensor_info(tensor_id)
+    [frame] = manifest.inline.values()
+    assert chunk_frames(store, manifest) == [frame]
+    damaged = bytearray(frame)
+    damaged[-1] ^= 0x01
+    bad = TensorManifest(
+        manifest.dtype,
+        manifest.shape,
+        manifest.chunk_shape,
+        manifest.blocks,
+        manifest.stats,
+        {0: bytes(damaged)},
+    )
+    bad_id = store.put_manifest(bad)
+    store.refs.set("tensors/v", bad_id)
+    with pytest.raises(IntegrityError, match="chunk 0"):
+        store.get_tensor(bad_id)
+    report = gp.verify(store)
+    assert [(p.kind, p.id) for p in report.problems] == [("corrupt", manifest.blocks[0])]
+    assert "chunk 0" in report.problems[0].context
+
+
+def test_embedded_manifest_must_hash_to_its_id(tmp_path: Path) -> None:
+    store = gp.open_store(tmp_path / "s", mode="w")
+    real = TensorManifest.from_dict(
+        store.tensor_info(store.put_tensor(np.ones(4, np.float32))).to_dict()
+    )
+    fake_id = hash_bytes(b"not this manifest")
+    dump = DumpManifest("r", 0, "p", (("w", fake_id),), embedded={fake_id: real})
+    store.refs.set("dumps/x", store.put_manifest(dump))
+    [problem] = gp.verify(store).problems
+    assert (problem.kind, problem.id) == ("corrupt", fake_id)
+
+
+def test_manifest_validation(tmp_path: Path) -> None:
+    store = gp.open_store(tmp_path / "s", mode="w")
+    manifest = store.tensor_info(store.put_tensor(np.zeros(2, np.float32)))
+    assert manifest.blocks == (None,)
+    with pytest.raises(InvalidInputError, match="no block"):
+        TensorManifest(
+            "float32", (2,), (2,), manifest.blocks, manifest.stats, {0: b"frame of a zero chunk"}
+        )
+    with pytest.raises(InvalidInputError, match="not one of the dump's"):
+        DumpManifest("r", 0, "p", (), embedded={hash_bytes(b"x"): manifest})
+    doc = encode_manifest(manifest).replace(b'"shape"', b'"inline":{"0":"@@"},"shape"')
+    with pytest.raises(IntegrityError):
+        decode_manifest(doc)
