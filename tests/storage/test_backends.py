@@ -33,6 +33,28 @@ class TestLocalBackend(BackendTests):
         os.utime(backend.root / key, (mtime, mtime))
 
 
+class TestLocalBackendWithNamedTempFiles(TestLocalBackend):
+    """Where ``O_TMPFILE`` or ``/proc`` is missing: a named temporary file and ``os.link``."""
+
+    @pytest.fixture
+    def backend(self, tmp_path: Path) -> Backend:
+        backend = LocalBackend(tmp_path / "b")
+        backend._tmpfile = False
+        return backend
+
+
+def test_local_writes_use_anonymous_files_and_leave_none(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path / "b")
+    if not hasattr(os, "O_TMPFILE") or not Path("/proc/self/fd").is_dir():
+        pytest.skip("no O_TMPFILE or /proc here")
+    assert backend._tmpfile
+    assert backend.write_if_absent("blocks/aa/x", b"data") is True
+    assert backend.write_if_absent("blocks/aa/x", b"other") is False
+    assert backend._tmpfile  # still on: nothing made it fall back
+    assert backend.read("blocks/aa/x") == b"data"
+    assert [p.name for p in (tmp_path / "b" / "blocks" / "aa").iterdir()] == ["x"]
+
+
 class TestLocalBackendWithoutHardLinks(TestLocalBackend):
     """A file system without hard links (some FUSE and SMB mounts): the rename fallback."""
 
