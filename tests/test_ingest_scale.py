@@ -37,9 +37,9 @@ import numpy as np
 import pytest
 from dask.callbacks import Callback
 from dask.utils import key_split
-from fsspec.implementations.local import LocalFileSystem
 
 import gradpipe as gp
+from gradpipe.formats import dump as dump_module
 from gradpipe.formats.safetensors import write_safetensors
 from gradpipe.runs import open_run
 from gradpipe.storage.backend import Backend
@@ -145,15 +145,16 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counting]:
 
         return counted
 
-    opened = LocalFileSystem._open
+    # Every read of a dump goes through one checked open (formats.dump.open_regular).
+    opened = dump_module._open_local
 
-    def counted_open(fs: LocalFileSystem, path: str, *args: Any, **kwargs: Any) -> Any:
+    def counted_open(path: str, *args: Any, **kwargs: Any) -> Any:
         if str(path).endswith(".safetensors"):
             with lock:
                 current[-1].dump_opens += 1
-        return opened(fs, path, *args, **kwargs)
+        return opened(path, *args, **kwargs)
 
-    monkeypatch.setattr(LocalFileSystem, "_open", counted_open)
+    monkeypatch.setattr(dump_module, "_open_local", counted_open)
 
     @contextlib.contextmanager
     def start(store: gp.Store) -> Iterator[Counts]:

@@ -24,7 +24,7 @@ from gradpipe.core.manifest import encode_manifest
 from gradpipe.core.ref_entry import RefEntry
 
 WRITERS = 8
-REF = "runs/race"
+REF = "tags/race"
 
 # One writer. It reports ready, waits for the parent's "go" so that all
 # writers start together, then tries to move the ref once per target.
