@@ -49,11 +49,11 @@ N = 2_000
 SMALL = 500
 PEERS = 4
 HEADERS_PER_TASK = 16
-#: Round trips to the store per small dump, by backend call: two data blocks, two
-#: tensor manifests and one dump manifest, written in three batches (the unit's
-#: chunks, the tensor manifests, the dump manifest), each batch checking first
-#: which of its blocks exist (``mtimes``, which also refreshes the ones reused).
-PER_DUMP = {"mtimes": 3, "write_many_if_absent": 3}
+#: Round trips to the store per small dump, by backend call: its two tiny tensors
+#: are inline in their manifests, which are embedded in the dump manifest, so one
+#: batch writes one object, checking first whether it exists (``mtimes``, which
+#: also refreshes it when reused).
+PER_DUMP = {"mtimes": 1, "write_many_if_absent": 1}
 #: Round trips per ingest, whatever its size: the run read before planning and
 #: at the commit, and the commit's compare-and-swap (plus a few batches' worth).
 PER_INGEST_AT_MOST = 8
@@ -192,8 +192,10 @@ def test_two_thousand_small_dumps(
         assert report.ingested == n
         assert report.tensors == 2 * n
         assert report.raw_bytes == n * (6 + 3) * 4
-        # Per dump: 2 data blocks, 2 tensor manifests and 1 dump manifest, all new.
-        assert report.writes.blocks_written == 5 * n
+        # Per dump one object: the dump manifest, with both tiny tensors' manifests
+        # embedded and their chunks inline.
+        assert report.writes.blocks_written == n
+        assert report.writes.inline_chunks == 2 * n
         assert report.writes.blocks_reused == 0
 
         assert counts[n].tasks == {

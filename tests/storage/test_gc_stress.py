@@ -35,8 +35,13 @@ from gradpipe.testing.training import SampleRun, TrainingConfig, write_sample_ru
 pytestmark = pytest.mark.slow
 
 CONFIG = TrainingConfig(vocab_size=4000, embed_dim=16, hidden=32, peers=3, steps=3)
-#: Small chunks: thousands of blocks, so gc and the writers overlap on many of them.
-SMALL = {"gradpipe.chunk-bytes": 2048, "gradpipe.ingest.task-bytes": 65536}
+#: Small chunks, each a block of its own (not inline in its manifest): thousands of
+#: blocks, so gc and the writers overlap on many of them.
+SMALL = {
+    "gradpipe.chunk-bytes": 2048,
+    "gradpipe.ingest.task-bytes": 65536,
+    "gradpipe.inline-bytes": 0,
+}
 TWO_DAYS = 2 * 86400
 ROUNDS = 3
 
@@ -57,6 +62,7 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["DASK_GRADPIPE__CHUNK_BYTES"] = str(dask.config.get("gradpipe.chunk-bytes"))
     env["DASK_GRADPIPE__INGEST__TASK_BYTES"] = str(dask.config.get("gradpipe.ingest.task-bytes"))
+    env["DASK_GRADPIPE__INLINE_BYTES"] = str(dask.config.get("gradpipe.inline-bytes"))
     return env
 
 

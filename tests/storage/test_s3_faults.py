@@ -180,6 +180,7 @@ def test_ref_swap_answered_409_is_retried_by_refs(
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("no_inline")  # many blocks, so that many replies get lost
 def test_ingest_with_lost_replies_everywhere_is_complete_and_written_once(
     s3_faults: S3Server, store: gp.Store, prefix: str, tmp_path: Path
 ) -> None:
