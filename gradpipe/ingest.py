@@ -90,6 +90,7 @@ class IngestReport:
             "blocks_written": self.writes.blocks_written,
             "blocks_reused": self.writes.blocks_reused,
             "zero_chunks": self.writes.zero_chunks,
+            "inline_chunks": self.writes.inline_chunks,
             "nonfinite": self.nonfinite,
             "seconds": round(self.seconds, 3),
             "mib_per_second": round(self.mib_per_second, 1),
@@ -106,7 +107,8 @@ class IngestReport:
             f"{format_bytes(self.writes.stored_bytes)} new stored"
             + (f" (ratio {self.ratio:.2f})" if self.writes.stored_bytes else ""),
             f"blocks written {self.writes.blocks_written}, reused {self.writes.blocks_reused}, "
-            f"all-zero chunks {self.writes.zero_chunks}; {self.seconds:.1f} s, "
+            f"all-zero chunks {self.writes.zero_chunks}, small chunks kept in their manifest "
+            f"{self.writes.inline_chunks}; {self.seconds:.1f} s, "
             f"{self.mib_per_second:.0f} MiB/s",
         ]
         lines += [f"warning: {w}" for w in self.nonfinite]
