@@ -141,17 +141,23 @@ class Dump:
         return self.store.read_tensor(manifest, context=context)
 
     def read_all(self) -> dict[str, np.ndarray]:
-        """Every tensor of the dump, in the file's order (manifests fetched in one batch)."""
+        """Every tensor of the dump, in the file's order.
+
+        Manifests are fetched in one batch and every chunk of every tensor is
+        decoded in one parallel pass (:func:`gradpipe.storage.tensors.read_tensors`).
+        """
         embedded = self.manifest.embedded
         elsewhere = [tid for _, tid in self.manifest.tensors if tid not in embedded]
         fetched = self.store.get_typed_many(
             elsewhere, TensorManifest, context=f"step {self.step}, peer {self.peer!r}"
         )
         manifests = {**dict(zip(elsewhere, fetched, strict=True)), **embedded}
-        return {
-            name: self.store.read_tensor(manifests[tid], context=self._where(name))
-            for name, tid in self.manifest.tensors
-        }
+        names = self.names
+        arrays = self.store.read_tensors(
+            [manifests[tid] for _, tid in self.manifest.tensors],
+            contexts=[self._where(name) for name in names],
+        )
+        return dict(zip(names, arrays, strict=True))
 
     def _where(self, name: str) -> str:
         return f"tensor {name!r} of step {self.step}, peer {self.peer!r}"

@@ -325,6 +325,12 @@ class Store:
         """Read the tensor a manifest describes."""
         return _tensors.read_tensor(self, manifest, context=context)
 
+    def read_tensors(
+        self, manifests: Sequence[TensorManifest], *, contexts: Sequence[str] | None = None
+    ) -> list[np.ndarray]:
+        """Read several tensors in one parallel pass over all their chunks."""
+        return _tensors.read_tensors(self, manifests, contexts=contexts)
+
 
 def _what(manifest_id: str, context: str) -> str:
     return f"manifest {manifest_id}" + (f" ({context})" if context else "")
