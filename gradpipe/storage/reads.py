@@ -16,8 +16,8 @@ waits for window *k* before fetching *k + 2*, so at most two windows of
 frames (:data:`READ_WINDOW` blocks or :data:`READ_WINDOW_BYTES` of output,
 whichever comes first) are held at any time, whatever the tensor's size.
 
-Errors are those a one-by-one read would raise, in the same order (chunks
-kept inline first, then the others, each in the order given): the first
+Errors are those a one-by-one read would raise, in the same order (the
+order the chunks are given in): the first
 chunk that is missing or does not decode is the one reported, whichever
 thread found it first, and no decode still runs when the error is raised.
 """
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
@@ -40,7 +40,14 @@ from gradpipe.storage.blocks import decode_block
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
 
-__all__ = ["READ_WINDOW", "READ_WINDOW_BYTES", "ChunkRead", "decode_chunks", "read_threads"]
+__all__ = [
+    "READ_WINDOW",
+    "READ_WINDOW_BYTES",
+    "ChunkRead",
+    "decode_chunks",
+    "decode_windows",
+    "read_threads",
+]
 
 #: Blocks fetched per batched read (one window).
 READ_WINDOW: Final = 64
@@ -63,7 +70,7 @@ class ChunkRead:
     frame: bytes | None = None
 
 
-#: A chunk and its decode in the pool, or the error that stopped it before.
+#: A chunk and its decode, or the error that stopped it before decoding.
 _Outcome = tuple[ChunkRead, "Future[None] | BaseException"]
 
 
@@ -75,19 +82,20 @@ def read_threads() -> int:
         return os.cpu_count() or 1
 
 
-_POOL: ThreadPoolExecutor | None = None
-_POOL_PID = 0
+_POOLS: dict[int, ThreadPoolExecutor] = {}  # by process id: a forked child makes its own
 _POOL_LOCK = threading.Lock()
 
 
 def _pool() -> ThreadPoolExecutor:
-    """The process's decoding pool, made on first use (and again in a forked child)."""
-    global _POOL, _POOL_PID
+    """The process's decoding pool, made on first use."""
+    pid = os.getpid()
     with _POOL_LOCK:
-        if _POOL is None or _POOL_PID != os.getpid():
-            _POOL = ThreadPoolExecutor(read_threads(), thread_name_prefix="gradpipe-decode")
-            _POOL_PID = os.getpid()
-        return _POOL
+        pool = _POOLS.get(pid)
+        if pool is None:
+            pool = ThreadPoolExecutor(read_threads(), thread_name_prefix="gradpipe-decode")
+            _POOLS.clear()
+            _POOLS[pid] = pool
+        return pool
 
 
 def decode_chunks(store: Store, chunks: Sequence[ChunkRead]) -> None:
@@ -98,57 +106,67 @@ def decode_chunks(store: Store, chunks: Sequence[ChunkRead]) -> None:
     needed it), :class:`~gradpipe.errors.IntegrityError` for a damaged one,
     or the backend's error.
     """
-    if not chunks:
-        return
-    if len(chunks) == 1 or read_threads() == 1:
-        _decode_serially(store, chunks)
-        return
-    pool = _pool()
-    # The inline chunks first: they need no fetch, so the pool starts at once.
-    kept = [c for c in chunks if c.frame is not None]
-    wanted = [c for c in chunks if c.frame is None]
-    previous: list[_Outcome] = [
-        (c, pool.submit(_decode, c, c.frame)) for c in kept if c.frame is not None
-    ]
+    for _ in decode_windows(store, chunks):
+        pass
+
+
+def decode_windows(store: Store, chunks: Sequence[ChunkRead]) -> Iterator[int]:
+    """:func:`decode_chunks`, yielding how many chunks (a prefix) are decoded so far.
+
+    A consumer can use each chunk's output as soon as it is counted, while
+    the next windows are fetched and decoded: ``gradpipe export`` writes
+    tensors while later ones decode. Closing the iterator early cancels
+    what has not started and waits for what has.
+    """
+    serial = len(chunks) <= 1 or read_threads() == 1
+    submit = _run_here if serial else _pool().submit
+    previous: list[_Outcome] = []
     current: list[_Outcome] = []
+    done = 0
     try:
-        for window in _windows(wanted):
-            frames = store.backend.read_many([block_key(c.block_id) for c in window])
+        for window in _windows(chunks):
+            wanted = [c for c in window if c.frame is None]
+            fetched = store.backend.read_many([block_key(c.block_id) for c in wanted])
+            frames = dict(zip(map(id, wanted), fetched, strict=True))
             current = []
-            for chunk, frame in zip(window, frames, strict=True):
+            for chunk in window:
+                frame = chunk.frame if chunk.frame is not None else frames.pop(id(chunk))
                 if isinstance(frame, NotFoundError):
                     current.append((chunk, store.missing_block(chunk.block_id, chunk.context)))
                 elif isinstance(frame, BaseException):
                     current.append((chunk, frame))
                 else:
-                    current.append((chunk, pool.submit(_decode, chunk, frame)))
-            del frames  # the futures hold the frames until each is decoded
-            _finish(previous)
+                    current.append((chunk, submit(_decode, chunk, frame)))
+            del fetched, frames  # the pool holds each frame until it is decoded
+            if previous:
+                _finish(previous)
+                done += len(previous)
+                yield done
             previous, current = current, []
         _finish(previous)
-    except BaseException:
+        done += len(previous)
+        previous = []
+        yield done
+    finally:
         _abandon(previous + current)
-        raise
+
+
+def _run_here(
+    fn: Callable[[ChunkRead, bytes], None], chunk: ChunkRead, frame: bytes
+) -> Future[None]:
+    """Run ``fn`` now, on this thread, as a finished future (one core, or one chunk)."""
+    future: Future[None] = Future()
+    try:
+        fn(chunk, frame)
+    except BaseException as exc:  # reported in chunk order by _finish
+        future.set_exception(exc)
+    else:
+        future.set_result(None)
+    return future
 
 
 def _decode(chunk: ChunkRead, frame: bytes) -> None:
     decode_block(frame, chunk.block_id, out=chunk.out, context=chunk.context)
-
-
-def _decode_serially(store: Store, chunks: Sequence[ChunkRead]) -> None:
-    """The same work on this thread alone (one chunk, or one core)."""
-    for chunk in chunks:
-        if chunk.frame is not None:
-            _decode(chunk, chunk.frame)
-    wanted = [c for c in chunks if c.frame is None]
-    for window in _windows(wanted):
-        frames = store.backend.read_many([block_key(c.block_id) for c in window])
-        for chunk, frame in zip(window, frames, strict=True):
-            if isinstance(frame, NotFoundError):
-                raise store.missing_block(chunk.block_id, chunk.context)
-            if isinstance(frame, BaseException):
-                raise frame
-            _decode(chunk, frame)
 
 
 def _windows(chunks: Sequence[ChunkRead]) -> list[list[ChunkRead]]:

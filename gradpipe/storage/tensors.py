@@ -5,13 +5,14 @@ chunks (they take no block), keeps chunks whose encoded block is small
 (``gradpipe.inline-bytes``) for their manifest, and hands the rest to the
 store in batched windows; the read path decodes inline chunks from the
 manifest, fetches the other blocks in batches and decodes each straight into
-the output buffer, on a thread pool (:mod:`~gradpipe.storage.reads`). Both are used by :class:`Store` and by the
-ingest graph's tasks, so every path into the store checks the same things.
+the output buffer, on a thread pool (:mod:`~gradpipe.storage.reads`). Both are
+used by :class:`Store` and by the ingest graph's tasks, so every path into the
+store checks the same things.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
@@ -26,7 +27,7 @@ from gradpipe.core.ids import block_key, hash_bytes
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import NotFoundError
 from gradpipe.storage.blocks import BlockToWrite, WriteStats
-from gradpipe.storage.reads import READ_WINDOW, ChunkRead, decode_chunks
+from gradpipe.storage.reads import READ_WINDOW, ChunkRead, decode_windows
 
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
@@ -36,6 +37,7 @@ __all__ = [
     "ChunkRecord",
     "build_tensor_manifest",
     "chunk_frames",
+    "iter_tensors",
     "read_tensor",
     "read_tensors",
     "write_chunks",
@@ -156,26 +158,42 @@ def read_tensors(
 ) -> list[np.ndarray]:
     """Read several tensors in one pass: every chunk of all of them decoded in parallel.
 
-    Each tensor is allocated once and every chunk decoded straight into its
-    slice (see :mod:`gradpipe.storage.reads`); ``contexts`` name the tensors
-    in error messages.
+    ``contexts`` name the tensors in error messages.
+    """
+    return list(iter_tensors(store, manifests, contexts=contexts))
+
+
+def iter_tensors(
+    store: Store, manifests: Sequence[TensorManifest], *, contexts: Sequence[str] | None = None
+) -> Iterator[np.ndarray]:
+    """The tensors ``manifests`` describe, in order, each as soon as all its chunks are decoded.
+
+    One pass over every chunk of every tensor (see :mod:`gradpipe.storage.reads`):
+    each tensor is allocated once and its chunks are decoded straight into
+    it, on a thread pool, a window ahead of the tensor being yielded. Every
+    block is checked against its id.
     """
     names = contexts if contexts is not None else [""] * len(manifests)
     outs: list[np.ndarray] = []
+    ends: list[int] = []  # chunks to decode before tensor k is whole
     chunks: list[ChunkRead] = []
     for manifest, context in zip(manifests, names, strict=True):
         # Zeroed pages: all-zero chunks, which have no block, need no write.
         out = np.zeros(manifest.size, dtype=parse_dtype(manifest.dtype))
         outs.append(out.reshape(manifest.shape))
-        ranges = manifest.chunk_ranges()
-        for i, block_id in enumerate(manifest.blocks):
-            if block_id is None:
-                continue
-            start, stop = ranges[i]
-            where = f"{context}, chunk {i}" if context else f"chunk {i}"
-            chunks.append(ChunkRead(block_id, out[start:stop], where, manifest.inline.get(i)))
-    decode_chunks(store, chunks)
-    return outs
+        for i, (block_id, (start, stop)) in enumerate(
+            zip(manifest.blocks, manifest.chunk_ranges(), strict=True)
+        ):
+            if block_id is not None:
+                where = f"{context}, chunk {i}" if context else f"chunk {i}"
+                chunks.append(ChunkRead(block_id, out[start:stop], where, manifest.inline.get(i)))
+        ends.append(len(chunks))
+    ready = 0
+    for done in decode_windows(store, chunks):
+        while ready < len(outs) and ends[ready] <= done:
+            yield outs[ready]
+            ready += 1
+    yield from outs[ready:]  # tensors after the last chunk: all zero, or empty
 
 
 def chunk_frames(store: Store, manifest: TensorManifest) -> list[bytes | None]:
