@@ -6,10 +6,11 @@ a YAML file in ``~/.config/dask/``, or ``DASK_GRADPIPE__CHUNK_BYTES=8388608``.
 
 from __future__ import annotations
 
-from typing import Any, Final
+import threading
+from typing import TYPE_CHECKING, Any, Final
 
-import dask.config
-from dask.utils import parse_bytes, parse_timedelta
+if TYPE_CHECKING:
+    from types import ModuleType
 
 __all__ = ["DEFAULTS", "get_bytes", "get_seconds", "get_setting"]
 
@@ -62,7 +63,24 @@ DEFAULTS: Final[dict[str, Any]] = {
     }
 }
 
-dask.config.update_defaults(DEFAULTS)
+_LOADED: list[ModuleType] = []
+_LOADING = threading.Lock()
+
+
+def _dask_config() -> ModuleType:
+    """``dask.config``, with gradpipe's defaults merged in, imported on the first setting read.
+
+    Importing dask costs about 0.1 s (most of ``gradpipe ls``); commands that
+    read no setting (``ls``, ``export``) never pay it.
+    """
+    if not _LOADED:
+        with _LOADING:
+            if not _LOADED:
+                import dask.config
+
+                dask.config.update_defaults(DEFAULTS)
+                _LOADED.append(dask.config)
+    return _LOADED[0]
 
 
 def get_setting(key: str) -> Any:
@@ -73,7 +91,7 @@ def get_setting(key: str) -> Any:
     undone when the block ends (dask restores the configuration it saved), and
     gradpipe's modules are imported lazily, so that happens.
     """
-    value = dask.config.get(f"gradpipe.{key}", default=_UNSET)
+    value = _dask_config().get(f"gradpipe.{key}", default=_UNSET)
     return _default(key) if value is _UNSET else value
 
 
@@ -93,9 +111,13 @@ def _default(key: str) -> Any:
 
 def get_bytes(key: str) -> int:
     """A size setting, in bytes (accepts ``"4 MiB"`` or an int)."""
+    from dask.utils import parse_bytes
+
     return int(parse_bytes(get_setting(key)))
 
 
 def get_seconds(key: str) -> float:
     """A duration setting, in seconds (accepts ``"24h"`` or a number)."""
+    from dask.utils import parse_timedelta
+
     return float(parse_timedelta(get_setting(key), default="s"))

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -140,18 +141,46 @@ class Dump:
             return lazy_tensor(self.store, manifest, name=context)
         return self.store.read_tensor(manifest, context=context)
 
-    def read_all(self) -> dict[str, np.ndarray]:
-        """Every tensor of the dump, in the file's order (manifests fetched in one batch)."""
+    def infos(self) -> dict[str, TensorManifest]:
+        """Every tensor's manifest (dtype, shape, chunks, stats), in the file's order.
+
+        Manifests not embedded in the dump's own are fetched in one batch,
+        once per :class:`Dump`.
+        """
+        return dict(self._infos)
+
+    @cached_property
+    def _infos(self) -> dict[str, TensorManifest]:
         embedded = self.manifest.embedded
         elsewhere = [tid for _, tid in self.manifest.tensors if tid not in embedded]
         fetched = self.store.get_typed_many(
             elsewhere, TensorManifest, context=f"step {self.step}, peer {self.peer!r}"
         )
         manifests = {**dict(zip(elsewhere, fetched, strict=True)), **embedded}
-        return {
-            name: self.store.read_tensor(manifests[tid], context=self._where(name))
-            for name, tid in self.manifest.tensors
-        }
+        return {name: manifests[tid] for name, tid in self.manifest.tensors}
+
+    def read_all(self) -> dict[str, np.ndarray]:
+        """Every tensor of the dump, in the file's order.
+
+        Every chunk of every tensor is decoded in one parallel pass
+        (:func:`gradpipe.storage.tensors.read_tensors`).
+        """
+        return dict(zip(self.names, self.iter_read(), strict=True))
+
+    def iter_read(self, names: Sequence[str] | None = None) -> Iterator[np.ndarray]:
+        """The tensors ``names`` (default: all, in the file's order), in that order.
+
+        One parallel pass over all their chunks, like :meth:`read_all`, but each
+        tensor is yielded as soon as it is whole, while later ones decode.
+        """
+        infos = self._infos
+        wanted = self.names if names is None else list(names)
+        for name in wanted:
+            if name not in infos:
+                self._tensor_id(name)  # the error that names what the dump has
+        return self.store.iter_tensors(
+            [infos[n] for n in wanted], contexts=[self._where(n) for n in wanted]
+        )
 
     def _where(self, name: str) -> str:
         return f"tensor {name!r} of step {self.step}, peer {self.peer!r}"
@@ -172,12 +201,14 @@ def export_dump(store: Store, run: str, step: int, peer: str, path: str | os.Pat
     ``path`` must name a regular file or nothing (not a symlink, FIFO, device
     or directory) outside any store; see :func:`gradpipe.output.parse_output_path`.
     """
-    from gradpipe.formats.safetensors import write_safetensors
+    from gradpipe.formats.safetensors import write_safetensors_stream
     from gradpipe.output import parse_output_path
 
     parse_output_path(path, store_url=store.url)
     dump = open_run(store, run).dump(step, peer)
-    write_safetensors(path, dump.read_all(), dump.metadata)
+    specs = {name: (m.dtype, m.shape) for name, m in dump.infos().items()}
+    # Tensors are written as they are decoded, while later ones decode.
+    write_safetensors_stream(path, specs, dump.iter_read, dump.metadata)
     return dump
 
 

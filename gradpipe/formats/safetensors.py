@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -54,6 +54,7 @@ __all__ = [
     "read_tensor",
     "read_tensor_range",
     "write_safetensors",
+    "write_safetensors_stream",
 ]
 
 #: The reference implementation refuses headers above 100 MB; so do we, so a
@@ -314,14 +315,28 @@ class SafetensorsReader:
 READER = SafetensorsReader()
 
 
+def _code(name: str, dtype: np.dtype | str) -> str:
+    try:
+        return _CODES[dtype if isinstance(dtype, str) else dtype_name(dtype)]
+    except (InvalidInputError, KeyError):
+        shown = dtype if isinstance(dtype, str) else dtype_name(dtype)
+        raise InvalidInputError(
+            f"tensor {name!r}: dtype {shown!r} cannot be written to safetensors"
+        ) from None
+
+
+def _check_name(name: object) -> None:
+    if not isinstance(name, str) or name == _METADATA_KEY:
+        raise InvalidInputError(f"tensor name {name!r} is not allowed in safetensors")
+    # Write only names the reader accepts back.
+    parse_tensor_name(name, where="safetensors")
+
+
 def _prepare(tensors: Mapping[str, np.ndarray]) -> list[tuple[str, str, np.ndarray]]:
     """Validate inputs and return ``(name, code, little-endian C array)`` in file order."""
     out = []
     for name, value in tensors.items():
-        if not isinstance(name, str) or name == _METADATA_KEY:
-            raise InvalidInputError(f"tensor name {name!r} is not allowed in safetensors")
-        # Write only names the reader accepts back.
-        parse_tensor_name(name, where="safetensors")
+        _check_name(name)
         arr = np.asarray(value)
         try:
             code = _CODES[dtype_name(arr.dtype)]
@@ -336,25 +351,54 @@ def _prepare(tensors: Mapping[str, np.ndarray]) -> list[tuple[str, str, np.ndarr
     return out
 
 
+_Entry = tuple[str, str, tuple[int, ...], int]  # name, safetensors dtype code, shape, bytes
+
+
+def _header(entries: list[_Entry], metadata: dict[str, str]) -> bytes:
+    """The length field and JSON header of ``(name, code, shape, nbytes)`` entries in file order."""
+    header: dict[str, object] = {_METADATA_KEY: metadata} if metadata else {}
+    pos = 0
+    for name, code, shape, nbytes in entries:
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    raw = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the reference pads so the data starts 8-aligned
+    return len(raw).to_bytes(8, "little") + raw
+
+
 def _write(
     f: IO[bytes], prepared: list[tuple[str, str, np.ndarray]], metadata: dict[str, str]
 ) -> None:
-    header: dict[str, object] = {_METADATA_KEY: metadata} if metadata else {}
-    pos = 0
-    for name, code, arr in prepared:
-        header[name] = {
-            "dtype": code,
-            "shape": list(arr.shape),
-            "data_offsets": [pos, pos + arr.nbytes],
-        }
-        pos += arr.nbytes
-    raw = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)  # the reference pads so the data starts 8-aligned
-    f.write(len(raw).to_bytes(8, "little"))
-    f.write(raw)
+    f.write(_header([(n, c, a.shape, a.nbytes) for n, c, a in prepared], metadata))
     for _, _, arr in prepared:
-        if arr.nbytes:
-            f.write(arr.reshape(-1).view(np.uint8).data)
+        _write_array(f, arr)
+
+
+def _write_array(f: IO[bytes], arr: np.ndarray) -> None:
+    # The array's own buffer, no copy: buffered writers pass large writes through.
+    if arr.nbytes:
+        f.write(arr.reshape(-1).view(np.uint8).data)
+
+
+def _write_stream(
+    f: IO[bytes],
+    entries: list[_Entry],
+    arrays: Iterator[np.ndarray],
+    metadata: dict[str, str],
+) -> None:
+    f.write(_header(entries, metadata))
+    for name, code, shape, nbytes in entries:
+        arr = next(arrays, None)
+        if arr is None:
+            raise InvalidInputError(f"no data was given for tensor {name!r}")
+        if arr.shape != shape or arr.nbytes != nbytes or _code(name, arr.dtype) != code:
+            raise InvalidInputError(
+                f"tensor {name!r} was announced as {code} {list(shape)} but its data is "
+                f"{arr.dtype} {list(arr.shape)}"
+            )
+        if arr.dtype.byteorder == ">":
+            arr = arr.byteswap().view(canonical_dtype(arr.dtype))  # bits, never values
+        _write_array(f, arr if arr.flags.c_contiguous else arr.copy(order="C"))
 
 
 def write_safetensors(
@@ -370,31 +414,83 @@ def write_safetensors(
     ----------
     path_or_file : str, path or binary file object
         A local path is written atomically (temporary file in the same
-        directory, then ``os.replace``), so readers never see half a file. A
-        remote fsspec URL is written with one upload, which object stores make
-        visible only once complete.
+        directory, fsync, then ``os.replace``), so readers never see half a
+        file. A remote fsspec URL is written with one upload, which object
+        stores make visible only once complete.
     tensors : mapping of str to numpy.ndarray
         Any dtype in :data:`gradpipe.core.dtypes.DTYPE_NAMES`, either byte order,
-        any layout; bytes are written bit-exact.
+        any layout; bytes are written bit-exact, straight from each array's
+        buffer (no copy of the whole file is built).
     metadata : mapping of str to str, optional
         Stored as ``__metadata__``, keys sorted.
     """
+    meta = _parse_metadata(metadata)
+    prepared = _prepare(tensors)
+    _to_output(path_or_file, lambda f: _write(f, prepared, meta), storage_options)
+
+
+def write_safetensors_stream(
+    path_or_file: str | os.PathLike[str] | IO[bytes],
+    specs: Mapping[str, tuple[str, tuple[int, ...]]],
+    produce: Callable[[list[str]], Iterable[np.ndarray]],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    storage_options: Mapping[str, object] | None = None,
+) -> None:
+    """Write a safetensors file whose tensors are made while it is written.
+
+    The header needs only names, dtypes and shapes (``specs``: name → gradpipe
+    dtype name and shape); ``produce`` is then called once with the names in
+    file order and must yield the arrays in that order. Each is written as
+    soon as it comes, so a producer that decodes ahead overlaps its work with
+    the writes, and an array may be dropped once written. The file is the one
+    :func:`write_safetensors` would write from the same arrays, with the same
+    atomicity; an array that does not match its spec is an error.
+    """
+    meta = _parse_metadata(metadata)
+    entries = []
+    for name, (dtype, shape) in specs.items():
+        _check_name(name)
+        size = prod(shape) * parse_dtype(dtype).itemsize
+        entries.append((name, _code(name, dtype), tuple(shape), size))
+    entries.sort(key=lambda t: (-_RANK[t[1]], t[0]))
+
+    def write(f: IO[bytes]) -> None:
+        arrays = iter(produce([e[0] for e in entries]))
+        try:
+            _write_stream(f, entries, arrays, meta)
+        finally:
+            close = getattr(arrays, "close", None)
+            if close is not None:
+                close()  # a generator that decodes ahead stops and waits for its workers
+
+    _to_output(path_or_file, write, storage_options)
+
+
+def _parse_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
     meta = dict(metadata or {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise InvalidInputError(
             "safetensors metadata must map str to str; convert values with str()"
         )
-    prepared = _prepare(tensors)
-    meta = dict(sorted(meta.items()))
+    return dict(sorted(meta.items()))
+
+
+def _to_output(
+    path_or_file: str | os.PathLike[str] | IO[bytes],
+    write: Callable[[IO[bytes]], None],
+    storage_options: Mapping[str, object] | None,
+) -> None:
+    """Call ``write`` on the open output: a local file atomically, a URL in one upload."""
     if not isinstance(path_or_file, str | os.PathLike):
-        _write(path_or_file, prepared, meta)
+        write(path_or_file)
         return
     path = os.fspath(path_or_file)
     if "://" in path and not path.startswith("file://"):
         import fsspec
 
         with fsspec.open(path, "wb", **(storage_options or {})) as f:
-            _write(f, prepared, meta)
+            write(f)
         return
     target = Path(path.removeprefix("file://"))
     tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
@@ -402,8 +498,10 @@ def write_safetensors(
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
-            _write(f, prepared, meta)
+            write(f)
             f.flush()
+            # The rename must not reach the disk before the data: after a crash
+            # the name holds the old file or the whole new one, never an empty one.
             os.fsync(f.fileno())
         Path(tmp).replace(target)
     except BaseException:

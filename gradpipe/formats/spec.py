@@ -27,7 +27,6 @@ from math import prod
 from typing import Final, Protocol
 
 import numpy as np
-from dask.utils import format_bytes
 
 from gradpipe.config import get_bytes
 from gradpipe.core.chunking import parse_shape
@@ -179,6 +178,8 @@ def parse_tensor_spec(
     nbytes = prod(shape) * parse_dtype(dtype).itemsize
     limit = max_tensor_bytes()
     if nbytes > limit:
+        from dask.utils import format_bytes  # dask is loaded already: the limit is a setting
+
         raise InvalidInputError(
             f"{where} is {dtype} {list(shape)}, {nbytes} bytes ({format_bytes(nbytes)}), more "
             f"than gradpipe.max-tensor-bytes ({limit} bytes); if the dump is genuine, raise the "

@@ -16,6 +16,7 @@ import errno
 import fcntl
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -58,8 +59,19 @@ class LocalBackend(Backend):
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self.url = self.root.as_posix()
-        self._fsync = bool(get_setting("storage.fsync"))
+        # Read now if Dask's configuration is loaded, so a ``dask.config.set``
+        # around the open counts; if it is not, nothing can have set the value
+        # yet, and the first write reads it (``gradpipe ls`` never loads dask).
+        self._fsync_value: bool | None = (
+            bool(get_setting("storage.fsync")) if "dask.config" in sys.modules else None
+        )
         self._tmpfile = bool(_O_TMPFILE) and Path("/proc/self/fd").is_dir()
+
+    @property
+    def _fsync(self) -> bool:
+        if self._fsync_value is None:
+            self._fsync_value = bool(get_setting("storage.fsync"))
+        return self._fsync_value
 
     def _path(self, key: str) -> Path:
         return self.root / key

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Final, Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
-from dask.base import tokenize
 from numcodecs.abc import Codec
 
 from gradpipe.codecs import choose_codec
@@ -325,6 +324,18 @@ class Store:
         """Read the tensor a manifest describes."""
         return _tensors.read_tensor(self, manifest, context=context)
 
+    def read_tensors(
+        self, manifests: Sequence[TensorManifest], *, contexts: Sequence[str] | None = None
+    ) -> list[np.ndarray]:
+        """Read several tensors in one parallel pass over all their chunks."""
+        return _tensors.read_tensors(self, manifests, contexts=contexts)
+
+    def iter_tensors(
+        self, manifests: Sequence[TensorManifest], *, contexts: Sequence[str] | None = None
+    ) -> Iterator[np.ndarray]:
+        """:meth:`read_tensors`, yielding each tensor in order as soon as it is whole."""
+        return _tensors.iter_tensors(self, manifests, contexts=contexts)
+
 
 def _what(manifest_id: str, context: str) -> str:
     return f"manifest {manifest_id}" + (f" ({context})" if context else "")
@@ -358,6 +369,8 @@ def reopen_store(url: str, mode: Mode, storage_options: dict[str, Any] | None) -
     A Dask worker unpickles the store once per task; opening is cached per
     process so that costs one marker read, not one per task.
     """
+    from dask.base import tokenize  # only where stores travel: Dask is running
+
     key = tokenize(url, mode == "r", storage_options)
     with _REOPENED_LOCK:
         store = _REOPENED.get(key)

@@ -5,13 +5,14 @@ chunks (they take no block), keeps chunks whose encoded block is small
 (``gradpipe.inline-bytes``) for their manifest, and hands the rest to the
 store in batched windows; the read path decodes inline chunks from the
 manifest, fetches the other blocks in batches and decodes each straight into
-the output buffer. Both are used by :class:`Store` and by the
-ingest graph's tasks, so every path into the store checks the same things.
+the output buffer, on a thread pool (:mod:`~gradpipe.storage.reads`). Both are
+used by :class:`Store` and by the ingest graph's tasks, so every path into the
+store checks the same things.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
@@ -25,7 +26,8 @@ from gradpipe.core.dtypes import canonical_dtype, check_values, dtype_name, pars
 from gradpipe.core.ids import block_key, hash_bytes
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import NotFoundError
-from gradpipe.storage.blocks import BlockToWrite, WriteStats, decode_block
+from gradpipe.storage.blocks import BlockToWrite, WriteStats
+from gradpipe.storage.reads import READ_WINDOW, ChunkRead, decode_windows
 
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
@@ -35,7 +37,9 @@ __all__ = [
     "ChunkRecord",
     "build_tensor_manifest",
     "chunk_frames",
+    "iter_tensors",
     "read_tensor",
+    "read_tensors",
     "write_chunks",
     "write_tensor",
 ]
@@ -44,8 +48,6 @@ __all__ = [
 # concurrent writes on S3): by count for small blocks, by bytes for large ones.
 WRITE_WINDOW: Final = 64
 WRITE_WINDOW_BYTES: Final = 64 * 2**20
-#: Blocks fetched per batched read.
-READ_WINDOW: Final = 64
 #: Chunks up to this many times ``inline-bytes`` (raw) are encoded first, to see
 #: whether their block is small enough to inline; larger ones never are (their
 #: frame, once made, is not made twice).
@@ -147,30 +149,51 @@ def write_tensor(
 
 def read_tensor(store: Store, manifest: TensorManifest, *, context: str = "") -> np.ndarray:
     """Read the tensor a manifest describes, checking every block against its id."""
-    dtype = parse_dtype(manifest.dtype)
-    out = np.zeros(manifest.size, dtype=dtype)
-    ranges = manifest.chunk_ranges()
-    for i, kept in manifest.inline.items():
-        inline_id = manifest.blocks[i]
-        if inline_id is not None:  # TensorManifest checks this; mypy needs it said
-            where = f"{context}, chunk {i}" if context else f"chunk {i}"
-            start, stop = ranges[i]
-            decode_block(kept, inline_id, out=out[start:stop], context=where)
-    wanted = [
-        (i, b) for i, b in enumerate(manifest.blocks) if b is not None and i not in manifest.inline
-    ]
-    for lo in range(0, len(wanted), READ_WINDOW):
-        batch = wanted[lo : lo + READ_WINDOW]
-        frames = store.backend.read_many([block_key(b) for _, b in batch])
-        for (i, block_id), frame in zip(batch, frames, strict=True):
-            where = f"{context}, chunk {i}" if context else f"chunk {i}"
-            if isinstance(frame, NotFoundError):
-                raise store.missing_block(block_id, where)
-            if isinstance(frame, Exception):
-                raise frame
-            start, stop = ranges[i]
-            decode_block(frame, block_id, out=out[start:stop], context=where)
-    return out.reshape(manifest.shape)
+    [out] = read_tensors(store, [manifest], contexts=[context])
+    return out
+
+
+def read_tensors(
+    store: Store, manifests: Sequence[TensorManifest], *, contexts: Sequence[str] | None = None
+) -> list[np.ndarray]:
+    """Read several tensors in one pass: every chunk of all of them decoded in parallel.
+
+    ``contexts`` name the tensors in error messages.
+    """
+    return list(iter_tensors(store, manifests, contexts=contexts))
+
+
+def iter_tensors(
+    store: Store, manifests: Sequence[TensorManifest], *, contexts: Sequence[str] | None = None
+) -> Iterator[np.ndarray]:
+    """The tensors ``manifests`` describe, in order, each as soon as all its chunks are decoded.
+
+    One pass over every chunk of every tensor (see :mod:`gradpipe.storage.reads`):
+    each tensor is allocated once and its chunks are decoded straight into
+    it, on a thread pool, a window ahead of the tensor being yielded. Every
+    block is checked against its id.
+    """
+    names = contexts if contexts is not None else [""] * len(manifests)
+    outs: list[np.ndarray] = []
+    ends: list[int] = []  # chunks to decode before tensor k is whole
+    chunks: list[ChunkRead] = []
+    for manifest, context in zip(manifests, names, strict=True):
+        # Zeroed pages: all-zero chunks, which have no block, need no write.
+        out = np.zeros(manifest.size, dtype=parse_dtype(manifest.dtype))
+        outs.append(out.reshape(manifest.shape))
+        for i, (block_id, (start, stop)) in enumerate(
+            zip(manifest.blocks, manifest.chunk_ranges(), strict=True)
+        ):
+            if block_id is not None:
+                where = f"{context}, chunk {i}" if context else f"chunk {i}"
+                chunks.append(ChunkRead(block_id, out[start:stop], where, manifest.inline.get(i)))
+        ends.append(len(chunks))
+    ready = 0
+    for done in decode_windows(store, chunks):
+        while ready < len(outs) and ends[ready] <= done:
+            yield outs[ready]
+            ready += 1
+    yield from outs[ready:]  # tensors after the last chunk: all zero, or empty
 
 
 def chunk_frames(store: Store, manifest: TensorManifest) -> list[bytes | None]:

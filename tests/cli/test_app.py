@@ -70,6 +70,32 @@ def test_help_and_version_load_no_numpy_or_dask(argv: list[str]) -> None:
         assert f"'{heavy}'" not in loaded, heavy
 
 
+#: What a command that reads a local store must not load: a cluster client, S3, torch, xarray.
+NOT_FOR_READS = ("distributed", "s3fs", "torch", "xarray", "dask")
+
+
+@pytest.mark.parametrize("command", ["ls", "ls-run", "export"])
+def test_reading_commands_load_only_what_they_use(
+    command: str, places: dict[str, str], tmp_path: Path
+) -> None:
+    argv = {
+        "ls": ["ls", places["STORE"]],
+        "ls-run": ["ls", places["STORE"], "train"],
+        "export": [*EXPORT[:1], places["STORE"], *EXPORT[2:], "-o", str(tmp_path / "o.st")],
+    }[command]
+    code = (
+        "import sys\n"
+        "from gradpipe.cli import main\n"
+        f"assert main({argv!r}) == 0\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = done.stdout.splitlines()[-1]
+    assert "'numcodecs'" in loaded  # the check can see what a command loads
+    for heavy in NOT_FOR_READS:
+        assert f"'{heavy}'" not in loaded, heavy
+
+
 def test_python_dash_m() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "gradpipe.cli", "--version"],
