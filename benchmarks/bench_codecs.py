@@ -52,6 +52,7 @@ from gradpipe.codecs import ByteGroupCodec, SparseCodec, choose_codec
 from gradpipe.codecs.sparse import nonzero_mask
 
 CHUNK_BYTES = 4 << 20
+MIB = 1 << 20
 DECODE_TARGET = 1024.0  # MiB/s on one core, dense chunks (the disk-speed issue's targets)
 ENCODE_TARGET = 500.0
 REPEATS = 3
@@ -256,7 +257,10 @@ def main_table(kind: str, steps: int) -> None:
         print()
         ratio, enc, dec = results["gradpipe (choose_codec)"]
         checks = []
-        if ratio < 4:  # the speed targets are for dense chunks (sparse ones run far faster)
+        # The speed targets are for dense chunks: sparse ones run far faster, and
+        # for a few-KiB vector (kept inline in its manifest) a call's fixed cost
+        # is all that is measured.
+        if ratio < 4 and raw * MIB / len(chunks) >= 64 * 1024:
             checks += [
                 (f"decode {dec:.0f} >= {DECODE_TARGET:.0f} MiB/s", dec >= DECODE_TARGET),
                 (f"encode {enc:.0f} >= {ENCODE_TARGET:.0f} MiB/s", enc >= ENCODE_TARGET),
