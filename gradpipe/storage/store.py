@@ -312,8 +312,21 @@ class Store:
         )
 
     def tensor_info(self, tensor_id: str) -> TensorManifest:
-        """The manifest of a stored tensor (dtype, shape, chunks, stats); reads no data."""
-        return self.get_typed(tensor_id, TensorManifest, context="tensor")
+        """The manifest of a stored tensor (dtype, shape, chunks, stats); reads no data.
+
+        For tensors stored with :meth:`put_tensor`. The tensors of an ingested
+        dump are kept inside the dump's manifest: read them through the dump
+        (``gp.open_run(store, run).dump(step, peer).read(name)`` / ``.info(name)``).
+        """
+        try:
+            return self.get_typed(tensor_id, TensorManifest, context="tensor")
+        except NotFoundError:
+            raise NotFoundError(
+                f"no tensor {tensor_id} stored on its own in {self.url}. If it is a tensor "
+                "of an ingested dump, it is kept inside the dump's manifest: read it with "
+                "gp.open_run(store, run).dump(step, peer).read(name); otherwise run "
+                "`gradpipe verify`"
+            ) from None
 
     def get_tensor(self, tensor_id: str) -> np.ndarray:
         """Read a stored tensor, bit-exact, checking every block against its id."""

@@ -129,3 +129,13 @@ def test_manifest_validation(tmp_path: Path) -> None:
     doc = encode_manifest(manifest).replace(b'"shape"', b'"inline":{"0":"@@"},"shape"')
     with pytest.raises(IntegrityError):
         decode_manifest(doc)
+
+
+def test_a_dump_tensor_id_given_to_get_tensor_says_where_it_lives(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    write_safetensors(tmp_path / "d" / "step=1.safetensors", {"w": np.ones(3, np.float32)}, {})
+    store = gp.open_store(tmp_path / "s", mode="w")
+    assert ingest(store, str(tmp_path / "d" / "step={step}.safetensors"), run="r").ok
+    tensor_id = open_run(store, "r").dump(1, "0").manifest.tensor_ids["w"]
+    with pytest.raises(gp.NotFoundError, match=r"inside the dump's manifest.*\.dump\(step"):
+        store.get_tensor(tensor_id)
