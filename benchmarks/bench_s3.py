@@ -117,7 +117,7 @@ def measure(
         runs.append((seconds, counts))
         cleanup(i)
     runs.sort(key=lambda r: r[0])
-    seconds, counts = runs[len(runs) // 2] if len(runs) % 2 else runs[len(runs) // 2 - 1]
+    _, counts = runs[(len(runs) - 1) // 2]  # the median run (the lower one of an even count)
     median = statistics.median(r[0] for r in runs)
     return Row(name, median, dict(counts.by_operation), counts.bytes_put)
 
@@ -137,6 +137,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
     files = sorted(p for p in source.rglob("*") if p.is_file())
     n = len(files)
     logical = config.dump_bytes()  # of all dumps
+    file_bytes = sum(f.stat().st_size for f in files)
     generated = time.perf_counter() - start
     pattern = sample.dump_pattern
     relative = os.path.relpath(pattern, source)
@@ -189,9 +190,9 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
 
             return once
 
-        rows.append(
-            measure("gradpipe ingest local->S3 (CLI)", repeat, server, cli_from(pattern), keep)
-        )
+        drop = remove("store")
+        first = measure("gradpipe ingest local->S3 (CLI)", repeat, server, cli_from(pattern), keep)
+        rows.append(first)
 
         def again(i: int) -> None:
             check(cli_ingest(stores["last"], pattern, env), n, again=True)
@@ -199,25 +200,22 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
         rerun = measure("gradpipe re-ingest (CLI)", repeat, server, again, keep)
         rerun.rerun = True
         for i in range(repeat):
-            remove("store")(i)
-        rows.append(
-            measure("gradpipe ingest local->S3 (API)", repeat, server, api_from(pattern), remove("store"))
-        )
-        rows.append(
-            measure("gradpipe ingest S3->S3 (CLI)", repeat, server, cli_from(s3_pattern), remove("store"))
-        )
-        rows.append(
-            measure("gradpipe ingest S3->S3 (API)", repeat, server, api_from(s3_pattern), remove("store"))
-        )
-        rows.append(rerun)
-        sweep = run_sweep(args, server, pattern, n, remove("store")) if args.sweep else []
+            drop(i)
+        rows += [
+            measure("gradpipe ingest local->S3 (API)", repeat, server, api_from(pattern), drop),
+            measure("gradpipe ingest S3->S3 (CLI)", repeat, server, cli_from(s3_pattern), drop),
+            measure("gradpipe ingest S3->S3 (API)", repeat, server, api_from(s3_pattern), drop),
+            rerun,
+        ]
+        sources = {"local->S3": pattern, "S3->S3": s3_pattern}
+        sweep = run_sweep(args, server, sources, n) if args.sweep else []
 
     print("=== ingest into S3 (moto on loopback) beside a plain s3fs upload ===")
     print(
         f"data: transformer: write_transformer_run(TransformerConfig.for_dump_size({args.mib:g})): "
         f"{len(sample.steps)} steps x {len(sample.peers)} peers = {n} safetensors dumps, "
-        f"{logical / MiB:.0f} MiB of float32 tensors ({sum(f.stat().st_size for f in files) / MiB:.0f} "
-        f"MiB of files); generated in {generated:.0f} s"
+        f"{logical / MiB:.0f} MiB of float32 tensors ({file_bytes / MiB:.0f} MiB of files); "
+        f"generated in {generated:.0f} s"
     )
     where = "this process (shares the GIL)" if args.in_process else "a child process"
     print(
@@ -230,39 +228,59 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
     )
     print_table(rows, logical, n)
     if sweep:
-        print("\nAPI ingest local->S3 by setting (median wall s; MiB/s):")
-        header = f"{'concurrency':>11} {'task-bytes':>11} {'wall s':>7} {'MiB/s':>7} {'PUT/dump':>9}"
+        print("\nAPI ingest by setting (median wall s and MiB/s; the rows above use the defaults):")
+        names = list(sweep[0][1])
+        heads = "".join(f" {name + ' s':>12} {'MiB/s':>7}" for name in names)
+        header = f"{'storage.concurrency':>19} {'ingest.task-bytes':>17}{heads}"
         print(header)
         print("-" * len(header))
-        for (concurrency, task_bytes), row in sweep:
-            print(
-                f"{concurrency:>11} {task_bytes:>11} {row.seconds:>7.2f}"
-                f" {logical / MiB / row.seconds:>7.0f} {row.requests.get('PUT', 0) / n:>9.1f}"
+        for (concurrency, task_bytes), by_source in sweep:
+            cells = "".join(
+                f" {r.seconds:>12.2f} {logical / MiB / r.seconds:>7.0f}" for r in by_source.values()
             )
+            print(f"{concurrency:>19} {task_bytes:>17}{cells}")
 
 
 def run_sweep(
-    args: argparse.Namespace, server: Any, pattern: str, n: int, cleanup: Callable[[int], None]
-) -> list[tuple[tuple[int, str], Row]]:
+    args: argparse.Namespace, server: Any, patterns: dict[str, str], n: int
+) -> list[tuple[tuple[int, str], dict[str, Row]]]:
+    """The API ingest from each source over ``storage.concurrency`` and ``ingest.task-bytes``."""
     import gradpipe as gp
+    from gradpipe.config import get_setting
     from gradpipe.ingest import ingest
 
+    fs = server_fs(server)
+    default_concurrency = int(get_setting("storage.concurrency"))
+    default_task = str(get_setting("ingest.task-bytes"))
+    grid = [(c, default_task) for c in (4, 8, 16, 32, 64)]
+    grid += [(default_concurrency, t) for t in ("16 MiB", "64 MiB", "128 MiB")]
     out = []
-    for concurrency in (4, 8, 16, 32, 64):
-        for task_bytes in ("16 MiB", "32 MiB", "64 MiB"):
-            settings = {
-                "gradpipe.storage.concurrency": concurrency,
-                "gradpipe.ingest.task-bytes": task_bytes,
-            }
+    for concurrency, task_bytes in grid:
+        settings = {
+            "gradpipe.storage.concurrency": concurrency,
+            "gradpipe.ingest.task-bytes": task_bytes,
+        }
+        rows = {}
+        for source, pattern in patterns.items():
 
-            def once(i: int) -> None:
+            def once(i: int, pattern: str = pattern, settings: dict[str, Any] = settings) -> None:
                 with dask.config.set(settings):
                     store = gp.open_store(f"s3://{BUCKET}/store{i}", mode="w")
                     check(ingest(store, pattern, run="r").to_dict(), n)
 
-            row = measure("sweep", max(1, args.repeat), server, once, cleanup)
-            out.append(((concurrency, task_bytes), row))
+            def cleanup(i: int) -> None:
+                fs.rm(f"{BUCKET}/store{i}", recursive=True)
+                fs.invalidate_cache()
+
+            rows[source] = measure(source, max(1, args.repeat), server, once, cleanup)
+        out.append(((concurrency, task_bytes), rows))
     return out
+
+
+def server_fs(server: Any) -> Any:
+    import fsspec
+
+    return fsspec.filesystem("s3", **server.storage_options)
 
 
 def print_table(rows: list[Row], logical: int, n: int) -> None:
