@@ -51,6 +51,10 @@ def _error_code(exc: BaseException) -> str:
 class S3Backend(Backend):
     """A store rooted at ``s3://bucket/prefix``."""
 
+    # A HEAD before each create would double the requests of new blocks; the
+    # create's 412 answers "exists" (and only then is the block's age looked up).
+    write_first = True
+
     def __init__(self, fs: Any, root: str) -> None:
         self.fs = fs
         self.root = root.strip("/")

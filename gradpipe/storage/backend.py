@@ -38,6 +38,11 @@ class Backend(ABC):
     """Keys are ``/``-separated paths relative to the store root."""
 
     url: str
+    #: Create blocks before checking whether they exist: True where a check
+    #: costs a round trip, as much as the conditional create that answers it
+    #: too (S3); False where it costs a ``stat``, far less than encoding the
+    #: block it may spare (local disk, memory). See ``Store.write_blocks``.
+    write_first: bool = False
 
     @abstractmethod
     def read(self, key: str) -> bytes:

@@ -66,6 +66,8 @@ class Store:
         self.refs = Refs(self)
         self.lock = StoreLock(self)
         self.write_stats = WriteStats()
+        # Whether the next batch of blocks is expected to be mostly new (see write_blocks).
+        self._expect_new = True
 
     def __repr__(self) -> str:
         return f"<gradpipe.Store {self.url!r} mode={self.mode!r}>"
@@ -110,25 +112,82 @@ class Store:
     def write_blocks(self, items: Sequence[BlockToWrite], stats: WriteStats) -> None:
         """Write blocks that may exist already; counts go to ``stats``.
 
-        Existing blocks are not re-encoded. An existing block older than
-        ``storage.touch-after`` gets a fresh time, so that the grace period
-        of gc counts from its last use, not its first write.
+        An existing block older than ``storage.touch-after`` gets a fresh
+        time, so that the grace period of gc counts from its last use, not
+        its first write. Two orders, by what a backend's requests cost
+        (:attr:`Backend.write_first <gradpipe.storage.backend.Backend.write_first>`):
+
+        - *check first* (local disk, and any backend while the last batch
+          found most of its blocks stored): one batched existence check, then
+          only the missing blocks are encoded and created; existing blocks
+          are not re-encoded;
+        - *write first* (S3 while blocks come out new): every block is
+          encoded and created with ``If-None-Match: *`` straight away, one
+          request for a new block instead of two; only the blocks the store
+          answers "exists" for are then checked for their age.
         """
-        keys = [block_key(item.block_id) for item in items]
-        mtimes = self.backend.mtimes(keys)
-        stale = time.time() - get_seconds("storage.touch-after")
-        todo: list[tuple[str, bytes]] = []
-        level = int(get_setting("codec-level"))
+        unique: list[tuple[BlockToWrite, str]] = []
         seen: set[str] = set()
-        for item, key, mtime in zip(items, keys, mtimes, strict=True):
+        for item in items:
+            key = block_key(item.block_id)
             if key in seen:  # the same content twice in one batch
                 stats.blocks_reused += 1
                 continue
             seen.add(key)
+            unique.append((item, key))
+        if not unique:
+            return
+        if self.backend.write_first and self._expect_new:
+            existing = self._write_first(unique, stats)
+        else:
+            existing = self._check_first(unique, stats)
+        # The next batch is likely to look like this one (a run of new data, or
+        # a re-ingest of stored data): choose its order from what this one found.
+        self._expect_new = 2 * existing < len(unique)
+
+    def _check_first(self, unique: Sequence[tuple[BlockToWrite, str]], stats: WriteStats) -> int:
+        """Existence check, then creates of the missing blocks; returns how many existed."""
+        mtimes = self.backend.mtimes([key for _, key in unique])
+        stale = time.time() - get_seconds("storage.touch-after")
+        level = int(get_setting("codec-level"))
+        todo: list[tuple[str, bytes]] = []
+        existing = 0
+        for (item, key), mtime in zip(unique, mtimes, strict=True):
+            if mtime is not None:
+                existing += 1
+                if mtime >= stale or self._touch(key):
+                    stats.blocks_reused += 1
+                    continue
+            todo.append((key, self.encode_block(item, level)))
+        self._create(todo, stats)
+        return existing
+
+    def _write_first(self, unique: Sequence[tuple[BlockToWrite, str]], stats: WriteStats) -> int:
+        """Conditional creates of every block, then an age check of those that existed."""
+        level = int(get_setting("codec-level"))
+        todo = [(key, self.encode_block(item, level)) for item, key in unique]
+        created = self.backend.write_many_if_absent(todo)
+        found = [item for item, new in zip(todo, created, strict=True) if not new]
+        for (_, frame), new in zip(todo, created, strict=True):
+            if new:
+                stats.blocks_written += 1
+                stats.stored_bytes += len(frame)
+        if not found:
+            return 0
+        # A 412 says "exists", not since when: a block older than touch-after
+        # must get a fresh time before anything may reference it (gc safety).
+        mtimes = self.backend.mtimes([key for key, _ in found])
+        stale = time.time() - get_seconds("storage.touch-after")
+        again: list[tuple[str, bytes]] = []
+        for (key, frame), mtime in zip(found, mtimes, strict=True):
             if mtime is not None and (mtime >= stale or self._touch(key)):
                 stats.blocks_reused += 1
-                continue
-            todo.append((key, self.encode_block(item, level)))
+            else:  # removed since the create said it exists
+                again.append((key, frame))
+        self._create(again, stats)
+        return len(found)
+
+    def _create(self, todo: Sequence[tuple[str, bytes]], stats: WriteStats) -> None:
         created = self.backend.write_many_if_absent(todo)
         for (_, frame), new in zip(todo, created, strict=True):
             if new:

@@ -105,6 +105,7 @@ class FaultyBackend(Backend):
     def __init__(self, inner: Backend, *faults: Fault) -> None:
         self.inner = inner
         self.url = inner.url
+        self.write_first = inner.write_first  # the order of the backend it stands for
         self.faults = list(faults)
         self.injected: list[Injected] = []
         self.calls: list[tuple[str, str]] = []

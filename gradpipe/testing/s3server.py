@@ -13,12 +13,27 @@ so botocore retries it, exactly as when a real reply is lost on the way. A
 retried ``If-None-Match: *`` or ``If-Match`` PUT then gets a 412 although
 the write it retries landed. Without ``fault_layer`` nothing is in front of
 moto at all.
+
+``with server.count_requests() as counts:`` counts the requests the server
+answers inside the block, by S3 operation (HEAD, GET, PUT, LIST, DELETE,
+COPY, POST), with the bytes of request bodies PUT: what a benchmark reports
+as requests per dump. Counting is off outside such a block.
+
+``S3Server(process=True)`` serves from a child process, so that moto's
+request handling does not share the client's interpreter (and its GIL):
+what a benchmark wants. Counting and ``reset`` work through the HTTP port;
+``lose_replies`` and ``set_mtime`` need the server in this process.
 """
 
 from __future__ import annotations
 
+import json
+import multiprocessing
 import socket
 import threading
+import time
+import urllib.parse
+from collections import Counter
 from collections.abc import Callable, Container, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,9 +41,43 @@ from fnmatch import fnmatchcase
 from http import HTTPStatus
 from typing import Any
 
-__all__ = ["LostReply", "S3Request", "S3Server"]
+__all__ = ["LostReply", "RequestCounts", "S3Request", "S3Server"]
 
 _WRITES = {"PUT", "POST", "DELETE"}
+#: Where the counting layer takes its orders (no bucket name starts with ``_``).
+_CONTROL = "/_gradpipe/requests"
+#: The S3 operations requests are counted as.
+OPERATIONS = ("HEAD", "GET", "PUT", "COPY", "LIST", "DELETE", "POST")
+
+
+@dataclass
+class RequestCounts:
+    """Requests a server answered, by S3 operation, and the bytes of their bodies."""
+
+    by_operation: Counter[str] = field(default_factory=Counter)
+    bytes_put: int = 0  # request bodies of PUT and POST (uploads)
+    bytes_got: int = 0  # response bodies of GET
+
+    @property
+    def total(self) -> int:
+        """Every request counted."""
+        return sum(self.by_operation.values())
+
+    def __getitem__(self, operation: str) -> int:
+        return self.by_operation[operation]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (what the counting layer sends over HTTP)."""
+        return {
+            "by_operation": dict(self.by_operation),
+            "bytes_put": self.bytes_put,
+            "bytes_got": self.bytes_got,
+        }
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> RequestCounts:
+        """Inverse of :meth:`to_dict`."""
+        return cls(Counter(doc["by_operation"]), int(doc["bytes_put"]), int(doc["bytes_got"]))
 
 
 class S3Server:
@@ -39,13 +88,17 @@ class S3Server:
     ...     server.storage_options
     """
 
-    def __init__(self, port: int = 0, *, fault_layer: bool = False) -> None:
+    def __init__(self, port: int = 0, *, fault_layer: bool = False, process: bool = False) -> None:
+        if fault_layer and process:
+            raise ValueError("the fault layer needs the server in this process (process=False)")
         self.port = port or _free_port()
         self.endpoint_url = f"http://127.0.0.1:{self.port}"
         self._server: Any = None
         self._thread: threading.Thread | None = None
+        self._process: Any = None
         self._faults: _FaultLayer | None = None
         self._fault_layer = fault_layer
+        self._in_process = not process
 
     @property
     def storage_options(self) -> dict[str, Any]:
@@ -68,20 +121,15 @@ class S3Server:
         }
 
     def start(self) -> S3Server:
-        """Start serving in a daemon thread."""
-        from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
-        from werkzeug.serving import WSGIRequestHandler, make_server
-
-        class QuietHandler(WSGIRequestHandler):
-            def log_request(self, *args: object) -> None:
-                pass
-
-        app = _serialize_writes(DomainDispatcherApplication(create_backend_app))
-        if self._fault_layer:
-            app = self._faults = _FaultLayer(app)
-        self._server = make_server(
-            "127.0.0.1", self.port, app, threaded=True, request_handler=QuietHandler
-        )
+        """Start serving: in a daemon thread, or in a child process (``process=True``)."""
+        if not self._in_process:
+            # spawn, not fork: the parent may run threads (s3fs's event loop, Dask's).
+            context = multiprocessing.get_context("spawn")
+            self._process = context.Process(target=_serve, args=(self.port,), daemon=True)
+            self._process.start()
+            _wait_for_port(self.port, self._process)
+            return self
+        self._server, self._faults = _make_server(self.port, fault_layer=self._fault_layer)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
         return self
@@ -92,6 +140,25 @@ class S3Server:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+        if self._process is not None:
+            self._process.terminate()
+            self._process.join(10)
+            self._process = None
+
+    @contextmanager
+    def count_requests(self) -> Iterator[RequestCounts]:
+        """Count the requests answered inside the ``with`` block; the counts fill in at its end.
+
+        One count at a time per server; requests of every client are counted.
+        """
+        counts = RequestCounts()
+        self._call("POST", f"{_CONTROL}/start")
+        try:
+            yield counts
+        finally:
+            done = RequestCounts.from_dict(json.loads(self._call("POST", f"{_CONTROL}/stop")))
+            counts.by_operation, counts.bytes_put = done.by_operation, done.bytes_put
+            counts.bytes_got = done.bytes_got
 
     @contextmanager
     def lose_replies(self, *rules: LostReply) -> Iterator[list[S3Request]]:
@@ -101,7 +168,10 @@ class S3Server:
         server received in the block, with moto's status and the one sent back.
         """
         if self._faults is None:
-            raise RuntimeError("start the server with S3Server(fault_layer=True) to lose replies")
+            raise RuntimeError(
+                "start the server with S3Server(fault_layer=True) (and process=False) "
+                "to lose replies"
+            )
         faults = self._faults
         log: list[S3Request] = []
         with faults.lock:
@@ -124,6 +194,8 @@ class S3Server:
 
         from moto.s3.models import s3_backends
 
+        if not self._in_process:
+            raise RuntimeError("set_mtime needs the server in this process (process=False)")
         account = "123456789012"  # moto's default account, which our credentials map to
         obj = s3_backends[account]["global"].buckets[bucket].keys[key]
         # moto keeps naive UTC times.
@@ -133,13 +205,13 @@ class S3Server:
         """Create a bucket."""
         self._call("PUT", f"/{name}")
 
-    def _call(self, method: str, path: str) -> None:
+    def _call(self, method: str, path: str) -> bytes:
         import urllib.request
 
         url = f"{self.endpoint_url}{path}"  # always our own http://127.0.0.1 server
         request = urllib.request.Request(url, method=method)  # noqa: S310
-        with urllib.request.urlopen(request, timeout=10):  # noqa: S310
-            pass
+        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
+            return response.read()  # type: ignore[no-any-return]
 
     def __enter__(self) -> S3Server:
         return self.start()
@@ -280,6 +352,101 @@ def _drain(environ: dict[str, Any]) -> None:
     from werkzeug.wrappers import Request
 
     Request(environ).get_data()
+
+
+def _operation(environ: dict[str, Any]) -> str:
+    """The S3 operation of a request, from its method, path and query."""
+    method = str(environ.get("REQUEST_METHOD", ""))
+    path = str(environ.get("PATH_INFO", "")).strip("/")
+    query = urllib.parse.parse_qs(str(environ.get("QUERY_STRING", "")), keep_blank_values=True)
+    if method == "GET":
+        return "LIST" if "/" not in path or "list-type" in query else "GET"
+    if method == "PUT" and "HTTP_X_AMZ_COPY_SOURCE" in environ:
+        return "COPY"
+    if method == "POST" and "delete" in query:
+        return "DELETE"  # DeleteObjects: many keys, one request
+    return method
+
+
+class _CountingLayer:
+    """WSGI middleware that counts requests by operation, while asked to."""
+
+    def __init__(self, app: Callable[..., Iterable[bytes]]) -> None:
+        self.app = app
+        self.counts: RequestCounts | None = None
+        self.lock = threading.Lock()
+
+    def __call__(
+        self, environ: dict[str, Any], start_response: Callable[..., Any]
+    ) -> Iterable[bytes]:
+        if str(environ.get("PATH_INFO", "")).startswith(_CONTROL):
+            return self._control(environ, start_response)
+        counts = self.counts
+        if counts is None:
+            return self.app(environ, start_response)
+        operation = _operation(environ)
+        uploaded = int(environ.get("CONTENT_LENGTH") or 0) if operation in ("PUT", "POST") else 0
+        body = list(self.app(environ, start_response))
+        with self.lock:
+            counts.by_operation[operation] += 1
+            counts.bytes_put += uploaded
+            if operation == "GET":
+                counts.bytes_got += sum(len(b) for b in body)
+        return body
+
+    def _control(
+        self, environ: dict[str, Any], start_response: Callable[..., Any]
+    ) -> Iterable[bytes]:
+        with self.lock:
+            if str(environ["PATH_INFO"]).endswith("/start"):
+                self.counts = RequestCounts()
+                payload = b"{}"
+            else:
+                payload = json.dumps((self.counts or RequestCounts()).to_dict()).encode()
+                self.counts = None
+        start_response(
+            "200 OK",
+            [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))],
+        )
+        return [payload]
+
+
+def _make_server(port: int, *, fault_layer: bool) -> tuple[Any, _FaultLayer | None]:
+    """moto's app behind the write lock, the optional fault layer and the counting layer."""
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+    from werkzeug.serving import WSGIRequestHandler, make_server
+
+    class QuietHandler(WSGIRequestHandler):
+        def log_request(self, *args: object) -> None:
+            pass
+
+    app = _serialize_writes(DomainDispatcherApplication(create_backend_app))
+    faults = None
+    if fault_layer:
+        app = faults = _FaultLayer(app)
+    server = make_server(
+        "127.0.0.1", port, _CountingLayer(app), threaded=True, request_handler=QuietHandler
+    )
+    return server, faults
+
+
+def _serve(port: int) -> None:
+    """The body of a server's child process."""
+    server, _ = _make_server(port, fault_layer=False)
+    server.serve_forever()
+
+
+def _wait_for_port(port: int, process: Any, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not process.is_alive():
+            raise RuntimeError(f"the S3 server process exited with code {process.exitcode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"the S3 server process did not listen on port {port} in {timeout:.0f} s")
 
 
 def _serialize_writes(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
