@@ -396,7 +396,10 @@ def print_table(
 
     print(f"=== ingest of a training run's dumps, data: {kind} ===")
     print(desc)
-    print(f"best of {max(1, args.repeat)} runs per row, each into a new store/directory")
+    print(
+        f"cp -r and the CLI ingest: medians of {max(3, args.repeat)} paired runs; other rows: best "
+        f"of {max(1, args.repeat)}; each run into a new store/directory"
+    )
     print(
         "page cache: cp -r ran once untimed first, so every row reads the dumps from memory; "
         "os.sync() before each row; no fsync anywhere (writes land in the page cache)"
