@@ -32,9 +32,11 @@ __all__ = [
     "manifest_class",
 ]
 
-#: The manifest format this version of gradpipe writes and the newest it reads.
+#: The newest manifest format this version of gradpipe reads and writes.
 #: 2: small chunks inline in tensor manifests, tensor manifests embedded in
-#: dump manifests (format 1, which has neither, is still read).
+#: dump manifests. A manifest is written in the oldest format that can hold it
+#: (see :meth:`Manifest.format_needed`), so an older gradpipe still reads every
+#: manifest that uses nothing new, and an id never changes with a version bump.
 FORMAT_VERSION: Final = 2
 
 #: Every manifest type, by its stored ``type``: ``"module:Class"``, imported on first use.
@@ -61,6 +63,10 @@ class Manifest(ABC):
     @abstractmethod
     def from_dict(cls, data: dict[str, Any]) -> Self:
         """Parse what :meth:`to_dict` produced; raises on malformed input."""
+
+    def format_needed(self) -> int:
+        """The oldest manifest format that can hold this manifest (what it is written as)."""
+        return 1
 
     def manifest_children(self) -> Iterator[str]:
         """Ids of the manifests this one links to (walked by verify and gc)."""
@@ -99,7 +105,8 @@ def manifest_class(kind: str, *, what: str = "manifest") -> type[Manifest]:
 
 def encode_manifest(manifest: Manifest) -> bytes:
     """Canonical bytes of a manifest (what its id is the hash of)."""
-    return to_json_bytes({"type": manifest.type, "format": FORMAT_VERSION, **manifest.to_dict()})
+    version = manifest.format_needed()
+    return to_json_bytes({"type": manifest.type, "format": version, **manifest.to_dict()})
 
 
 def decode_manifest(data: bytes, *, what: str = "manifest") -> Manifest:

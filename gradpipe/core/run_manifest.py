@@ -90,6 +90,9 @@ class DumpManifest(Manifest):
         for manifest in self.embedded.values():
             yield from manifest.data_children()
 
+    def format_needed(self) -> int:
+        return 2 if self.embedded else 1
+
     def embedded_manifests(self) -> Iterator[tuple[str, Manifest]]:
         return iter(self.embedded.items())
 

@@ -78,6 +78,9 @@ class TensorManifest(Manifest):
         """Statistics of the whole tensor, merged from the chunks."""
         return merge_stats(self.stats)
 
+    def format_needed(self) -> int:
+        return 2 if self.inline else 1
+
     def data_children(self) -> Iterator[str]:
         return (b for i, b in enumerate(self.blocks) if b is not None and i not in self.inline)
 
@@ -120,6 +123,8 @@ class TensorManifest(Manifest):
         )
         inline = {}
         for index, text in data.get("inline", {}).items():
+            if not (isinstance(index, str) and index.isdigit() and str(int(index)) == index):
+                raise ValueError(f"inline chunk key {index!r} is not a chunk number")
             try:
                 inline[int(index)] = base64.b64decode(text, validate=True)
             except (binascii.Error, TypeError) as exc:

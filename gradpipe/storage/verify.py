@@ -63,7 +63,7 @@ class VerifyReport:
                 "`gradpipe ingest STORE PATTERN --run RUN --repair` writes them back from the "
                 "dump files"
             )
-        elif any(p.kind in ("missing", "corrupt") for p in self.problems):
+        elif any(p.kind in ("missing", "corrupt", "corrupt inline") for p in self.problems):
             lines.append(
                 "to mend dumps: `gradpipe ingest STORE PATTERN --run RUN --repair` rewrites what "
                 "is missing from the dump files (`verify --delete-corrupt` first turns corrupt "
@@ -94,17 +94,25 @@ def verify(store: Store, *, all_blocks: bool = False, delete_corrupt: bool = Fal
     counts = {"blocks": 0, "bytes": 0}
 
     def check_inside(manifest_id: str, manifest: Manifest, where: str) -> None:
-        """What a manifest keeps inside itself: inline chunks and embedded manifests."""
+        """What a manifest keeps inside itself: inline chunks and embedded manifests.
+
+        A problem there is the containing manifest's, reported under its id:
+        the same content may be stored elsewhere as a good object of its own,
+        which ``delete_corrupt`` must never touch.
+        """
         for block_id, frame, part in manifest.inline_frames():
             counts["blocks"] += 1
+            context = f"{where}, {part}, inline block {block_id}"
             try:
                 counts["bytes"] += decode_block(frame, block_id, context=part).nbytes
-            except (IntegrityError, UnsupportedFormatError) as exc:
-                inside.append(Problem("corrupt", block_id, f"{where}, {part}", str(exc)))
+            except UnsupportedFormatError as exc:
+                inside.append(Problem("unreadable", manifest_id, context, str(exc)))
+            except IntegrityError as exc:
+                inside.append(Problem("corrupt inline", manifest_id, context, str(exc)))
         for embedded_id, embedded in manifest.embedded_manifests():
             if hash_bytes(encode_manifest(embedded)) != embedded_id:
-                detail = "the embedded manifest does not hash to its id"
-                inside.append(Problem("corrupt", embedded_id, where, detail))
+                detail = f"the embedded manifest of tensor {embedded_id} does not hash to its id"
+                inside.append(Problem("corrupt inline", manifest_id, where, detail))
 
     reachable = walk_reachable(store, visit=check_inside)
     report = VerifyReport(

@@ -19,7 +19,7 @@ __all__ = ["Problem", "Reachable", "Visitor", "find_missing", "walk_reachable"]
 class Problem:
     """A missing, corrupt or misplaced object, and where it was needed."""
 
-    kind: str  # "missing" | "corrupt" | "unreadable" | "wrong kind"
+    kind: str  # "missing" | "corrupt" | "corrupt inline" | "unreadable" | "wrong kind"
     id: str
     context: str
     detail: str
@@ -47,8 +47,10 @@ Wanted = tuple[str, str, str | None]
 #: Called with each manifest the walk reads: (its id, the manifest, its context).
 Visitor = Callable[[str, Manifest, str], None]
 
-# Manifests fetched per batched round trip while walking.
-_BATCH = 256
+# Manifests fetched per batched round trip while walking. A dump manifest holds
+# its small tensors inline (up to a few MB for a large model), so batches stay
+# modest: 64 in flight still hide S3's latency.
+_BATCH = 64
 
 
 def _roots(store: Store, found: Reachable) -> Iterator[Wanted]:
