@@ -17,6 +17,7 @@ import fcntl
 import os
 import shutil
 import sys
+import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -37,6 +38,7 @@ _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK}
 
 
 _PROC_FDS: dict[int, int] = {}
+_PROC_FDS_LOCK = threading.Lock()
 
 
 def _proc_fds() -> int:
@@ -44,7 +46,11 @@ def _proc_fds() -> int:
     pid = os.getpid()
     fd = _PROC_FDS.get(pid)
     if fd is None:
-        fd = _PROC_FDS[pid] = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        with _PROC_FDS_LOCK:  # two threads must not both open one (one would leak)
+            fd = _PROC_FDS.get(pid)
+            if fd is None:
+                flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+                fd = _PROC_FDS[pid] = os.open("/proc/self/fd", flags)
     return fd
 
 
