@@ -42,11 +42,8 @@ Run: ``python benchmarks/bench_s3.py`` (``--mib M``, default 500: six dumps;
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -56,8 +53,8 @@ from pathlib import Path
 from typing import Any
 
 import dask.config
+from bench_ingest import check_ingest, cli_ingest  # the same CLI run and checks
 
-BIN = Path(sys.executable).parent
 BUCKET = "bench"
 MiB = 2**20
 OPERATIONS = ("HEAD", "GET", "PUT", "COPY", "LIST", "DELETE", "POST")
@@ -70,24 +67,6 @@ class Row:
     requests: dict[str, int]
     bytes_put: int
     rerun: bool = False
-
-
-def cli_ingest(store: str, pattern: str, env: dict[str, str]) -> dict[str, Any]:
-    environ = {k: v for k, v in os.environ.items() if k != "DASK_SCHEDULER_ADDRESS"}
-    environ.update(env)
-    command = [str(BIN / "gradpipe"), "ingest", store, pattern, "--run", "r", "--json"]
-    done = subprocess.run(command, capture_output=True, env=environ, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr.decode()}")
-    doc: dict[str, Any] = json.loads(done.stdout)
-    return doc
-
-
-def check(doc: dict[str, Any], dumps: int, *, again: bool = False) -> None:
-    want = (0, dumps) if again else (dumps, 0)
-    got = (doc["ingested"], doc["skipped"])
-    if not doc["ok"] or got != want:
-        raise AssertionError(f"ingest report {got} != {want}: {doc}")
 
 
 @contextmanager
@@ -177,7 +156,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
         def cli_from(where: str) -> Callable[[int], None]:
             def once(i: int) -> None:
                 url = f"s3://{BUCKET}/store{i}"
-                check(cli_ingest(url, where, env), n)
+                check_ingest(cli_ingest(url, where, env), n)
                 stores["last"] = url
 
             return once
@@ -186,7 +165,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
             def once(i: int) -> None:
                 with dask.config.set(settings):
                     store = gp.open_store(f"s3://{BUCKET}/store{i}", mode="w")
-                    check(ingest(store, where, run="r").to_dict(), n)
+                    check_ingest(ingest(store, where, run="r").to_dict(), n)
 
             return once
 
@@ -195,7 +174,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
         rows.append(first)
 
         def again(i: int) -> None:
-            check(cli_ingest(stores["last"], pattern, env), n, again=True)
+            check_ingest(cli_ingest(stores["last"], pattern, env), n, again=True)
 
         rerun = measure("gradpipe re-ingest (CLI)", repeat, server, again, keep)
         rerun.rerun = True
@@ -266,7 +245,7 @@ def run_sweep(
             def once(i: int, pattern: str = pattern, settings: dict[str, Any] = settings) -> None:
                 with dask.config.set(settings):
                     store = gp.open_store(f"s3://{BUCKET}/store{i}", mode="w")
-                    check(ingest(store, pattern, run="r").to_dict(), n)
+                    check_ingest(ingest(store, pattern, run="r").to_dict(), n)
 
             def cleanup(i: int) -> None:
                 fs.rm(f"{BUCKET}/store{i}", recursive=True)

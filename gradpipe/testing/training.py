@@ -32,6 +32,7 @@ from gradpipe.errors import InvalidInputError
 from gradpipe.formats.safetensors import write_safetensors
 
 __all__ = [
+    "RunFiles",
     "SampleRun",
     "StepResult",
     "TrainingConfig",
@@ -288,15 +289,18 @@ def sample_gradients(config: TrainingConfig | None = None) -> dict[str, np.ndarr
 
 
 @dataclass(frozen=True)
-class SampleRun:
-    """Where :func:`write_sample_run` put its files, with ``{step}``/``{peer}`` patterns."""
+class RunFiles:
+    """Where a generated run's files are, with ``{step}``/``{peer}`` patterns.
+
+    The layout every generator in :mod:`gradpipe.testing` writes:
+    ``dumps/step=NNNN/peer=<peer>.safetensors`` and ``state/step=NNNN.safetensors``.
+    """
 
     directory: str
     dump_pattern: str
     state_pattern: str
     steps: list[int]
     peers: list[str]
-    config: TrainingConfig
 
     def dump_path(self, step: int, peer: str) -> str:
         """Path of the gradient dump of ``peer`` at ``step``."""
@@ -305,6 +309,13 @@ class SampleRun:
     def state_path(self, step: int) -> str:
         """Path of the training-state file after ``step``."""
         return self.state_pattern.format(step=f"{step:04d}")
+
+
+@dataclass(frozen=True)
+class SampleRun(RunFiles):
+    """Where :func:`write_sample_run` put its files, and the config that made them."""
+
+    config: TrainingConfig
 
 
 def write_sample_run(

@@ -37,6 +37,7 @@ from gradpipe.core.dtypes import parse_dtype
 from gradpipe.errors import InvalidInputError
 from gradpipe.formats.safetensors import write_safetensors
 from gradpipe.testing._transformer_numpy import Arrays, Batch, NumpyTrainer
+from gradpipe.testing.training import RunFiles
 
 __all__ = [
     "TransformerBatch",
@@ -336,26 +337,10 @@ def train_transformer(
 
 
 @dataclass(frozen=True)
-class TransformerRun:
-    """Where :func:`write_transformer_run` put its files, with ``{step}``/``{peer}`` patterns.
+class TransformerRun(RunFiles):
+    """Where :func:`write_transformer_run` put its files (the layout of ``SampleRun``)."""
 
-    The layout of :class:`gradpipe.testing.SampleRun`.
-    """
-
-    directory: str
-    dump_pattern: str
-    state_pattern: str
-    steps: list[int]
-    peers: list[str]
     config: TransformerConfig
-
-    def dump_path(self, step: int, peer: str) -> str:
-        """Path of the gradient dump of ``peer`` at ``step``."""
-        return self.dump_pattern.format(step=f"{step:04d}", peer=peer)
-
-    def state_path(self, step: int) -> str:
-        """Path of the training-state file after ``step``."""
-        return self.state_pattern.format(step=f"{step:04d}")
 
 
 def write_transformer_run(

@@ -14,13 +14,18 @@ import gradpipe as gp
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 
 
-def _golden_arrays() -> dict[str, np.ndarray]:
-    spec = importlib.util.spec_from_file_location("make_store_v1", FIXTURES / "make_store_v1.py")
+def _fixture_arrays(maker: str) -> dict[str, np.ndarray]:
+    """``golden_arrays()`` of the fixture script ``tests/fixtures/<maker>.py``."""
+    spec = importlib.util.spec_from_file_location(maker, FIXTURES / f"{maker}.py")
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.golden_arrays()  # type: ignore[no-any-return]
+
+
+def _golden_arrays() -> dict[str, np.ndarray]:
+    return _fixture_arrays("make_store_v1")
 
 
 @pytest.fixture
@@ -64,12 +69,7 @@ def test_golden_block_ids_are_stable(tmp_path: Path) -> None:
 
 # --- format 2: inline chunks, embedded tensor manifests, byte-group frame v2 --------------
 def _golden_v2_arrays() -> dict[str, np.ndarray]:
-    spec = importlib.util.spec_from_file_location("make_store_v2", FIXTURES / "make_store_v2.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.golden_arrays()  # type: ignore[no-any-return]
+    return _fixture_arrays("make_store_v2")
 
 
 @pytest.fixture
