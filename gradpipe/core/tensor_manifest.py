@@ -4,6 +4,10 @@ Small chunks live inside the manifest (icechunk inlines small chunks the same
 way): their encoded block frame is kept in ``inline`` instead of an object of
 its own, so a bias vector costs no file. The chunk keeps its block id (the
 hash of its logical bytes), and every read checks the frame against it.
+
+A tensor written as a version of another lists, per chunk stored as a delta,
+the chain of delta blocks down to a keyframe (format 3, see
+:mod:`gradpipe.core.chain`); such a chunk has no block of its own id.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from gradpipe.core.chain import ChainInfo, DeltaLink
 from gradpipe.core.chunk_stats import ChunkStats, merge_stats
 from gradpipe.core.chunking import chunk_count, chunk_ranges, parse_chunk_shape, parse_shape
 from gradpipe.core.dtypes import parse_dtype
@@ -31,7 +36,9 @@ class TensorManifest(Manifest):
 
     ``blocks[i]`` is ``None`` for a chunk whose bytes are all zero: it takes no block.
     ``inline[i]``, where present, is chunk ``i``'s encoded block frame, kept here
-    instead of as an object of its own (format 2).
+    instead of as an object of its own (format 2). ``deltas[i]``, where
+    present, is chunk ``i``'s chain of deltas, nearest first (format 3);
+    ``chain`` says how this version was chained and what that saved.
     """
 
     type: ClassVar[str] = "tensor"
@@ -42,6 +49,8 @@ class TensorManifest(Manifest):
     blocks: tuple[str | None, ...]
     stats: tuple[ChunkStats, ...]
     inline: Mapping[int, bytes] = field(default_factory=dict)
+    deltas: Mapping[int, tuple[DeltaLink, ...]] = field(default_factory=dict)
+    chain: ChainInfo | None = None
 
     def __post_init__(self) -> None:
         parse_shape(self.shape, parse_dtype(self.dtype).itemsize, where=f"{self.dtype} tensor")
@@ -59,6 +68,18 @@ class TensorManifest(Manifest):
                 )
             if not isinstance(frame, bytes):
                 raise InvalidInputError(f"inline frame of chunk {index} is not bytes")
+        for index, links in self.deltas.items():
+            if not 0 <= index < n or self.blocks[index] is None or index in self.inline:
+                raise InvalidInputError(
+                    f"delta chain for chunk {index}, which has no block or is inline "
+                    f"(of {n} chunks)"
+                )
+            if not links:
+                raise InvalidInputError(f"chunk {index} lists an empty delta chain")
+        if self.chain is not None and len(self.chain.stored) != n:
+            raise InvalidInputError(
+                f"chain info lists {len(self.chain.stored)} chunks, the tensor has {n}"
+            )
 
     @property
     def size(self) -> int:
@@ -78,11 +99,24 @@ class TensorManifest(Manifest):
         """Statistics of the whole tensor, merged from the chunks."""
         return merge_stats(self.stats)
 
+    @property
+    def depth(self) -> int:
+        """The longest delta chain of any chunk (0: every chunk is stored in full)."""
+        return max((len(links) for links in self.deltas.values()), default=0)
+
     def format_needed(self) -> int:
+        if self.deltas or self.chain is not None:
+            return 3
         return 2 if self.inline else 1
 
     def data_children(self) -> Iterator[str]:
-        return (b for i, b in enumerate(self.blocks) if b is not None and i not in self.inline)
+        for i, block in enumerate(self.blocks):
+            links = self.deltas.get(i)
+            if links:  # the chunk is its chain: delta blocks and the keyframe, no block of its own
+                yield from (link.block for link in links)
+                yield links[-1].base
+            elif block is not None and i not in self.inline:
+                yield block
 
     def inline_frames(self) -> Iterator[tuple[str, bytes, str]]:
         return (
@@ -102,6 +136,13 @@ class TensorManifest(Manifest):
             "chunk_shape": list(self.chunk_shape),
             "chunks": columns,
         }
+        if self.deltas:
+            columns["delta"] = [
+                [link.to_list() for link in self.deltas[i]] if i in self.deltas else None
+                for i in range(len(self.blocks))
+            ]
+        if self.chain is not None:
+            out["chain"] = self.chain.to_dict()
         if self.inline:
             out["inline"] = {
                 str(i): base64.b64encode(frame).decode("ascii")
@@ -116,7 +157,7 @@ class TensorManifest(Manifest):
         columns = data["chunks"]
         blocks = tuple(None if b is None else parse_id(b) for b in columns["block"])
         counts = [stop - start for start, stop in chunk_ranges(shape, chunk_shape)]
-        keys = [k for k in columns if k != "block"]
+        keys = [k for k in columns if k not in ("block", "delta")]
         stats = tuple(
             ChunkStats.from_dict({k: columns[k][i] for k in keys}, count=count)
             for i, count in enumerate(counts)
@@ -129,4 +170,10 @@ class TensorManifest(Manifest):
                 inline[int(index)] = base64.b64decode(text, validate=True)
             except (binascii.Error, TypeError) as exc:
                 raise ValueError(f"inline frame of chunk {index} is not base64: {exc}") from None
-        return cls(data["dtype"], shape, chunk_shape, blocks, stats, inline)
+        deltas = {
+            i: tuple(DeltaLink.from_list(link) for link in links)
+            for i, links in enumerate(columns.get("delta") or ())
+            if links is not None
+        }
+        chain = ChainInfo.from_dict(data["chain"]) if "chain" in data else None
+        return cls(data["dtype"], shape, chunk_shape, blocks, stats, inline, deltas, chain)

@@ -7,10 +7,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gradpipe.core.chain import DeltaLink
 from gradpipe.core.chunking import dask_chunks
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.tensor_manifest import TensorManifest
-from gradpipe.storage.blocks import decode_block
+from gradpipe.storage.reads import ChunkRead, decode_chunks
 from gradpipe.storage.store import Store
 
 if TYPE_CHECKING:
@@ -26,17 +27,17 @@ def load_chunk(
     shape: tuple[int, ...],
     context: str,
     frame: bytes | None = None,
+    links: tuple[DeltaLink, ...] = (),
 ) -> np.ndarray:
     """One chunk of a tensor (zeros for a chunk stored as all-zero).
 
     ``frame`` is the chunk's block when its manifest keeps it inline (a few
-    KiB at most, so it travels in the task instead of a read).
+    KiB at most, so it travels in the task instead of a read); ``links`` its
+    delta chain, if it has one.
     """
     out = np.zeros(shape, dtype=parse_dtype(dtype))
-    if block_id is not None and frame is not None:
-        decode_block(frame, block_id, out=out.reshape(-1), context=context)
-    elif block_id is not None:
-        store.read_chunk(block_id, out.reshape(-1), context=context)
+    if block_id is not None:
+        decode_chunks(store, [ChunkRead(block_id, out.reshape(-1), context, frame, links)])
     return out
 
 
@@ -64,6 +65,7 @@ def lazy_tensor(store: Store, manifest: TensorManifest, *, name: str = "tensor")
             shape,
             f"{name}, chunk {i}",
             manifest.inline.get(i),
+            manifest.deltas.get(i, ()),
         )
     if not indices:
         empty: DaskArray = da.zeros(manifest.shape, dtype=parse_dtype(manifest.dtype), chunks=grid)

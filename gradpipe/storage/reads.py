@@ -16,6 +16,11 @@ waits for window *k* before fetching *k + 2*, so at most two windows of
 frames (:data:`READ_WINDOW` blocks or :data:`READ_WINDOW_BYTES` of output,
 whichever comes first) are held at any time, whatever the tensor's size.
 
+A chunk stored as a delta chain (:mod:`gradpipe.core.chain`) needs its
+keyframe and every delta block: they are fetched in the chunk's window, and its
+decode task applies the deltas oldest first, into the same slice, then checks
+the result against the chunk's id.
+
 Errors are those a one-by-one read would raise, in the same order (the
 order the chunks are given in): the first
 chunk that is missing or does not decode is the one reported, whichever
@@ -33,8 +38,11 @@ from typing import TYPE_CHECKING, Final
 
 import numpy as np
 
-from gradpipe.core.ids import block_key
-from gradpipe.errors import NotFoundError
+from gradpipe.codecs.delta import DeltaCodec
+from gradpipe.core.chain import DeltaLink
+from gradpipe.core.dtypes import dtype_name
+from gradpipe.core.ids import block_key, hash_bytes
+from gradpipe.errors import IntegrityError, NotFoundError
 from gradpipe.storage.blocks import decode_block
 
 if TYPE_CHECKING:
@@ -44,6 +52,7 @@ __all__ = [
     "READ_WINDOW",
     "READ_WINDOW_BYTES",
     "ChunkRead",
+    "decode_chain",
     "decode_chunks",
     "decode_windows",
     "read_threads",
@@ -62,12 +71,23 @@ class ChunkRead:
 
     ``frame`` is the encoded block when the caller has it already (a chunk
     kept inline in its manifest); None means fetch it from the store.
+    ``links`` is the chunk's delta chain, nearest first (empty: a full block).
     """
 
     block_id: str
     out: np.ndarray  # contiguous slice of the output array, exactly the logical size
     context: str
     frame: bytes | None = None
+    links: tuple[DeltaLink, ...] = ()
+
+    @property
+    def keys(self) -> list[str]:
+        """The blocks to fetch, in decode order: the keyframe, then the deltas oldest first."""
+        if self.frame is not None:
+            return []
+        if not self.links:
+            return [self.block_id]
+        return [self.links[-1].base, *(link.block for link in reversed(self.links))]
 
 
 #: A chunk and its decode, or the error that stopped it before decoding.
@@ -125,19 +145,19 @@ def decode_windows(store: Store, chunks: Sequence[ChunkRead]) -> Iterator[int]:
     done = 0
     try:
         for window in _windows(chunks):
-            wanted = [c for c in window if c.frame is None]
-            fetched = store.backend.read_many([block_key(c.block_id) for c in wanted])
-            frames = dict(zip(map(id, wanted), fetched, strict=True))
+            wanted = [(chunk, key) for chunk in window for key in chunk.keys]
+            fetched = iter(store.backend.read_many([block_key(k) for _, k in wanted]))
             current = []
             for chunk in window:
-                frame = chunk.frame if chunk.frame is not None else frames.pop(id(chunk))
-                if isinstance(frame, NotFoundError):
-                    current.append((chunk, store.missing_block(chunk.block_id, chunk.context)))
-                elif isinstance(frame, BaseException):
-                    current.append((chunk, frame))
-                else:
-                    current.append((chunk, submit(_decode, chunk, frame)))
-            del fetched, frames  # the pool holds each frame until it is decoded
+                got = [next(fetched) for _ in chunk.keys]
+                failed = _failure(store, chunk, got)
+                frames = (
+                    [chunk.frame]
+                    if chunk.frame is not None
+                    else [f for f in got if not isinstance(f, BaseException)]
+                )
+                current.append((chunk, failed or submit(_decode, chunk, frames)))
+            del fetched, got, frames  # the pool holds each frame until it is decoded
             if previous:
                 _finish(previous)
                 done += len(previous)
@@ -151,13 +171,26 @@ def decode_windows(store: Store, chunks: Sequence[ChunkRead]) -> Iterator[int]:
         _abandon(previous + current)
 
 
+def _failure(
+    store: Store, chunk: ChunkRead, frames: Sequence[bytes | BaseException]
+) -> BaseException | None:
+    """The error of the first frame of ``chunk`` that could not be fetched, if any."""
+    for key, frame in zip(chunk.keys, frames, strict=True):
+        if isinstance(frame, NotFoundError):
+            what = chunk.context if key == chunk.block_id else f"{chunk.context}, delta chain"
+            return store.missing_block(key, what)
+        if isinstance(frame, BaseException):
+            return frame
+    return None
+
+
 def _run_here(
-    fn: Callable[[ChunkRead, bytes], None], chunk: ChunkRead, frame: bytes
+    fn: Callable[[ChunkRead, list[bytes]], None], chunk: ChunkRead, frames: list[bytes]
 ) -> Future[None]:
     """Run ``fn`` now, on this thread, as a finished future (one core, or one chunk)."""
     future: Future[None] = Future()
     try:
-        fn(chunk, frame)
+        fn(chunk, frames)
     except BaseException as exc:  # reported in chunk order by _finish
         future.set_exception(exc)
     else:
@@ -165,8 +198,39 @@ def _run_here(
     return future
 
 
-def _decode(chunk: ChunkRead, frame: bytes) -> None:
-    decode_block(frame, chunk.block_id, out=chunk.out, context=chunk.context)
+def _decode(chunk: ChunkRead, frames: list[bytes]) -> None:
+    if chunk.links:
+        decode_chain(frames, chunk.block_id, chunk.links, out=chunk.out, context=chunk.context)
+    else:
+        decode_block(frames[0], chunk.block_id, out=chunk.out, context=chunk.context)
+
+
+def decode_chain(
+    frames: Sequence[bytes],
+    block_id: str,
+    links: Sequence[DeltaLink],
+    *,
+    out: np.ndarray,
+    context: str = "",
+) -> None:
+    """Rebuild a delta-chained chunk into ``out`` from its frames, checking every id.
+
+    ``frames`` are the keyframe's then each delta's, oldest first (as
+    :attr:`ChunkRead.keys` lists them). Each frame is checked against its
+    own id as it is decoded; the result is checked against ``block_id``.
+    """
+    where = context or f"chunk {block_id}"
+    decode_block(frames[0], links[-1].base, out=out, context=f"{where}, keyframe")
+    dtype = dtype_name(out.dtype)
+    for link, frame in zip(reversed(links), frames[1:], strict=True):
+        delta = decode_block(frame, link.block, context=f"{where}, delta")
+        # The codec computes the target before writing it, so the base may be ``out``.
+        DeltaCodec(link.kind, dtype).bind(out).decode(delta, out=out)
+    if hash_bytes(out.reshape(-1).view(np.uint8)) != block_id:
+        raise IntegrityError(
+            f"{where} rebuilt from its delta chain does not match its id {block_id}; "
+            "a delta was written against other bytes than its base: run `gradpipe verify`"
+        )
 
 
 def _windows(chunks: Sequence[ChunkRead]) -> list[list[ChunkRead]]:
@@ -175,11 +239,13 @@ def _windows(chunks: Sequence[ChunkRead]) -> list[list[ChunkRead]]:
     window: list[ChunkRead] = []
     size = 0
     for chunk in chunks:
-        if window and (len(window) >= READ_WINDOW or size + chunk.out.nbytes > READ_WINDOW_BYTES):
+        # A chained chunk holds its keyframe and deltas: count them all.
+        cost = chunk.out.nbytes * (1 + len(chunk.links))
+        if window and (len(window) >= READ_WINDOW or size + cost > READ_WINDOW_BYTES):
             out.append(window)
             window, size = [], 0
         window.append(chunk)
-        size += chunk.out.nbytes
+        size += cost
     if window:
         out.append(window)
     return out

@@ -186,7 +186,15 @@ def iter_tensors(
         ):
             if block_id is not None:
                 where = f"{context}, chunk {i}" if context else f"chunk {i}"
-                chunks.append(ChunkRead(block_id, out[start:stop], where, manifest.inline.get(i)))
+                chunks.append(
+                    ChunkRead(
+                        block_id,
+                        out[start:stop],
+                        where,
+                        manifest.inline.get(i),
+                        manifest.deltas.get(i, ()),
+                    )
+                )
         ends.append(len(chunks))
     ready = 0
     for done in decode_windows(store, chunks):

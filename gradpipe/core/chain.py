@@ -1,0 +1,121 @@
+"""How a chunk of a chained tensor is stored: as itself, or as deltas down to a keyframe.
+
+A tensor stored as a version of another (a snapshot's parameters after the
+previous snapshot's, a peer's gradient after its previous step's) lists, per
+chunk that is a delta, its :class:`DeltaLink`\\ s nearest first: the chunk is
+``links[0].block`` applied to the chunk ``links[0].base``, which is
+``links[1].block`` applied to ``links[1].base``, and so on down to the
+*keyframe* ``links[-1].base``, a full block. Every id a reader needs is in the
+manifest, so reads fetch a whole chain in one batch and gc keeps every block of
+it alive from the manifest alone (see docs/design/008).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from gradpipe.core.encoding import decode_float, encode_float
+from gradpipe.core.ids import parse_id
+from gradpipe.errors import InvalidInputError
+
+__all__ = ["DEFAULT_KEYFRAME_INTERVAL", "ChainInfo", "DeltaLink", "parse_keyframe_interval"]
+
+#: A full keyframe every this many versions of a chunk, so a read decodes at
+#: most this many blocks per chunk. Chosen from bench_snapshots (README): on
+#: parameters the delta is half a keyframe's size, so K = 8 stores
+#: (1 + 7 * 0.5) / 8 = 56% of independent copies, against 52% for K = 16 at
+#: twice the worst-case reconstruction work, and 75% for K = 2.
+DEFAULT_KEYFRAME_INTERVAL: Final = 8
+
+
+def parse_keyframe_interval(value: object) -> int:
+    """A keyframe interval (versions per chain, >= 1; 1 stores every version in full)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidInputError(f"keyframe interval must be an integer >= 1, not {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaLink:
+    """One step of a chunk's chain: the delta block and the chunk it applies to."""
+
+    block: str  # id of the delta's bytes (an ordinary block)
+    base: str  # logical id of the chunk the delta applies to
+    kind: str  # the delta kind: "int", "xor" or "sparse" (see gradpipe.codecs.delta)
+
+    def __post_init__(self) -> None:
+        parse_id(self.block)
+        parse_id(self.base)
+        if self.kind not in ("int", "xor", "sparse"):
+            raise InvalidInputError(f"unknown delta kind {self.kind!r}")
+
+    def to_list(self) -> list[str]:
+        """Compact JSON form: ``[block, base, kind]``."""
+        return [self.block, self.base, self.kind]
+
+    @classmethod
+    def from_list(cls, data: Sequence[Any]) -> DeltaLink:
+        block, base, kind = data
+        return cls(str(block), str(base), str(kind))
+
+
+@dataclass(frozen=True, slots=True)
+class ChainInfo:
+    """What chaining did for one tensor version (kept in its manifest, for reports).
+
+    ``stored[i]`` is the bytes chunk ``i`` of this version added (its delta or
+    full block; 0 when unchanged from the parent), ``full[i]`` what the chunk
+    takes stored on its own, so ``sum(full) - sum(stored)`` is what the chain
+    saved against independent storage. ``parent`` is the id of the tensor this
+    version was written against (provenance only: reads and gc never follow
+    it, so pruning the parent leaves it dangling by design).
+    """
+
+    parent: str | None
+    keyframe_interval: int
+    stored: tuple[int, ...]
+    full: tuple[int, ...]
+    lossy: bool = False
+    max_abs_error: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.parent is not None:
+            parse_id(self.parent)
+        parse_keyframe_interval(self.keyframe_interval)
+        if len(self.stored) != len(self.full):
+            raise InvalidInputError("chain info lists stored and full sizes for different chunks")
+        if any(n < 0 for n in (*self.stored, *self.full)):
+            raise InvalidInputError("chain info lists a negative size")
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes this version added to the store."""
+        return sum(self.stored)
+
+    @property
+    def full_bytes(self) -> int:
+        """Bytes this version would take stored on its own."""
+        return sum(self.full)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "parent": self.parent,
+            "keyframe_interval": self.keyframe_interval,
+            "stored": list(self.stored),
+            "full": list(self.full),
+            "lossy": self.lossy,
+            "max_abs_error": encode_float(self.max_abs_error),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ChainInfo:
+        return cls(
+            parent=None if data["parent"] is None else str(data["parent"]),
+            keyframe_interval=int(data["keyframe_interval"]),
+            stored=tuple(int(n) for n in data["stored"]),
+            full=tuple(int(n) for n in data["full"]),
+            lossy=bool(data.get("lossy", False)),
+            max_abs_error=decode_float(data.get("max_abs_error", 0.0)) or 0.0,
+        )

@@ -1,0 +1,290 @@
+"""Writing a tensor as the next version of another: per chunk, full or a delta.
+
+:func:`write_version` cuts the new version on its parent's chunk grid and
+decides chunk by chunk (design note 008):
+
+- a chunk equal to the parent's costs nothing: it keeps the parent's block,
+  inline frame or delta chain;
+- a chunk whose parent chunk is a stored block (not all-zero, not inline) and
+  whose chain is shorter than ``keyframe_interval - 1`` is encoded both in full
+  and as a delta against the parent chunk (:class:`~gradpipe.codecs.delta.DeltaCodec`),
+  and the smaller is kept: gradients of consecutive steps are uncorrelated and
+  stay full, parameters halve;
+- every other chunk (a keyframe, a small chunk, a changed grid) is stored in
+  full, as :func:`~gradpipe.storage.tensors.write_chunks` would.
+
+The chunk keeps its id (the hash of its logical bytes) whichever way it is
+stored; a delta block is an ordinary block named by the hash of the delta's
+bytes, so verify, repair and gc treat it like any other. The manifest lists
+each delta chunk's chain down to its keyframe, and :class:`ChainInfo` what the
+version stored against what it would have stored alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+import numpy as np
+
+from gradpipe.codecs.delta import DeltaCodec, parse_delta_kind
+from gradpipe.config import get_bytes
+from gradpipe.core.chain import (
+    DEFAULT_KEYFRAME_INTERVAL,
+    ChainInfo,
+    DeltaLink,
+    parse_keyframe_interval,
+)
+from gradpipe.core.chunk_stats import ChunkStats, bit_nonzero, chunk_stats
+from gradpipe.core.chunking import choose_chunk_shape, chunk_ranges
+from gradpipe.core.dtypes import canonical_dtype, check_values, dtype_name
+from gradpipe.core.ids import hash_bytes
+from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.storage.blocks import BlockToWrite, WriteStats
+
+if TYPE_CHECKING:
+    from gradpipe.storage.store import Store
+
+__all__ = ["ChainParent", "write_version"]
+
+_WINDOW_BYTES: Final = 64 * 2**20
+_WINDOW_BLOCKS: Final = 64
+#: Chunks up to this many times ``inline-bytes`` are never delta-encoded: their
+#: frames are a few KiB and may be kept inline, where no chain can reach them.
+_SMALL_FACTOR: Final = 4
+
+
+@dataclass(frozen=True)
+class ChainParent:
+    """The version a tensor is written against: its manifest and its values.
+
+    ``values`` are the parent's logical values, if the writer has them (its own
+    last write, or the previous file of an ingest); ``trusted=False`` makes
+    every chunk used as a base be checked against the parent's block id
+    first, so a file changed since it was stored only costs a full chunk.
+    """
+
+    manifest: TensorManifest
+    manifest_id: str | None
+    values: np.ndarray | None
+    trusted: bool = False
+
+
+@dataclass
+class _Chunk:
+    """What the manifest keeps of one chunk, and what it cost."""
+
+    block: str | None
+    stats: ChunkStats
+    frame: bytes | None = None  # kept inline
+    links: tuple[DeltaLink, ...] = ()
+    stored: int = 0
+    full: int = 0
+
+
+class _Writes:
+    """Blocks to write, flushed to the store in windows (one batched round trip each)."""
+
+    def __init__(self, store: Store, stats: WriteStats) -> None:
+        self.store, self.stats = store, stats
+        self.items: list[BlockToWrite] = []
+        self.size = 0
+
+    def add(self, item: BlockToWrite) -> None:
+        self.items.append(item)
+        self.size += len(item.frame or b"")
+        if len(self.items) >= _WINDOW_BLOCKS or self.size >= _WINDOW_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.items:
+            self.store.write_blocks(self.items, self.stats)
+        self.items, self.size = [], 0
+
+
+def write_version(
+    store: Store,
+    array: np.ndarray,
+    parent: ChainParent | None,
+    *,
+    delta: str = "int",
+    threshold: float = 0.0,
+    keyframe_interval: int = DEFAULT_KEYFRAME_INTERVAL,
+    chunk_bytes: int | None = None,
+    stats: WriteStats | None = None,
+    where: str = "",
+) -> TensorManifest:
+    """Write ``array`` as the next version after ``parent`` (None: the first, all full).
+
+    Returns the (not yet stored) manifest. ``delta`` is the delta kind
+    (``int``, ``xor``, or the lossy ``sparse`` with ``threshold``).
+    """
+    store.check_writable()
+    kind = parse_delta_kind(delta)
+    interval = parse_keyframe_interval(keyframe_interval)
+    stats = stats if stats is not None else WriteStats()
+    dtype = canonical_dtype(array.dtype)
+    flat = np.ascontiguousarray(array, dtype=dtype).reshape(-1)
+    name = dtype_name(dtype)
+    base = parent.manifest if parent is not None else None
+    if base is not None and (base.dtype != name or base.shape != tuple(array.shape)):
+        base = None  # another dtype or shape: nothing to delta against
+    if base is not None:
+        chunk_shape = base.chunk_shape
+    else:
+        target = chunk_bytes if chunk_bytes is not None else get_bytes("chunk-bytes")
+        chunk_shape = choose_chunk_shape(array.shape, dtype.itemsize, target)
+    writer = _VersionWriter(
+        store,
+        stats,
+        kind=kind,
+        threshold=threshold,
+        interval=interval,
+        parent=parent if base else None,
+    )
+    chunks = [
+        writer.chunk(i, flat[start:stop], where=where)
+        for i, (start, stop) in enumerate(chunk_ranges(array.shape, chunk_shape))
+    ]
+    writer.writes.flush()
+    return TensorManifest(
+        name,
+        tuple(array.shape),
+        chunk_shape,
+        tuple(c.block for c in chunks),
+        tuple(c.stats for c in chunks),
+        {i: c.frame for i, c in enumerate(chunks) if c.frame is not None},
+        {i: c.links for i, c in enumerate(chunks) if c.links},
+        ChainInfo(
+            parent.manifest_id if parent is not None else None,
+            interval,
+            tuple(c.stored for c in chunks),
+            tuple(c.full for c in chunks),
+            lossy=writer.lossy,
+            max_abs_error=writer.max_abs_error,
+        ),
+    )
+
+
+class _VersionWriter:
+    """The per-chunk decisions of one :func:`write_version` call."""
+
+    def __init__(
+        self,
+        store: Store,
+        stats: WriteStats,
+        *,
+        kind: str,
+        threshold: float,
+        interval: int,
+        parent: ChainParent | None,
+    ) -> None:
+        self.store, self.stats, self.writes = store, stats, _Writes(store, stats)
+        self.kind, self.threshold, self.interval = kind, threshold, interval
+        self.parent = parent
+        self.inline_max = get_bytes("inline-bytes")
+        self.parent_flat = (
+            None
+            if parent is None or parent.values is None
+            else np.ascontiguousarray(parent.values).reshape(-1)
+        )
+        self.lossy = False
+        self.max_abs_error = 0.0
+
+    def chunk(self, i: int, chunk: np.ndarray, *, where: str) -> _Chunk:
+        check_values(chunk, where=where or "tensor")
+        self.stats.logical_bytes += chunk.nbytes
+        nonzero = bit_nonzero(chunk)
+        if nonzero == 0:
+            self.stats.zero_chunks += 1
+            return _Chunk(None, chunk_stats(chunk, bits_nonzero=0))
+        block_id = hash_bytes(chunk.view(np.uint8))
+        parent = self.parent.manifest if self.parent is not None else None
+        if parent is not None and parent.blocks[i] == block_id:
+            return self._unchanged(i, parent, chunk, nonzero)
+        record_stats = chunk_stats(chunk, bits_nonzero=nonzero)
+        full_item = BlockToWrite(block_id, chunk, None, nonzero)
+        if chunk.nbytes <= self.inline_max * _SMALL_FACTOR:
+            return self._small(full_item, record_stats)
+        base = self._base(i, parent)
+        full_frame = self.store.encode_block(full_item)
+        if base is None or parent is None:
+            return self._full(full_item, full_frame, record_stats)
+        return self._smaller(
+            i, parent, chunk, base, full=(full_item, full_frame), record_stats=record_stats
+        )
+
+    def _unchanged(self, i: int, parent: TensorManifest, chunk: np.ndarray, nonzero: int) -> _Chunk:
+        """The parent's chunk as it is stored: no new block."""
+        frame = parent.inline.get(i)
+        if parent.chain is not None:
+            full = parent.chain.full[i]
+        elif frame is not None:
+            full = len(frame)
+        else:  # a parent written without a chain: what this chunk takes alone
+            item = BlockToWrite(parent.blocks[i] or "", chunk, None, nonzero)
+            full = len(self.store.encode_block(item))
+        self.stats.blocks_reused += 1
+        return _Chunk(parent.blocks[i], parent.stats[i], frame, parent.deltas.get(i, ()), 0, full)
+
+    def _small(self, item: BlockToWrite, record_stats: ChunkStats) -> _Chunk:
+        frame = self.store.encode_block(item)
+        if len(frame) <= self.inline_max:
+            self.stats.inline_chunks += 1
+            return _Chunk(item.block_id, record_stats, frame, (), len(frame), len(frame))
+        return self._full(item, frame, record_stats)
+
+    def _full(self, item: BlockToWrite, frame: bytes, record_stats: ChunkStats) -> _Chunk:
+        self.writes.add(BlockToWrite(item.block_id, item.data, None, item.nonzero, frame))
+        return _Chunk(item.block_id, record_stats, None, (), len(frame), len(frame))
+
+    def _base(self, i: int, parent: TensorManifest | None) -> np.ndarray | None:
+        """The parent's chunk ``i`` to delta against, or None when it cannot serve."""
+        if parent is None or self.parent is None or self.parent_flat is None:
+            return None
+        block = parent.blocks[i]
+        if block is None or i in parent.inline:
+            return None  # no stored block: no chain can start from it
+        if len(parent.deltas.get(i, ())) + 1 >= self.interval:
+            return None  # time for a keyframe
+        start, stop = parent.chunk_ranges()[i]
+        values = self.parent_flat[start:stop]
+        if not self.parent.trusted and hash_bytes(values.view(np.uint8)) != block:
+            return None  # the values at hand are not what the parent stored
+        return values
+
+    def _smaller(
+        self,
+        i: int,
+        parent: TensorManifest,
+        chunk: np.ndarray,
+        base: np.ndarray,
+        *,
+        full: tuple[BlockToWrite, bytes],
+        record_stats: ChunkStats,
+    ) -> _Chunk:
+        """The chunk as a delta against ``base`` if that is smaller, else in full."""
+        full_item, full_frame = full
+        codec = DeltaCodec(self.kind, dtype_name(chunk.dtype), self.threshold).bind(base)
+        words = codec.encode(chunk)
+        # Lossless deltas are shown to the policy as the tensor's dtype, so the
+        # byte planes of a float's exponent and mantissa line up.
+        delta = words if self.kind == "sparse" else words.view(chunk.dtype)
+        delta_id = hash_bytes(delta.view(np.uint8))
+        delta_item = BlockToWrite(delta_id, delta, None, bit_nonzero(delta))
+        delta_frame = self.store.encode_block(delta_item)
+        if len(delta_frame) >= len(full_frame):
+            return self._full(full_item, full_frame, record_stats)
+        block_id = full_item.block_id
+        if not codec.lossless:
+            rebuilt = codec.decode(words).view(chunk.dtype)
+            block_id = hash_bytes(rebuilt.view(np.uint8))
+            record_stats = chunk_stats(rebuilt, bits_nonzero=bit_nonzero(rebuilt))
+            if not codec.exact:
+                self.lossy = True
+                self.max_abs_error = max(self.max_abs_error, codec.max_abs_error)
+        self.writes.add(BlockToWrite(delta_id, delta, None, delta_item.nonzero, delta_frame))
+        parent_block = parent.blocks[i]
+        assert parent_block is not None  # _base returned a base only for a stored block
+        links = (DeltaLink(delta_id, parent_block, self.kind), *parent.deltas.get(i, ()))
+        return _Chunk(block_id, record_stats, None, links, len(delta_frame), len(full_frame))
