@@ -468,7 +468,7 @@ def print_table(
         rate = logical / MiB / row.write_seconds
         print(
             f"{row.name:<30} {row.stored / MiB:>11.1f} {zipnn.stored / row.stored:>16.2f}"
-            f" {rate:>11.0f} {rate / st_rate:>13.2f} {row.restore_seconds:>10.2f}"
+            f" {rate:>11.0f} {rate / st_rate:>13.2f} {row.restore_seconds:>10.3f}"
             f" {row.objects:>6}  {row.exact}"
         )
 
