@@ -60,7 +60,8 @@ While the snapshot API, ``gradpipe restore`` or ``ingest --delta`` are missing
 from the build, their rows say so and the anchors are still measured.
 
 Run: ``python benchmarks/bench_snapshots.py`` (``--snapshots N``, ``--mib M``,
-``--repeat N``, ``--skip-ingest``); about five minutes at the default size on two cores.
+``--repeat N``, ``--skip-ingest``); a few minutes at the default size on two cores
+(the anchors alone: 90 s, a third of it training).
 """
 
 from __future__ import annotations
@@ -325,45 +326,62 @@ def measure(
 
 
 # --- whole-command restore ------------------------------------------------------------------
-def cli_restore_times(
-    store: Path, anchor: Path, out: Path, newest: Snapshot, repeat: int
-) -> tuple[float, float, str] | str:
-    """Median seconds of ``gradpipe restore`` and of ``python -c load_file``, and the check.
+@dataclass
+class CommandRestore:
+    """Median seconds of ``python -c load_file`` and of ``gradpipe restore`` (when there)."""
 
-    A string instead when ``gradpipe restore`` is not in this build.
-    """
+    anchor: float = 0.0
+    ours: float = 0.0
+    exact: str = ""
+    missing: str = ""  # why ``gradpipe restore`` was not measured
+
+
+def command_seconds(command: list[str]) -> float:
     environ = {k: v for k, v in os.environ.items() if k != "DASK_SCHEDULER_ADDRESS"}
-    ours = [str(BIN / "gradpipe"), "restore", str(store), "flat", "-o", str(out)]
-    theirs = [
-        sys.executable,
-        "-c",
-        f"from safetensors.numpy import load_file; load_file({str(anchor)!r})",
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, env=environ, check=False)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr.decode()}")
+    return seconds
+
+
+def command_restore(
+    store: Path | None, anchor: Path, out: Path, newest: Snapshot, repeat: int
+) -> CommandRestore:
+    """``gradpipe restore STORE flat -o OUT`` beside ``python -c load_file(anchor)``, warm.
+
+    Each runs once untimed first (page cache, the interpreter's files), then
+    ``repeat`` alternating runs; medians. ``store`` None: gradpipe's chain was not written.
+    """
+    load = f"from safetensors.numpy import load_file; load_file({str(anchor)!r})"
+    theirs = [sys.executable, "-c", load]
+    result = CommandRestore()
+    ours = None
+    if store is None:
+        result.missing = f"gp.snapshot: {UNAVAILABLE}"
+    else:
+        ours = [str(BIN / "gradpipe"), "restore", str(store), "flat", "-o", str(out)]
+        try:
+            command_seconds(ours)
+        except RuntimeError as error:
+            if "invalid choice" not in str(error):
+                raise
+            result.missing = f"gradpipe restore: {UNAVAILABLE}"
+            ours = None
+    command_seconds(theirs)
+    pairs = [
+        (command_seconds(ours) if ours else 0.0, command_seconds(theirs))
+        for _ in range(max(1, repeat))
     ]
+    result.ours = statistics.median(p[0] for p in pairs)
+    result.anchor = statistics.median(p[1] for p in pairs)
+    if ours:
+        from safetensors.numpy import load_file
 
-    def once(command: list[str]) -> float:
-        start = time.perf_counter()
-        done = subprocess.run(command, capture_output=True, env=environ, check=False)
-        seconds = time.perf_counter() - start
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr.decode()}")
-        return seconds
-
-    try:
-        once(ours)  # untimed: warms the page cache and the interpreter's files
-    except RuntimeError as error:
-        if "invalid choice" in str(error):
-            return f"gradpipe restore: {UNAVAILABLE}"
-        raise
-    once(theirs)
-    pairs = [(once(ours), once(theirs)) for _ in range(max(1, repeat))]
-    from safetensors.numpy import load_file
-
-    why = mismatch(load_file(str(out)), newest.flat)
-    return (
-        statistics.median(p[0] for p in pairs),
-        statistics.median(p[1] for p in pairs),
-        "yes" if not why else f"NO: {why}",
-    )
+        why = mismatch(load_file(str(out)), newest.flat)
+        result.exact = "yes" if not why else f"NO: {why}"
+    return result
 
 
 # --- ingest with --delta ----------------------------------------------------------------------
@@ -371,6 +389,10 @@ def delta_ingest(run: TransformerRun, tmp: Path) -> str:
     """One line: stored bytes of a plain ingest of the run's dumps against ``--delta``."""
     dumps = len(run.steps) * len(run.peers)
     logical = sum(Path(run.dump_path(s, p)).stat().st_size for s in run.steps for p in run.peers)
+    head = (
+        f"ingest on {dumps} gradient dumps ({len(run.steps)} steps x {len(run.peers)} peers, "
+        f"{logical / MiB:.0f} MiB of files)"
+    )
     results = {}
     for label, options in (("plain", ()), ("--delta", ("--delta",))):
         dest = tmp / f"ingest-{label.strip('-')}"
@@ -379,18 +401,17 @@ def delta_ingest(run: TransformerRun, tmp: Path) -> str:
         try:
             doc = cli_ingest(str(dest), run.dump_pattern, options=options)
         except RuntimeError as error:
-            if "unrecognized arguments: --delta" in str(error):
-                return f"ingest --delta: {UNAVAILABLE}"
-            raise
+            if "unrecognized arguments: --delta" not in str(error):
+                raise
+            plain, plain_s = results["plain"]
+            return f"{head}: plain {plain / MiB:.1f} MiB in {plain_s:.1f} s; --delta: {UNAVAILABLE}"
         seconds = time.perf_counter() - start
         check_ingest(doc, dumps)
         results[label] = (disk_bytes(dest), seconds)
     (plain, plain_s), (delta, delta_s) = results["plain"], results["--delta"]
     return (
-        f"ingest --delta on {dumps} gradient dumps ({len(run.steps)} steps x {len(run.peers)} "
-        f"peers, {logical / MiB:.0f} MiB of files): plain {plain / MiB:.1f} MiB in "
-        f"{plain_s:.1f} s, --delta {delta / MiB:.1f} MiB in {delta_s:.1f} s "
-        f"(--delta stores {delta / plain:.3f}x plain's bytes)"
+        f"{head}: plain {plain / MiB:.1f} MiB in {plain_s:.1f} s, --delta {delta / MiB:.1f} MiB "
+        f"in {delta_s:.1f} s (--delta stores {delta / plain:.3f}x plain's bytes)"
     )
 
 
@@ -419,13 +440,13 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
     shutil.rmtree(tmp / "torch")
     contender("safetensors save_file", "st", safetensors_write, safetensors_restore)
 
-    if flat.missing:
-        command: tuple[float, float, str] | str = f"gradpipe restore: {UNAVAILABLE}"
-    else:
-        anchor = tmp / "st" / f"step{newest.step}.safetensors"
-        command = cli_restore_times(
-            tmp / "gp-flat", anchor, tmp / "restored.safetensors", newest, args.repeat
-        )
+    command = command_restore(
+        None if flat.missing else tmp / "gp-flat",
+        tmp / "st" / f"step{newest.step}.safetensors",
+        tmp / "restored.safetensors",
+        newest,
+        args.repeat,
+    )
     ingest_line = "ingest --delta: skipped (--skip-ingest)"
     if not args.skip_ingest:
         ingest_line = delta_ingest(data, tmp)
@@ -437,7 +458,7 @@ def print_table(
     what: str,
     rows: list[Row],
     logical: int,
-    command: tuple[float, float, str] | str,
+    command: CommandRestore,
     ingest_line: str,
 ) -> None:
     by_name = {row.name: row for row in rows}
@@ -473,14 +494,13 @@ def print_table(
         )
 
     print("\nrestore of the newest snapshot, whole command (median of alternating runs, warm):")
-    if isinstance(command, str):
-        print(f"  {command}")
+    print(f"  python -c load_file(newest save_file snapshot): {command.anchor:.2f} s")
+    if command.missing:
+        print(f"  {command.missing}")
     else:
-        ours, theirs, exact = command
         print(
-            f"  gradpipe restore STORE flat -o OUT.safetensors: {ours:.2f} s (bit-exact: {exact}); "
-            f"python -c load_file(newest save_file snapshot): {theirs:.2f} s; "
-            f"ratio {ours / theirs:.2f}x"
+            f"  gradpipe restore STORE flat -o OUT.safetensors: {command.ours:.2f} s, "
+            f"{command.ours / command.anchor:.2f}x the anchor (bit-exact: {command.exact})"
         )
 
     def verdict(ok: bool) -> str:
@@ -503,14 +523,14 @@ def print_table(
             f"  {verdict(rate >= st_rate)}  snapshot throughput >= save_file's: {rate:.0f} vs "
             f"{st_rate:.0f} MiB/s ({rate / st_rate:.2f}x)"
         )
-    if isinstance(command, str):
-        print(f"  ----  gradpipe restore <= 4x python -c load_file: {command}")
+    if command.missing:
+        print(f"  ----  gradpipe restore <= 4x python -c load_file: {command.missing}")
     else:
-        ours, theirs, exact = command
-        ok = ours <= 4 * theirs and exact == "yes"
+        ours, theirs = command.ours, command.anchor
+        ok = ours <= 4 * theirs and command.exact == "yes"
         print(
             f"  {verdict(ok)}  gradpipe restore <= 4x python -c load_file: {ours / theirs:.2f}x "
-            f"({ours:.2f} s vs {theirs:.2f} s; bit-exact {exact})"
+            f"({ours:.2f} s vs {theirs:.2f} s; bit-exact {command.exact})"
         )
     print(f"  info  {ingest_line}")
 
