@@ -67,7 +67,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -124,10 +124,12 @@ def dump_files(sample: SampleRun) -> list[tuple[int, str, str]]:
 
 
 # --- rows -------------------------------------------------------------------------
-def cli_ingest(store: str, pattern: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+def cli_ingest(
+    store: str, pattern: str, env: dict[str, str] | None = None, *, options: Sequence[str] = ()
+) -> dict[str, Any]:
     environ = {k: v for k, v in os.environ.items() if k != "DASK_SCHEDULER_ADDRESS"}
     environ.update(env or {})
-    command = [str(BIN / "gradpipe"), "ingest", store, pattern, "--run", "r", "--json"]
+    command = [str(BIN / "gradpipe"), "ingest", store, pattern, "--run", "r", "--json", *options]
     done = subprocess.run(command, capture_output=True, env=environ, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr.decode()}")
