@@ -1,0 +1,127 @@
+"""The manifest of a training-state snapshot, one version of a named chain.
+
+A snapshot keeps the state's skeleton (the nesting, and every value that is
+not an array, encoded exactly: see :mod:`gradpipe.core.state`) and one tensor
+manifest per array, embedded, written as the next version of the same array
+in the previous snapshot. ``previous`` links the versions of a name, newest
+first, the way a commit links its parent: the ref ``snapshots/<name>``
+points at the newest, and everything older stays reachable from it until
+``prune`` writes a shorter chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from gradpipe.core.encoding import decode_float, encode_float
+from gradpipe.core.ids import parse_id
+from gradpipe.core.manifest import Manifest
+from gradpipe.core.names import parse_name
+from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.errors import InvalidInputError
+
+__all__ = ["SnapshotManifest"]
+
+
+@dataclass(frozen=True)
+class SnapshotManifest(Manifest):
+    """One snapshot: step, time, loss, metadata, the state's skeleton and its tensors."""
+
+    type: ClassVar[str] = "snapshot"
+
+    name: str
+    step: int
+    time: str
+    previous: str | None
+    state: dict[str, Any]  # the skeleton of gradpipe.core.state
+    tensors: Mapping[str, str]  # array key -> tensor manifest id
+    embedded: Mapping[str, TensorManifest] = field(default_factory=dict)
+    loss: float | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        parse_name(self.name, what="snapshot name")
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
+            raise InvalidInputError(f"snapshot step must be an integer >= 0, not {self.step!r}")
+        if self.previous is not None:
+            parse_id(self.previous)
+        for tensor_id in self.tensors.values():
+            parse_id(tensor_id)
+        listed = set(self.tensors.values())
+        for tensor_id in self.embedded:
+            if tensor_id not in listed:
+                raise InvalidInputError(f"embedded tensor {tensor_id} is not one of the snapshot's")
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes this snapshot added (its tensors' new blocks), as written."""
+        return sum(m.chain.stored_bytes for m in self.embedded.values() if m.chain is not None)
+
+    @property
+    def full_bytes(self) -> int:
+        """Bytes its tensors would take stored on their own."""
+        return sum(m.chain.full_bytes for m in self.embedded.values() if m.chain is not None)
+
+    @property
+    def logical_bytes(self) -> int:
+        """Uncompressed bytes of its arrays."""
+        return sum(m.nbytes for m in self.embedded.values())
+
+    @property
+    def depth(self) -> int:
+        """The longest delta chain of any of its chunks."""
+        return max((m.depth for m in self.embedded.values()), default=0)
+
+    def manifest_children(self) -> Iterator[str]:
+        if self.previous is not None:
+            yield self.previous
+        yield from (t for t in dict.fromkeys(self.tensors.values()) if t not in self.embedded)
+
+    def data_children(self) -> Iterator[str]:
+        for manifest in self.embedded.values():
+            yield from manifest.data_children()
+
+    def embedded_manifests(self) -> Iterator[tuple[str, Manifest]]:
+        return iter(self.embedded.items())
+
+    def inline_frames(self) -> Iterator[tuple[str, bytes, str]]:
+        for tensor_id, manifest in self.embedded.items():
+            for block, frame, where in manifest.inline_frames():
+                yield block, frame, f"tensor {tensor_id}, {where}"
+
+    def format_needed(self) -> int:
+        return 3
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "step": self.step,
+            "time": self.time,
+            "previous": self.previous,
+            "loss": encode_float(self.loss),
+            "metadata": dict(self.metadata),
+            "state": self.state,
+            "tensors": dict(self.tensors),
+            "embedded": {t: m.to_dict() for t, m in self.embedded.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SnapshotManifest:
+        state = data["state"]
+        if not isinstance(state, dict):
+            raise TypeError("snapshot state skeleton is not an object")
+        return cls(
+            name=str(data["name"]),
+            step=int(data["step"]),
+            time=str(data["time"]),
+            previous=None if data["previous"] is None else str(data["previous"]),
+            loss=decode_float(data["loss"]),
+            metadata={str(k): str(v) for k, v in data["metadata"].items()},
+            state=state,
+            tensors={str(k): str(v) for k, v in data["tensors"].items()},
+            embedded={
+                parse_id(t): TensorManifest.from_dict(m) for t, m in data["embedded"].items()
+            },
+        )

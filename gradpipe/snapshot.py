@@ -1,0 +1,380 @@
+"""Training-state snapshots: save, restore and list the versions of a named chain.
+
+>>> sid = gp.snapshot(store, "run1", {"model": params, "epoch": 3}, step=100)  # doctest: +SKIP
+>>> state = gp.restore(store, "run1")                                           # doctest: +SKIP
+
+A snapshot splits the state into its skeleton and its arrays
+(:mod:`gradpipe.core.state`) and writes every array as the next version of
+the same array in the previous snapshot of that name
+(:func:`~gradpipe.storage.chains.write_version`): parameters are stored as
+deltas about half their size, with a full keyframe every K versions. The
+whole snapshot is one manifest, published by one compare-and-swap of the ref
+``snapshots/<name>``: a crash at any point leaves the previous snapshot as it
+was, and a second writer that lost the race rebuilds against the winner.
+
+Retention (``prune``) lives in :mod:`gradpipe.snapshot_prune`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+from gradpipe.config import get_bytes
+from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
+from gradpipe.core.names import parse_name
+from gradpipe.core.snapshot_manifest import SnapshotManifest
+from gradpipe.core.state import FlatState, flatten_state, select_state, unflatten_state
+from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.errors import ConflictError, IntegrityError, InvalidInputError, NotFoundError
+from gradpipe.storage.blocks import WriteStats
+from gradpipe.storage.chains import ChainParent, write_version
+from gradpipe.storage.tensors import read_tensors
+
+if TYPE_CHECKING:
+    from gradpipe.graph.runner import Runner
+    from gradpipe.storage.store import Store
+
+__all__ = [
+    "SnapshotInfo",
+    "find_snapshot",
+    "restore",
+    "snapshot",
+    "snapshot_log",
+    "snapshot_ref",
+]
+
+#: Rebuilds after losing the race for the ref to another writer of the same name.
+_MAX_ATTEMPTS: Final = 8
+
+
+def snapshot_ref(name: str) -> str:
+    """The ref that names a snapshot chain: ``snapshots/<name>``."""
+    return f"snapshots/{parse_name(name, what='snapshot name')}"
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """One version of a snapshot chain, as ``gradpipe log`` lists it."""
+
+    id: str
+    name: str
+    step: int
+    time: str
+    loss: float | None
+    stored_bytes: int  # what this version added to the store
+    full_bytes: int  # what it would take stored on its own
+    logical_bytes: int  # uncompressed size of its arrays
+    depth: int  # longest delta chain of any chunk
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        """Stored bytes over a full (independently compressed) copy's."""
+        return self.stored_bytes / self.full_bytes if self.full_bytes else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "step": self.step,
+            "time": self.time,
+            "loss": None if self.loss is None or not math.isfinite(self.loss) else self.loss,
+            "stored_bytes": self.stored_bytes,
+            "full_bytes": self.full_bytes,
+            "logical_bytes": self.logical_bytes,
+            "ratio": self.ratio,
+            "depth": self.depth,
+            "metadata": dict(self.metadata),
+        }
+
+    @classmethod
+    def of(cls, snapshot_id: str, manifest: SnapshotManifest) -> SnapshotInfo:
+        return cls(
+            snapshot_id,
+            manifest.name,
+            manifest.step,
+            manifest.time,
+            manifest.loss,
+            manifest.stored_bytes,
+            manifest.full_bytes,
+            manifest.logical_bytes,
+            manifest.depth,
+            dict(manifest.metadata),
+        )
+
+
+# --- the writer's memory of its last snapshot -----------------------------------
+# Writing a version needs the previous version's values. A process that wrote
+# it keeps a private copy (the caller's arrays may be changed in place by the
+# next optimizer step), so the next snapshot needs no read; another process,
+# or a copy that would be too large (gradpipe.snapshot-cache-bytes), reads
+# the previous version from the store instead.
+_LAST: dict[tuple[str, str], tuple[str, dict[str, np.ndarray]]] = {}
+_LAST_LOCK = threading.Lock()
+
+
+def _remember(store: Store, name: str, snapshot_id: str, arrays: Mapping[str, np.ndarray]) -> None:
+    limit = get_bytes("snapshot-cache-bytes")
+    key = (store.url, name)
+    with _LAST_LOCK:
+        _LAST.pop(key, None)
+        if sum(a.nbytes for a in arrays.values()) <= limit:
+            _LAST[key] = (snapshot_id, {k: np.array(a, copy=True) for k, a in arrays.items()})
+
+
+def _recalled(store: Store, name: str, snapshot_id: str) -> dict[str, np.ndarray] | None:
+    with _LAST_LOCK:
+        found = _LAST.get((store.url, name))
+    return found[1] if found is not None and found[0] == snapshot_id else None
+
+
+# --- writing --------------------------------------------------------------------
+def snapshot(
+    store: Store,
+    name: str,
+    state: Mapping[Any, Any],
+    *,
+    step: int,
+    loss: float | None = None,
+    metadata: Mapping[str, str] | None = None,
+    delta: str = "int",
+    threshold: float = 0.0,
+    keyframe_interval: int = DEFAULT_KEYFRAME_INTERVAL,
+) -> str:
+    """Save ``state`` as the next snapshot of ``name``; returns its id.
+
+    Parameters
+    ----------
+    store : Store
+        A writable store.
+    name : str
+        The chain: each snapshot is written against the previous one of the
+        same name.
+    state : dict
+        Nested dicts, lists and tuples of numpy arrays, numpy scalars, str,
+        bytes, int, float, bool and None (parameters, optimizer state, RNG
+        state, a config...). :func:`restore` gives back exactly this.
+    step : int
+        The training step (>= 0); ``restore(step=...)`` finds it.
+    loss : float, optional
+        Kept for ``gradpipe log``.
+    metadata : mapping of str to str, optional
+        Free-form string fields.
+    delta : {"int", "xor", "sparse"}
+        How a changed chunk is stored against its previous version (int and
+        xor are bit-exact; sparse with ``threshold > 0`` is lossy and says so).
+    keyframe_interval : int
+        A full copy of each chunk every this many snapshots.
+
+    Raises
+    ------
+    InvalidInputError
+        For a state gradpipe cannot keep exactly (naming the entry).
+    ConflictError
+        When other writers of the same name kept winning the race.
+    """
+    parse_name(name, what="snapshot name")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise InvalidInputError(f"snapshot step must be an integer >= 0, not {step!r}")
+    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+    flat = flatten_state(state)
+    ref = snapshot_ref(name)
+    options = {"delta": delta, "threshold": threshold, "keyframe_interval": keyframe_interval}
+    with store.writing(f"snapshot {name}"):
+        for _ in range(_MAX_ATTEMPTS):
+            # Read the previous snapshot inside the lease: gc cannot run until
+            # the lease ends, so the blocks the new version links to stay.
+            head_id = _head(store, name)
+            head = None if head_id is None else _get(store, head_id, name)
+            manifest = _write(store, name, flat, head_id, head, options)
+            manifest = SnapshotManifest(
+                name=name,
+                step=step,
+                time=datetime.now(UTC).isoformat(timespec="microseconds"),
+                previous=head_id,
+                state=flat.to_dict(),
+                tensors=manifest.tensors,
+                embedded=manifest.embedded,
+                loss=None if loss is None else float(loss),
+                metadata=meta,
+            )
+            snapshot_id = store.put_manifest(manifest)
+            try:
+                store.refs.set(ref, snapshot_id, expected=head_id, message=f"snapshot step {step}")
+            except ConflictError:
+                continue  # another snapshot of this name landed first: chain on it
+            if delta != "sparse":  # a lossy version stores other values than it was given
+                _remember(store, name, snapshot_id, flat.arrays)
+            return snapshot_id
+    raise ConflictError(
+        f"snapshot {name!r}: other writers moved {ref} {_MAX_ATTEMPTS} times in a row; retry"
+    )
+
+
+@dataclass(frozen=True)
+class _Tensors:
+    tensors: dict[str, str]
+    embedded: dict[str, TensorManifest]
+
+
+def _write(
+    store: Store,
+    name: str,
+    flat: FlatState,
+    head_id: str | None,
+    head: SnapshotManifest | None,
+    options: Mapping[str, Any],
+) -> _Tensors:
+    """Every array of ``flat`` written against the same array of ``head``."""
+    parents = {}
+    if head is not None:
+        parents = {k: head.embedded[t] for k, t in head.tensors.items() if k in flat.arrays}
+    values = _parent_values(store, name, head_id, parents)
+    stats = WriteStats()
+    tensors: dict[str, str] = {}
+    embedded: dict[str, TensorManifest] = {}
+    for key, array in flat.arrays.items():
+        parent = None
+        if key in parents:
+            parent = ChainParent(
+                parents[key],
+                head.tensors[key] if head is not None else None,
+                values.get(key),
+                trusted=True,
+            )
+        manifest = write_version(
+            store, array, parent, stats=stats, where=f"snapshot {name!r}, {key}", **options
+        )
+        tensor_id = store.manifest_id(manifest)
+        tensors[key] = tensor_id
+        embedded[tensor_id] = manifest
+    return _Tensors(tensors, embedded)
+
+
+def _parent_values(
+    store: Store, name: str, head_id: str | None, parents: Mapping[str, TensorManifest]
+) -> dict[str, np.ndarray]:
+    """The previous snapshot's arrays: remembered from writing it, or read back."""
+    if head_id is None or not parents:
+        return {}
+    remembered = _recalled(store, name, head_id)
+    if remembered is not None:
+        return remembered
+    keys = list(parents)
+    arrays = read_tensors(
+        store, [parents[k] for k in keys], contexts=[f"snapshot {name!r}, {k}" for k in keys]
+    )
+    return dict(zip(keys, arrays, strict=True))
+
+
+# --- reading --------------------------------------------------------------------
+def _head(store: Store, name: str) -> str | None:
+    entry = store.refs.entry(snapshot_ref(name))
+    return None if entry is None else entry.target
+
+
+def _get(store: Store, snapshot_id: str, name: str) -> SnapshotManifest:
+    return store.get_typed(snapshot_id, SnapshotManifest, context=f"snapshot {name!r}")
+
+
+def _versions(store: Store, name: str) -> Iterator[tuple[str, SnapshotManifest]]:
+    """The versions of ``name``, newest first."""
+    snapshot_id = _head(store, name)
+    if snapshot_id is None:
+        known = ", ".join(n.split("/", 1)[1] for n in store.refs.list("snapshots")) or "none"
+        raise NotFoundError(f"no snapshot {name!r} in store {store.url} (snapshots: {known})")
+    seen: set[str] = set()
+    while snapshot_id is not None:
+        if snapshot_id in seen:
+            raise IntegrityError(f"snapshot {name!r}: its history loops at {snapshot_id}")
+        seen.add(snapshot_id)
+        manifest = _get(store, snapshot_id, name)
+        yield snapshot_id, manifest
+        snapshot_id = manifest.previous
+
+
+def snapshot_log(store: Store, name: str) -> list[SnapshotInfo]:
+    """Every version of ``name``, oldest first (what ``gradpipe log`` prints)."""
+    return [SnapshotInfo.of(i, m) for i, m in reversed(list(_versions(store, name)))]
+
+
+def find_snapshot(
+    store: Store, name: str, step: int | None = None
+) -> tuple[str, SnapshotManifest]:
+    """The newest snapshot of ``name`` (at ``step``, if given): its id and manifest."""
+    steps = []
+    for snapshot_id, manifest in _versions(store, name):
+        if step is None or manifest.step == step:
+            return snapshot_id, manifest
+        steps.append(manifest.step)
+    shown = ", ".join(map(str, sorted(steps)[-10:]))
+    raise NotFoundError(f"snapshot {name!r} has no step {step} (latest steps: {shown})")
+
+
+def restore(
+    store: Store,
+    name: str,
+    *,
+    step: int | None = None,
+    keys: Iterable[str] | None = None,
+    runner: Runner | None = None,
+) -> Any:
+    """The state saved by :func:`snapshot`, exactly (types, dtypes, nesting).
+
+    Parameters
+    ----------
+    store : Store
+    name : str
+    step : int, optional
+        The snapshot at this step; the newest by default.
+    keys : iterable of str, optional
+        Only these entries (top-level names, dotted paths or array keys); only
+        their chunks are read.
+    runner : Runner, optional
+        Rebuild the chunks as a Dask graph on this runner (a cluster) instead
+        of the local thread pool.
+    """
+    _, manifest = find_snapshot(store, name, step)
+    return restore_manifest(store, manifest, keys=keys, runner=runner)
+
+
+def restore_manifest(
+    store: Store,
+    manifest: SnapshotManifest,
+    *,
+    keys: Iterable[str] | None = None,
+    runner: Runner | None = None,
+) -> Any:
+    """The state of one snapshot manifest (see :func:`restore`)."""
+    tree = manifest.state
+    wanted = list(manifest.tensors)
+    if keys is not None:
+        tree, wanted = select_state(tree, keys)
+    missing = [k for k in wanted if k not in manifest.tensors]
+    if missing:
+        raise IntegrityError(
+            f"snapshot {manifest.name!r} at step {manifest.step} lacks arrays {missing[:5]}; "
+            "run `gradpipe verify`"
+        )
+    tensors = [manifest.embedded[manifest.tensors[k]] for k in wanted]
+    contexts = [f"snapshot {manifest.name!r}, step {manifest.step}, {k}" for k in wanted]
+    if runner is None:
+        arrays = read_tensors(store, tensors, contexts=contexts)
+    else:
+        from gradpipe.graph.chains import read_tensors_graph
+
+        arrays = read_tensors_graph(store, tensors, runner=runner, contexts=contexts)
+    try:
+        return unflatten_state(tree, dict(zip(wanted, arrays, strict=True)))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise IntegrityError(
+            f"snapshot {manifest.name!r} at step {manifest.step} has a damaged state skeleton: "
+            f"{exc!r}"
+        ) from None
