@@ -159,7 +159,7 @@ class _Flattener:
             hint = ""
             if isinstance(obj, set | frozenset):
                 hint = " (store a sorted list instead)"
-            elif kind.__module__.startswith("torch"):
+            elif kind.__module__.startswith("torch") and hasattr(obj, "numpy"):
                 hint = " (convert torch tensors: gradpipe.formats.state_file.from_torch)"
             raise self.refuse(path, f"holds a {kind.__module__}.{kind.__qualname__}{hint}")
         return leaf
