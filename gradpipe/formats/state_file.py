@@ -241,7 +241,7 @@ def from_torch(obj: Any, *, path: str = "state", file_size: int | None = None) -
     walker.walk(obj, ())  # validate everything before a byte is copied
     if file_size is not None:
         torch_format.check_claimed(path, walker.count, walker.claimed, file_size)
-    walker.convert = True
+    walker.convert, walker.nodes = True, 0  # the bound is per walk
     return walker.walk(obj, ())
 
 
