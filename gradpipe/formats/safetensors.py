@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from math import prod
-from pathlib import Path
 from typing import IO, TYPE_CHECKING, Final
 
 import numpy as np
@@ -34,6 +32,7 @@ import numpy as np
 from gradpipe.core.dtypes import SAFETENSORS_NAMES, canonical_dtype, dtype_name, parse_dtype
 from gradpipe.core.encoding import reject_duplicate_keys
 from gradpipe.errors import InvalidInputError, UnsupportedFormatError
+from gradpipe.formats._output import write_output
 from gradpipe.formats.spec import (
     TensorSpec,
     check_tensor_values,
@@ -407,6 +406,7 @@ def write_safetensors(
     metadata: Mapping[str, str] | None = None,
     *,
     storage_options: Mapping[str, object] | None = None,
+    keep_metadata_order: bool = False,
 ) -> None:
     """Write ``tensors`` (and string ``metadata``) as a safetensors file.
 
@@ -423,10 +423,13 @@ def write_safetensors(
         buffer (no copy of the whole file is built).
     metadata : mapping of str to str, optional
         Stored as ``__metadata__``, keys sorted.
+    keep_metadata_order : bool
+        Keep ``metadata`` in its given order instead: writing back the metadata
+        of a file read (in its order) then reproduces the reference writer's bytes.
     """
-    meta = _parse_metadata(metadata)
+    meta = _parse_metadata(metadata, sort=not keep_metadata_order)
     prepared = _prepare(tensors)
-    _to_output(path_or_file, lambda f: _write(f, prepared, meta), storage_options)
+    write_output(path_or_file, lambda f: _write(f, prepared, meta), storage_options)
 
 
 def write_safetensors_stream(
@@ -464,46 +467,13 @@ def write_safetensors_stream(
             if close is not None:
                 close()  # a generator that decodes ahead stops and waits for its workers
 
-    _to_output(path_or_file, write, storage_options)
+    write_output(path_or_file, write, storage_options)
 
 
-def _parse_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
+def _parse_metadata(metadata: Mapping[str, str] | None, *, sort: bool = True) -> dict[str, str]:
     meta = dict(metadata or {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise InvalidInputError(
             "safetensors metadata must map str to str; convert values with str()"
         )
-    return dict(sorted(meta.items()))
-
-
-def _to_output(
-    path_or_file: str | os.PathLike[str] | IO[bytes],
-    write: Callable[[IO[bytes]], None],
-    storage_options: Mapping[str, object] | None,
-) -> None:
-    """Call ``write`` on the open output: a local file atomically, a URL in one upload."""
-    if not isinstance(path_or_file, str | os.PathLike):
-        write(path_or_file)
-        return
-    path = os.fspath(path_or_file)
-    if "://" in path and not path.startswith("file://"):
-        import fsspec
-
-        with fsspec.open(path, "wb", **(storage_options or {})) as f:
-            write(f)
-        return
-    target = Path(path.removeprefix("file://"))
-    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
-    # Not mkstemp: its 0600 would outlive the rename; a new file gets the umask's mode.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            # The rename must not reach the disk before the data: after a crash
-            # the name holds the old file or the whole new one, never an empty one.
-            os.fsync(f.fileno())
-        Path(tmp).replace(target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    return dict(sorted(meta.items())) if sort else meta

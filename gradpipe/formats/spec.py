@@ -21,7 +21,6 @@ byte range ingest reads.
 
 from __future__ import annotations
 
-import unicodedata
 from dataclasses import dataclass
 from math import prod
 from typing import Final, Protocol
@@ -31,6 +30,7 @@ import numpy as np
 from gradpipe.config import get_bytes
 from gradpipe.core.chunking import parse_shape
 from gradpipe.core.dtypes import DTYPE_NAMES, check_values, parse_dtype
+from gradpipe.core.names import MAX_NAME_LENGTH, parse_tensor_name  # the one rule, in core
 from gradpipe.errors import InvalidInputError
 
 __all__ = [
@@ -46,8 +46,6 @@ __all__ = [
 #: The most deflate can expand its input: a 258-byte match coded in 2 bits
 #: (RFC 1951), so no deflated member holds more than 1032 bytes per byte stored.
 DEFLATE_MAX_RATIO: Final = 1032
-#: Longest tensor name accepted, in characters (real names are a few dozen).
-MAX_NAME_LENGTH: Final = 1024
 _SETTING: Final = "max-tensor-bytes"
 
 
@@ -68,33 +66,6 @@ def max_tensor_bytes() -> int:
     if limit < 0:
         raise InvalidInputError(f"gradpipe.{_SETTING} is {limit}; set it to a size >= 0")
     return limit
-
-
-def parse_tensor_name(name: object, *, where: str) -> str:
-    """Validate a tensor name read from a dump.
-
-    Names are kept in manifests (UTF-8 JSON) and shown in reports and as
-    xarray variables, so they must be non-empty text without control
-    characters. They are never used as store keys.
-    """
-    if not isinstance(name, str) or not name:
-        raise InvalidInputError(f"{where}: a tensor name is empty or not a string; rename it")
-    if len(name) > MAX_NAME_LENGTH:
-        raise InvalidInputError(
-            f"{where}: tensor name {name[:40]!r}... is {len(name)} characters, more than "
-            f"{MAX_NAME_LENGTH}; rename it"
-        )
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidInputError(
-            f"{where}: tensor name {name!r} is not valid UTF-8 text (a lone surrogate); rename it"
-        ) from None
-    if any(unicodedata.category(c) == "Cc" for c in name):
-        raise InvalidInputError(
-            f"{where}: tensor name {name!r} holds control characters; rename it"
-        )
-    return name
 
 
 def _check(name: object, dtype: str, shape: object, *, where: str) -> tuple[str, tuple[int, ...]]:

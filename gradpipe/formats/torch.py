@@ -59,7 +59,11 @@ __all__ = [
     "SHARED_STORAGE_FACTOR",
     "SHARED_STORAGE_FLOOR",
     "TorchReader",
+    "check_claimed",
+    "load_checkpoint",
     "load_torch",
+    "tensor_spec",
+    "tensor_to_numpy",
 ]
 
 #: How many times its own size the tensors of one file may claim in total. A
@@ -200,7 +204,7 @@ def _check_view(tensor: torch.Tensor, where: str, file_size: int) -> int:
     return stored
 
 
-def _spec(tensor: torch.Tensor, *, path: str, name: str, file_size: int) -> TensorSpec:
+def tensor_spec(tensor: torch.Tensor, *, path: str, name: str, file_size: int) -> TensorSpec:
     """The one validation of a torch tensor, for the header read and the whole read alike."""
     where = f"{path}: tensor {name!r}"
     dtype = _dtype_name(tensor, where)
@@ -210,10 +214,11 @@ def _spec(tensor: torch.Tensor, *, path: str, name: str, file_size: int) -> Tens
     )
 
 
-def _to_numpy(tensor: torch.Tensor, spec: TensorSpec, *, path: str) -> np.ndarray:
+def tensor_to_numpy(tensor: torch.Tensor, spec: TensorSpec, *, path: str) -> np.ndarray:
+    """The tensor as a canonical numpy array (bfloat16 as ml_dtypes'), after :func:`tensor_spec`."""
     import torch
 
-    t = tensor.detach().contiguous()  # bounded: _spec checked the view first
+    t = tensor.detach().contiguous()  # bounded: tensor_spec checked the view first
     bf16 = spec.dtype == "bfloat16"  # numpy has no bfloat16: move the bits through int16
     array = t.view(torch.int16).numpy().view(bfloat16()) if bf16 else t.numpy()
     check_tensor_values(spec, array, path=path)
@@ -235,7 +240,7 @@ class _Flattener:
 
         if isinstance(obj, torch.Tensor):
             self._claim(key)
-            spec = _spec(obj, path=self.path, name=key, file_size=self.file_size)
+            spec = tensor_spec(obj, path=self.path, name=key, file_size=self.file_size)
             self.claimed += spec.nbytes
             self.tensors[key] = (obj, spec)
         elif isinstance(obj, Mapping):
@@ -260,16 +265,7 @@ class _Flattener:
 
     def check_total(self) -> None:
         """Refuse a file whose tensors together claim far more than the file holds."""
-        bound = SHARED_STORAGE_FACTOR * self.file_size + SHARED_STORAGE_FLOOR
-        if self.claimed > bound:
-            raise InvalidInputError(
-                f"{self.path}: its {len(self.tensors)} tensors claim {self.claimed} bytes "
-                f"({format_bytes(self.claimed)}) in total, more than {bound} bytes "
-                f"({SHARED_STORAGE_FACTOR} x the file's {self.file_size} bytes + "
-                f"{SHARED_STORAGE_FLOOR}): many names refer to the same storage. Save each "
-                "tensor once, or call .clone() on the tensors that must stay separate before "
-                "torch.save"
-            )
+        check_claimed(self.path, len(self.tensors), self.claimed, self.file_size)
 
     def _claim(self, key: str) -> None:
         if not key:
@@ -279,6 +275,22 @@ class _Flattener:
                 f"{self.path}: two entries flatten to the same name {key!r} (e.g. a key "
                 "'a.b' beside a nested {'a': {'b': ...}}); rename one before saving"
             )
+
+
+def check_claimed(path: str, count: int, claimed: int, file_size: int) -> None:
+    """Refuse ``count`` tensors of one file claiming far more bytes in total than it holds.
+
+    Call it after :func:`tensor_spec` of every tensor and before copying any.
+    """
+    bound = SHARED_STORAGE_FACTOR * file_size + SHARED_STORAGE_FLOOR
+    if claimed > bound:
+        raise InvalidInputError(
+            f"{path}: its {count} tensors claim {claimed} bytes ({format_bytes(claimed)}) in "
+            f"total, more than {bound} bytes ({SHARED_STORAGE_FACTOR} x the file's {file_size} "
+            f"bytes + {SHARED_STORAGE_FLOOR}): many names refer to the same storage. Save each "
+            "tensor once, or call .clone() on the tensors that must stay separate before "
+            "torch.save"
+        )
 
 
 def _check_archive(f: IO[bytes] | str, *, path: str, size: int) -> None:
@@ -315,9 +327,18 @@ def _check_archive(f: IO[bytes] | str, *, path: str, size: int) -> None:
         file.seek(0)
 
 
-def _flatten(f: IO[bytes] | str, *, path: str, stem: str, size: int) -> _Flattener:
+def load_checkpoint(f: IO[bytes] | str, *, path: str, size: int) -> object:
+    """Load a ``torch.save`` file safely: refuse altered archives, unpickle weights only.
+
+    Tensors still need :func:`tensor_spec` (views that repeat storage), :func:`check_claimed`
+    (names sharing storage) and :func:`tensor_to_numpy`, in that order.
+    """
     _check_archive(f, path=path, size=size)
-    obj = _load(f, path)
+    return _load(f, path)
+
+
+def _flatten(f: IO[bytes] | str, *, path: str, stem: str, size: int) -> _Flattener:
+    obj = load_checkpoint(f, path=path, size=size)
     flat = _Flattener(path, size)
     import torch
 
@@ -374,7 +395,7 @@ def load_torch(
         view whose elements repeat its storage (expanded, stride 0, overlapping).
     """
     flat = _flatten(f, path=path, stem=stem, size=_size(f))
-    tensors = {k: _to_numpy(t, spec, path=path) for k, (t, spec) in flat.tensors.items()}
+    tensors = {k: tensor_to_numpy(t, spec, path=path) for k, (t, spec) in flat.tensors.items()}
     return tensors, flat.metadata
 
 
@@ -407,7 +428,7 @@ class TorchReader:
         """The tensors named in ``specs``, validated as the header was."""
         flat = self._flatten(source)
         return {
-            name: _to_numpy(tensor, spec, path=source.path)
+            name: tensor_to_numpy(tensor, spec, path=source.path)
             for name, (tensor, spec) in flat.tensors.items()
             if name in specs
         }
