@@ -38,11 +38,14 @@ if TYPE_CHECKING:
     from gradpipe.core.ref_entry import RefEntry
     from gradpipe.core.report import Report
     from gradpipe.core.run_manifest import DumpEntry, DumpManifest, RunManifest, TensorSchema
+    from gradpipe.core.snapshot_manifest import SnapshotManifest
     from gradpipe.core.tensor_manifest import TensorManifest
     from gradpipe.graph.discover import Failure
     from gradpipe.graph.runner import Runner, runner
     from gradpipe.ingest import IngestReport, ingest
     from gradpipe.runs import Dump, Run, export_dump, list_runs, open_run
+    from gradpipe.snapshot import SnapshotInfo, restore, snapshot, snapshot_log
+    from gradpipe.snapshot_prune import PruneReport, prune
     from gradpipe.storage import Refs, Store, WriteStats, open_store
     from gradpipe.storage.gc import GcReport, gc
     from gradpipe.storage.locks import Lease
@@ -60,12 +63,15 @@ _LAZY: Final[dict[str, str]] = {
     "IngestReport": "gradpipe.ingest",
     "Lease": "gradpipe.storage.locks",
     "Problem": "gradpipe.storage.walk",
+    "PruneReport": "gradpipe.snapshot_prune",
     "RefEntry": "gradpipe.core.ref_entry",
     "Refs": "gradpipe.storage",
     "Report": "gradpipe.core.report",
     "Run": "gradpipe.runs",
     "RunManifest": "gradpipe.core.run_manifest",
     "Runner": "gradpipe.graph.runner",
+    "SnapshotInfo": "gradpipe.snapshot",
+    "SnapshotManifest": "gradpipe.core.snapshot_manifest",
     "Store": "gradpipe.storage",
     "TensorManifest": "gradpipe.core.tensor_manifest",
     "TensorSchema": "gradpipe.core.run_manifest",
@@ -77,7 +83,11 @@ _LAZY: Final[dict[str, str]] = {
     "list_runs": "gradpipe.runs",
     "open_run": "gradpipe.runs",
     "open_store": "gradpipe.storage",
+    "prune": "gradpipe.snapshot_prune",
+    "restore": "gradpipe.snapshot",
     "runner": "gradpipe.graph.runner",
+    "snapshot": "gradpipe.snapshot",
+    "snapshot_log": "gradpipe.snapshot",
     "verify": "gradpipe.storage.verify",
 }
 
@@ -98,6 +108,7 @@ __all__ = [
     "LockedError",
     "NotFoundError",
     "Problem",
+    "PruneReport",
     "ReadOnlyError",
     "RefEntry",
     "Refs",
@@ -105,6 +116,8 @@ __all__ = [
     "Run",
     "RunManifest",
     "Runner",
+    "SnapshotInfo",
+    "SnapshotManifest",
     "StorageError",
     "Store",
     "TensorManifest",
@@ -119,7 +132,11 @@ __all__ = [
     "list_runs",
     "open_run",
     "open_store",
+    "prune",
+    "restore",
     "runner",
+    "snapshot",
+    "snapshot_log",
     "verify",
 ]
 

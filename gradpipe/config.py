@@ -26,6 +26,9 @@ DEFAULTS: Final[dict[str, Any]] = {
         "inline-bytes": "8 KiB",
         # zstd level of the default lossless codecs (1 measured best for float planes).
         "codec-level": 1,
+        # A process keeps a copy of the last snapshot it wrote of each name, up
+        # to this size, so that the next one needs no read to delta against it.
+        "snapshot-cache-bytes": "4 GiB",
         "storage": {
             # Requests in flight per store for batched S3 reads and writes.
             "concurrency": 32,

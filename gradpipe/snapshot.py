@@ -28,6 +28,7 @@ import numpy as np
 
 from gradpipe.config import get_bytes
 from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
+from gradpipe.core.manifest import manifest_id
 from gradpipe.core.names import parse_name
 from gradpipe.core.snapshot_manifest import SnapshotManifest
 from gradpipe.core.state import FlatState, flatten_state, select_state, unflatten_state
@@ -252,7 +253,7 @@ def _write(
         manifest = write_version(
             store, array, parent, stats=stats, where=f"snapshot {name!r}, {key}", **options
         )
-        tensor_id = store.manifest_id(manifest)
+        tensor_id = manifest_id(manifest)
         tensors[key] = tensor_id
         embedded[tensor_id] = manifest
     return _Tensors(tensors, embedded)
@@ -305,9 +306,7 @@ def snapshot_log(store: Store, name: str) -> list[SnapshotInfo]:
     return [SnapshotInfo.of(i, m) for i, m in reversed(list(_versions(store, name)))]
 
 
-def find_snapshot(
-    store: Store, name: str, step: int | None = None
-) -> tuple[str, SnapshotManifest]:
+def find_snapshot(store: Store, name: str, step: int | None = None) -> tuple[str, SnapshotManifest]:
     """The newest snapshot of ``name`` (at ``step``, if given): its id and manifest."""
     steps = []
     for snapshot_id, manifest in _versions(store, name):

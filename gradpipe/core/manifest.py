@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar, Final, Self
 
 from gradpipe.core.encoding import from_json_bytes, to_json_bytes
+from gradpipe.core.ids import hash_bytes
 from gradpipe.errors import IntegrityError, UnsupportedFormatError
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "decode_manifest",
     "encode_manifest",
     "manifest_class",
+    "manifest_id",
 ]
 
 #: The newest manifest format this version of gradpipe reads and writes.
@@ -109,6 +111,11 @@ def encode_manifest(manifest: Manifest) -> bytes:
     """Canonical bytes of a manifest (what its id is the hash of)."""
     version = manifest.format_needed()
     return to_json_bytes({"type": manifest.type, "format": version, **manifest.to_dict()})
+
+
+def manifest_id(manifest: Manifest) -> str:
+    """The id a manifest has once stored (the hash of its canonical bytes)."""
+    return hash_bytes(encode_manifest(manifest))
 
 
 def decode_manifest(data: bytes, *, what: str = "manifest") -> Manifest:
