@@ -194,15 +194,15 @@ def snapshot(
             # the lease ends, so the blocks the new version links to stay.
             head_id = _head(store, name)
             head = None if head_id is None else _get(store, head_id, name)
-            manifest = _write(store, name, flat, head_id, head, options)
+            written = _write(store, name, flat, head, head_id=head_id, options=options)
             manifest = SnapshotManifest(
                 name=name,
                 step=step,
                 time=datetime.now(UTC).isoformat(timespec="microseconds"),
                 previous=head_id,
                 state=flat.to_dict(),
-                tensors=manifest.tensors,
-                embedded=manifest.embedded,
+                tensors=written.tensors,
+                embedded=written.embedded,
                 loss=None if loss is None else float(loss),
                 metadata=meta,
             )
@@ -229,8 +229,9 @@ def _write(
     store: Store,
     name: str,
     flat: FlatState,
-    head_id: str | None,
     head: SnapshotManifest | None,
+    *,
+    head_id: str | None,
     options: Mapping[str, Any],
 ) -> _Tensors:
     """Every array of ``flat`` written against the same array of ``head``."""

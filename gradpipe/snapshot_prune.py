@@ -87,7 +87,9 @@ class PruneReport:
             "dropped versions: `gradpipe gc` reclaims them"
             + (" once the ref has moved" if self.dry_run else ""),
         ]
-        if not self.dry_run:
+        if self.dry_run:
+            lines.append(f"re-chaining would rebuild {self.rewritten_tensors} tensor(s)")
+        else:
             lines.append(
                 f"re-chained: {self.rewritten_tensors} tensor(s) rebuilt, "
                 f"{self.written_bytes / 2**20:.1f} MiB written"
@@ -122,7 +124,7 @@ def prune(
     if not dry_run:
         store.check_writable()
     for _ in range(_MAX_ATTEMPTS):
-        with store.writing(f"prune {name}") if not dry_run else _nothing():
+        with store.writing(f"prune {name}") if not dry_run else _NoLease():
             head_id, _ = find_snapshot(store, name)
             chain = _chain(store, name, head_id)
             kept = chain[-keep_last:]
@@ -138,10 +140,10 @@ def prune(
             )
             if not report.dropped_steps:
                 return report
-            _count_freed(store, chain, kept_ids, report)
+            new_head, rechained = _rechain(store, name, kept, report, dry_run=dry_run)
+            _count_freed(store, [m for _, m in chain], rechained, report)
             if dry_run:
                 return report
-            new_head = _rechain(store, name, kept, report)
             try:
                 store.refs.set(
                     snapshot_ref(name),
@@ -155,7 +157,7 @@ def prune(
     raise ConflictError(f"snapshot {name!r} kept moving while pruning; retry")
 
 
-class _nothing:
+class _NoLease:
     def __enter__(self) -> None:
         return None
 
@@ -178,13 +180,13 @@ def _chain(store: Store, name: str, head_id: str) -> list[tuple[str, SnapshotMan
 
 def _count_freed(
     store: Store,
-    chain: list[tuple[str, SnapshotManifest]],
-    kept_ids: set[str],
+    old: list[SnapshotManifest],
+    new: list[SnapshotManifest],
     report: PruneReport,
 ) -> None:
-    """Blocks only dropped versions use, and their stored size (before re-chaining)."""
-    used = {b for i, m in chain if i in kept_ids for b in m.data_children()}
-    dropped = {b for i, m in chain if i not in kept_ids for b in m.data_children()} - used
+    """Blocks the old chain uses and the new one does not, and their stored size."""
+    used = {b for m in new for b in m.data_children()}
+    dropped = {b for m in old for b in m.data_children()} - used
     if not dropped:
         return
     wanted = {block_key(b) for b in dropped}
@@ -194,10 +196,20 @@ def _count_freed(
 
 
 def _rechain(
-    store: Store, name: str, kept: list[tuple[str, SnapshotManifest]], report: PruneReport
-) -> str:
-    """Write the kept versions as a new chain, oldest first; the new head's id."""
+    store: Store,
+    name: str,
+    kept: list[tuple[str, SnapshotManifest]],
+    report: PruneReport,
+    *,
+    dry_run: bool,
+) -> tuple[str, list[SnapshotManifest]]:
+    """Write the kept versions as a new chain, oldest first: the new head's id, the chain.
+
+    With ``dry_run`` nothing is written, and a tensor that needs rebuilding is
+    taken to become a keyframe (its new blocks are not known without encoding).
+    """
     stats = WriteStats()
+    out: list[SnapshotManifest] = []
     previous_id: str | None = None
     previous: SnapshotManifest | None = None
     old_previous: str | None = None
@@ -213,17 +225,22 @@ def _rechain(
             if consecutive or not tensor.deltas:
                 new = _relinked(tensor, parent, parent_id)
             if new is None:
-                new = _rewritten(store, name, version, key, tensor, parent, parent_id, stats)
+                where = f"snapshot {name!r}, step {version.step}, {key}"
+                if dry_run:
+                    new = replace(tensor, deltas={})
+                else:
+                    new = _rewritten(store, tensor, parent, parent_id, stats=stats, where=where)
                 report.rewritten_tensors += 1
             new_id = manifest_id(new)
             tensors[key] = new_id
             embedded[new_id] = new
         manifest = replace(version, previous=previous_id, tensors=tensors, embedded=embedded)
-        previous_id = store.put_manifest(manifest)
+        previous_id = manifest_id(manifest) if dry_run else store.put_manifest(manifest)
         previous, old_previous = manifest, old_id
+        out.append(manifest)
     report.written_bytes = stats.stored_bytes
     assert previous_id is not None  # keep_last >= 1
-    return previous_id
+    return previous_id, out
 
 
 def _relinked(
@@ -259,16 +276,14 @@ def _relinked(
 
 def _rewritten(
     store: Store,
-    name: str,
-    version: SnapshotManifest,
-    key: str,
     tensor: TensorManifest,
     parent: TensorManifest | None,
     parent_id: str | None,
+    *,
     stats: WriteStats,
+    where: str,
 ) -> TensorManifest:
     """``tensor`` rebuilt and written again against ``parent`` (a keyframe if None)."""
-    where = f"snapshot {name!r}, step {version.step}, {key}"
     values = read_tensor(store, tensor, context=where)
     base = None
     if parent is not None:
