@@ -31,6 +31,7 @@ PUBLIC = [
     "LockedError",
     "NotFoundError",
     "Problem",
+    "PruneReport",
     "ReadOnlyError",
     "RefEntry",
     "Refs",
@@ -38,6 +39,8 @@ PUBLIC = [
     "Run",
     "RunManifest",
     "Runner",
+    "SnapshotInfo",
+    "SnapshotManifest",
     "StorageError",
     "Store",
     "TensorManifest",
@@ -52,7 +55,11 @@ PUBLIC = [
     "list_runs",
     "open_run",
     "open_store",
+    "prune",
+    "restore",
     "runner",
+    "snapshot",
+    "snapshot_log",
     "verify",
 ]
 

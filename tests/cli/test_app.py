@@ -22,7 +22,19 @@ from gradpipe.cli import COMMAND_GROUPS, build_parser
 from gradpipe.testing.cli import run_cli
 from gradpipe.testing.training import SampleRun
 
-COMMANDS = ["init", "ls", "verify", "gc", "ingest", "export", "demo"]
+COMMANDS = [
+    "init",
+    "ls",
+    "verify",
+    "gc",
+    "ingest",
+    "export",
+    "snapshot",
+    "restore",
+    "log",
+    "prune",
+    "demo",
+]
 HEAVY = ("numpy", "dask", "distributed", "xarray", "fsspec", "numcodecs")
 
 

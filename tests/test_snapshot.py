@@ -1,0 +1,254 @@
+"""Snapshots: exact restore of nested training state, chains, prune + gc, writers racing."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import dask.config
+import numpy as np
+import pytest
+
+import gradpipe as gp
+from gradpipe.core.dtypes import DTYPE_NAMES
+from gradpipe.core.ids import block_key
+from gradpipe.errors import InvalidInputError, NotFoundError
+from gradpipe.snapshot import find_snapshot
+from gradpipe.testing.store_suite import special_values
+
+SMALL = {"gradpipe.chunk-bytes": 4096, "gradpipe.inline-bytes": 0}
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal in type, dtype, nesting, key types and bits."""
+    if isinstance(a, np.ndarray):
+        return (
+            isinstance(b, np.ndarray)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+        )
+    if isinstance(a, np.generic):
+        return type(a) is type(b) and a.tobytes() == b.tobytes()
+    if isinstance(a, dict):
+        return (
+            type(a) is type(b)
+            and [(type(k), k) for k in a] == [(type(k), k) for k in b]
+            and all(same(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    if isinstance(a, float):
+        return type(b) is float and ((math.isnan(a) and math.isnan(b)) or a.hex() == b.hex())
+    return type(a) is type(b) and a == b
+
+
+def training_state(step: int, params: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Shaped like a PyTorch model + Adam state dict, with RNG, loader and config entries."""
+    return {
+        "model": OrderedDict(params),
+        "optimizer": {
+            "state": {
+                i: {
+                    "step": np.float32(step),
+                    "exp_avg": p * np.float32(0.1),
+                    "exp_avg_sq": p * p,
+                }
+                for i, p in enumerate(params.values())
+            },
+            "param_groups": [
+                {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "params": list(range(len(params)))}
+            ],
+        },
+        "rng": {"numpy": np.random.default_rng(step).bit_generator.state, "torch": b"\x01" * 5056},
+        "loader": {"epoch": step // 3, "position": step * 32},
+        "config": {"model": "mini", "layers": 2, "dropout": 0.0, "tags": ["a", None, True]},
+        "blobs": [b"opaque" * step, bytearray(b"\x00\xff")],
+    }
+
+
+def drifting(steps: int, seed: int = 0) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(seed)
+    params = {
+        "embed.weight": rng.standard_normal((64, 128)).astype("float32"),
+        "fc.weight": rng.standard_normal((128, 32)).astype("float32"),
+        "fc.bias": np.zeros(32, "float32"),
+    }
+    out = []
+    for step in range(steps):
+        out.append(training_state(step, {k: v.copy() for k, v in params.items()}))
+        for name, value in params.items():
+            params[name] = value + (rng.standard_normal(value.shape) * 1e-4).astype("float32")
+    return out
+
+
+@pytest.fixture
+def small() -> Any:
+    with dask.config.set(SMALL):
+        yield
+
+
+def test_every_dtype_and_nesting_comes_back_exactly(store: gp.Store) -> None:
+    state = {
+        "arrays": {name: special_values(name, 300, seed=i) for i, name in enumerate(DTYPE_NAMES)},
+        "scalars": [np.float32(-0.0), np.int64(-5), np.bool_(True), 0.1, float("nan"), -0.0],
+        "zero-d": np.array(3.5, dtype="float64"),
+        "empty": np.zeros((0, 4), "float32"),
+        3: "int key",
+        "nested": (1, (2, [3, {"deep": b"bytes"}])),
+        "none": None,
+        "big": 2**80,
+    }
+    gp.snapshot(store, "all", state, step=0)
+    assert same(gp.restore(store, "all"), state)
+
+
+def test_chain_of_training_states(tmp_path: Path, small: None) -> None:
+    store = gp.open_store(tmp_path / "store", mode="w")
+    states = drifting(6)
+    ids = [
+        gp.snapshot(store, "run", s, step=10 * i, loss=1.0 / (i + 1), metadata={"i": str(i)})
+        for i, s in enumerate(states)
+    ]
+    log = gp.snapshot_log(store, "run")
+    assert [v.step for v in log] == [0, 10, 20, 30, 40, 50]
+    assert [v.id for v in log] == ids
+    assert all(isinstance(v, gp.SnapshotInfo) for v in log)
+    assert log[0].depth == 0
+    assert log[-1].depth >= 1
+    assert all(v.ratio < 0.9 for v in log[1:])  # parameters and moments drift slowly
+    assert log[3].loss == 0.25
+    assert log[3].metadata == {"i": "3"}
+    for i, state in enumerate(states):
+        assert same(gp.restore(store, "run", step=10 * i), state)
+    assert same(gp.restore(store, "run"), states[-1])
+    # A new process has no memory of the last snapshot: it reads it back, same result.
+    other = gp.open_store(tmp_path / "store", mode="a")
+    gp.snapshot(other, "run", states[0], step=60)
+    assert same(gp.restore(other, "run", step=60), states[0])
+    assert gp.verify(store).ok
+
+
+def test_restore_selected_keys_reads_only_their_chunks(tmp_path: Path, small: None) -> None:
+    store = gp.open_store(tmp_path / "store", mode="w")
+    state = drifting(1)[0]
+    gp.snapshot(store, "run", state, step=0)
+    got = gp.restore(store, "run", keys=["model", "loader"])
+    assert list(got) == ["model", "loader"]
+    assert same(got["model"], state["model"])
+    # Damage every block of the optimizer's arrays: a keys= read never touches them.
+    _, manifest = find_snapshot(store, "run")
+    for key, tensor_id in manifest.tensors.items():
+        if key.startswith("optimizer."):
+            for block in manifest.embedded[tensor_id].data_children():
+                store.backend.delete(block_key(block))
+    assert same(
+        gp.restore(store, "run", keys=["model.fc.weight"])["model"]["fc.weight"],
+        state["model"]["fc.weight"],
+    )
+    with pytest.raises(NotFoundError):
+        gp.restore(store, "run", keys=["optimizer"])
+    with pytest.raises(NotFoundError, match="top-level entries"):
+        gp.restore(store, "run", keys=["nonsense"])
+
+
+def test_missing_names_and_steps_are_clear(store: gp.Store) -> None:
+    with pytest.raises(NotFoundError, match="no snapshot 'nope'"):
+        gp.restore(store, "nope")
+    gp.snapshot(store, "a", {"x": np.arange(3)}, step=5)
+    with pytest.raises(NotFoundError, match="has no step 6"):
+        gp.restore(store, "a", step=6)
+    with pytest.raises(InvalidInputError, match="step"):
+        gp.snapshot(store, "a", {"x": 1}, step=-1)
+    with pytest.raises(InvalidInputError, match=r"state\['bad'\]"):
+        gp.snapshot(store, "a", {"bad": {1, 2}}, step=6)
+    assert [v.step for v in gp.snapshot_log(store, "a")] == [5]  # the refused ones left nothing
+
+
+def test_prune_then_gc_keeps_every_kept_version_exact(store: gp.Store) -> None:
+    with dask.config.set(SMALL):
+        states = drifting(10, seed=1)
+        for i, state in enumerate(states):
+            gp.snapshot(store, "run", state, step=i, keyframe_interval=4)
+        dry = gp.prune(store, "run", keep_last=3, keep_every=4, dry_run=True)
+        assert isinstance(dry, gp.PruneReport)
+        assert isinstance(dry, gp.Report)
+        assert dry.dropped_steps == [1, 2, 3, 5, 6]
+        assert [v.step for v in gp.snapshot_log(store, "run")] == list(range(10))  # unchanged
+        report = gp.prune(store, "run", keep_last=3, keep_every=4)
+        assert report.kept_steps == [0, 4, 7, 8, 9]
+        assert report.freed_bytes == dry.freed_bytes > 0
+        gc = gp.gc(store, grace=0)
+        assert gc.deleted_bytes >= report.freed_bytes
+        log = gp.snapshot_log(store, "run")
+        assert [v.step for v in log] == [0, 4, 7, 8, 9]
+        assert all(v.depth <= 3 for v in log)
+        for step in (0, 4, 7, 8, 9):
+            assert same(gp.restore(store, "run", step=step), states[step])
+        assert gp.verify(store).ok
+        # Pruning again keeps what is there; a later snapshot chains on the new head.
+        assert not gp.prune(store, "run", keep_last=3, keep_every=4).dropped_steps
+        gp.snapshot(store, "run", states[0], step=10)
+        assert same(gp.restore(store, "run", step=10), states[0])
+
+
+def test_two_writers_of_one_name_both_land(tmp_path: Path, small: None) -> None:
+    """Each snapshot is one compare-and-swap; the loser rebuilds against the winner."""
+    url = f"file://{tmp_path}/store"
+    gp.open_store(url, mode="w")
+    states = drifting(8, seed=2)
+    errors: list[BaseException] = []
+
+    def writer(offset: int) -> None:
+        store = gp.open_store(url, mode="a")
+        try:
+            for i in range(offset, 8, 2):
+                gp.snapshot(store, "run", states[i], step=i)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    store = gp.open_store(url, mode="r")
+    log = gp.snapshot_log(store, "run")
+    assert sorted(v.step for v in log) == list(range(8))
+    for i in range(8):
+        assert same(gp.restore(store, "run", step=i), states[i])
+    assert gp.verify(store).ok
+
+
+def test_restore_on_a_local_cluster_shares_chain_work(tmp_path: Path, small: None) -> None:
+    from distributed import Client, LocalCluster
+
+    store = gp.open_store(tmp_path / "store", mode="w")
+    states = drifting(4, seed=3)
+    for i, state in enumerate(states):
+        gp.snapshot(store, "run", state, step=i)
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=False) as cluster,
+        Client(cluster) as client,
+        gp.runner(client) as runner,
+    ):
+        for i, state in enumerate(states):
+            assert same(gp.restore(store, "run", step=i, runner=runner), state)
+
+    from gradpipe.graph.chains import build_read_graph
+
+    manifests = []
+    for step in (2, 3):
+        _, snap = find_snapshot(store, "run", step)
+        manifests += list(snap.embedded.values())
+    graph, _ = build_read_graph(store, manifests)
+    chunk_tasks = [k for k in graph if k[0] == "gradpipe-chunk"]
+    # Two versions of one chain: the shared keyframes and deltas appear once.
+    listed = sum(
+        len(m.deltas.get(i, ())) + 1 for m in manifests for i, b in enumerate(m.blocks) if b
+    )
+    assert len(chunk_tasks) < listed
