@@ -139,7 +139,7 @@ def run_snapshot(args: argparse.Namespace) -> CommandResult:
 
 def run_restore(args: argparse.Namespace) -> CommandResult:
     from gradpipe.formats.dump import dump_format
-    from gradpipe.formats.state_file import StateFileInfo, write_state_file
+    from gradpipe.formats.state_file import StateFileInfo, check_state_path, write_state_file
     from gradpipe.output import parse_output_path
     from gradpipe.snapshot import find_snapshot, restore_manifest
 
@@ -151,6 +151,7 @@ def run_restore(args: argparse.Namespace) -> CommandResult:
         info = StateFileInfo.from_dict(json.loads(recorded))
     else:  # made in Python: the output's extension says which kind
         info = StateFileInfo(dump_format(args.output))
+    check_state_path(args.output, info)  # before reading anything
     state = restore_manifest(store, manifest)
     write_state_file(args.output, state, info)
     doc: dict[str, Any] = {

@@ -50,6 +50,7 @@ from gradpipe.formats.safetensors import write_safetensors
 __all__ = [
     "KINDS",
     "StateFileInfo",
+    "check_state_path",
     "from_torch",
     "read_state_file",
     "to_torch",
@@ -135,6 +136,17 @@ def read_state_file(path: str | os.PathLike[str]) -> tuple[dict[Any, Any], State
     return state, StateFileInfo(kind, dict(metadata) if kind == "safetensors" else {})
 
 
+def check_state_path(path: str | os.PathLike[str], info: StateFileInfo) -> None:
+    """Refuse a path whose extension names another kind of file than ``info``'s."""
+    name = os.fspath(path)
+    ext = posixpath.splitext(name)[1].lower()
+    if ext in DUMP_FORMATS and DUMP_FORMATS[ext] != info.kind:
+        raise InvalidInputError(
+            f"{name}: the state was read from a {info.kind} file; write it to a file ending "
+            f"in {', '.join(e for e, k in DUMP_FORMATS.items() if k == info.kind)}"
+        )
+
+
 def write_state_file(
     path: str | os.PathLike[str] | IO[bytes], state: Mapping[Any, Any], info: StateFileInfo
 ) -> None:
@@ -149,13 +161,7 @@ def write_state_file(
         If the path's extension names another kind, or the state does not fit the kind.
     """
     if isinstance(path, str | os.PathLike):
-        name = os.fspath(path)
-        ext = posixpath.splitext(name)[1].lower()
-        if ext in DUMP_FORMATS and DUMP_FORMATS[ext] != info.kind:
-            raise InvalidInputError(
-                f"{name}: the state was read from a {info.kind} file; write it to a file ending "
-                f"in {', '.join(e for e, k in DUMP_FORMATS.items() if k == info.kind)}"
-            )
+        check_state_path(path, info)
     if info.kind == "torch":
         obj = to_torch(state)
 
