@@ -142,22 +142,26 @@ class DeltaCodec(Codec):  # type: ignore[misc]
         data = ensure_contiguous_ndarray(buf).reshape(-1).view(np.uint8)
         if self.kind == "sparse":
             result = apply_sparse_delta(_parse_sparse(data, base.size), base)
-        else:
-            if data.nbytes != base.nbytes:
-                raise IntegrityError(
-                    f"{self.codec_id}: delta of {data.nbytes} bytes against a base of "
-                    f"{base.nbytes} bytes"
-                )
-            apply = apply_int_delta if self.kind == "int" else apply_xor_delta
-            result = apply(data.view(self._dtype), base)
-        if out is None:
-            return result
-        target = ensure_contiguous_ndarray(out).reshape(-1).view(np.uint8)
-        if target.nbytes != result.nbytes:
-            raise InvalidInputError(
-                f"{self.codec_id}: out holds {target.nbytes} bytes, the chunk is {result.nbytes}"
+            if out is None:
+                return result
+            target = _out_bytes(out, result.nbytes, self.codec_id)
+            target[:] = result.view(np.uint8)
+            return np.asarray(out)
+        if data.nbytes != base.nbytes:
+            raise IntegrityError(
+                f"{self.codec_id}: delta of {data.nbytes} bytes against a base of "
+                f"{base.nbytes} bytes"
             )
-        target[:] = result.view(np.uint8)
+        word = np.dtype(f"<u{base.dtype.itemsize}")
+        words = data.view(word)
+        if out is None:
+            apply = apply_int_delta if self.kind == "int" else apply_xor_delta
+            return apply(words, base)
+        # Straight into ``out`` (which may be the base itself: ufuncs read each
+        # element before writing it), without a temporary the size of the chunk.
+        target = _out_bytes(out, base.nbytes, self.codec_id).view(word)
+        ufunc = np.add if self.kind == "int" else np.bitwise_xor
+        ufunc(base.view(word), words, out=target)
         return np.asarray(out)
 
     def get_config(self) -> dict[str, Any]:
@@ -169,6 +173,15 @@ class DeltaCodec(Codec):  # type: ignore[misc]
     def __repr__(self) -> str:
         extra = f", threshold={self.threshold!r}" if self.kind == "sparse" else ""
         return f"DeltaCodec(kind={self.kind!r}, dtype={self.dtype!r}{extra})"
+
+
+def _out_bytes(out: object, nbytes: int, codec_id: str) -> np.ndarray:
+    target: np.ndarray = ensure_contiguous_ndarray(out).reshape(-1).view(np.uint8)
+    if target.nbytes != nbytes:
+        raise InvalidInputError(
+            f"{codec_id}: out holds {target.nbytes} bytes, the chunk is {nbytes}"
+        )
+    return target
 
 
 def _parse_sparse(data: np.ndarray, size: int) -> SparseDelta:

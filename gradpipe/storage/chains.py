@@ -22,13 +22,16 @@ version stored against what it would have stored alone.
 
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 import numpy as np
 
 from gradpipe.codecs.delta import DeltaCodec, parse_delta_kind
-from gradpipe.config import get_bytes
+from gradpipe.config import get_bytes, get_setting
 from gradpipe.core.chain import (
     DEFAULT_KEYFRAME_INTERVAL,
     ChainInfo,
@@ -41,6 +44,7 @@ from gradpipe.core.dtypes import canonical_dtype, check_values, dtype_name
 from gradpipe.core.ids import hash_bytes
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.storage.blocks import BlockToWrite, WriteStats
+from gradpipe.storage.reads import read_threads
 
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
@@ -49,6 +53,9 @@ __all__ = ["ChainParent", "write_version"]
 
 _WINDOW_BYTES: Final = 64 * 2**20
 _WINDOW_BLOCKS: Final = 64
+#: A delta at most this fraction of the parent's full copy wins without the
+#: full encoding being made (halves the encoding work on parameters).
+_CLEAR_WIN: Final = 0.8
 #: Chunks up to this many times ``inline-bytes`` are never delta-encoded: their
 #: frames are a few KiB and may be kept inline, where no chain can reach them.
 _SMALL_FACTOR: Final = 4
@@ -80,6 +87,10 @@ class _Chunk:
     links: tuple[DeltaLink, ...] = ()
     stored: int = 0
     full: int = 0
+    logical: int = 0  # bytes of the chunk's values
+    write: BlockToWrite | None = None  # the block to store, if any
+    outcome: str = "written"  # or "zero", "inline", "unchanged": for the write stats
+    error: float | None = None  # a lossy delta's largest error
 
 
 class _Writes:
@@ -135,18 +146,31 @@ def write_version(
         target = chunk_bytes if chunk_bytes is not None else get_bytes("chunk-bytes")
         chunk_shape = choose_chunk_shape(array.shape, dtype.itemsize, target)
     writer = _VersionWriter(
-        store,
-        stats,
-        kind=kind,
-        threshold=threshold,
-        interval=interval,
-        parent=parent if base else None,
+        store, kind=kind, threshold=threshold, interval=interval, parent=parent if base else None
     )
-    chunks = [
-        writer.chunk(i, flat[start:stop], where=where)
-        for i, (start, stop) in enumerate(chunk_ranges(array.shape, chunk_shape))
-    ]
-    writer.writes.flush()
+    ranges = list(chunk_ranges(array.shape, chunk_shape))
+    writes = _Writes(store, stats)
+    chunks: list[_Chunk] = []
+    errors: list[float] = []
+    # Chunks are encoded on a pool (the codecs release the GIL), a few windows
+    # of them at a time so that only those windows' frames are held.
+    step = 4 * read_threads()
+    for lo in range(0, len(ranges), step):
+        window = range(lo, min(lo + step, len(ranges)))
+
+        def encode(i: int) -> _Chunk:
+            start, stop = ranges[i]
+            return writer.chunk(i, flat[start:stop], where=where)
+
+        done = map(encode, window) if len(window) == 1 else _pool().map(encode, window)
+        for chunk in done:
+            _account(chunk, stats)
+            if chunk.write is not None:
+                writes.add(chunk.write)
+            if chunk.error is not None:
+                errors.append(chunk.error)
+            chunks.append(chunk)
+    writes.flush()
     return TensorManifest(
         name,
         tuple(array.shape),
@@ -160,46 +184,73 @@ def write_version(
             interval,
             tuple(c.stored for c in chunks),
             tuple(c.full for c in chunks),
-            lossy=writer.lossy,
-            max_abs_error=writer.max_abs_error,
+            lossy=bool(errors),
+            max_abs_error=max(errors, default=0.0),
         ),
     )
 
 
+def _account(chunk: _Chunk, stats: WriteStats) -> None:
+    """Count what one chunk's decision did (the block writes count themselves)."""
+    stats.logical_bytes += chunk.logical
+    if chunk.outcome == "zero":
+        stats.zero_chunks += 1
+    elif chunk.outcome == "inline":
+        stats.inline_chunks += 1
+    elif chunk.outcome == "unchanged":
+        stats.blocks_reused += 1
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}  # by process id: a forked child makes its own
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The process's encoding pool (apart from the reading one: a writer reads parents)."""
+    pid = os.getpid()
+    with _POOL_LOCK:
+        pool = _POOLS.get(pid)
+        if pool is None:
+            pool = ThreadPoolExecutor(read_threads(), thread_name_prefix="gradpipe-encode")
+            _POOLS.clear()
+            _POOLS[pid] = pool
+        return pool
+
+
 class _VersionWriter:
-    """The per-chunk decisions of one :func:`write_version` call."""
+    """The per-chunk decisions of one :func:`write_version` call (thread-safe: no state)."""
 
     def __init__(
         self,
         store: Store,
-        stats: WriteStats,
         *,
         kind: str,
         threshold: float,
         interval: int,
         parent: ChainParent | None,
     ) -> None:
-        self.store, self.stats, self.writes = store, stats, _Writes(store, stats)
+        self.store = store
         self.kind, self.threshold, self.interval = kind, threshold, interval
         self.parent = parent
+        self.manifest = parent.manifest if parent is not None else None
         self.inline_max = get_bytes("inline-bytes")
+        self.level = int(get_setting("codec-level"))
         self.parent_flat = (
             None
             if parent is None or parent.values is None
             else np.ascontiguousarray(parent.values).reshape(-1)
         )
-        self.lossy = False
-        self.max_abs_error = 0.0
+        self.parent_ranges = self.manifest.chunk_ranges() if self.manifest is not None else []
 
     def chunk(self, i: int, chunk: np.ndarray, *, where: str) -> _Chunk:
         check_values(chunk, where=where or "tensor")
-        self.stats.logical_bytes += chunk.nbytes
         nonzero = bit_nonzero(chunk)
         if nonzero == 0:
-            self.stats.zero_chunks += 1
-            return _Chunk(None, chunk_stats(chunk, bits_nonzero=0))
+            return _Chunk(
+                None, chunk_stats(chunk, bits_nonzero=0), outcome="zero", logical=chunk.nbytes
+            )
         block_id = hash_bytes(chunk.view(np.uint8))
-        parent = self.parent.manifest if self.parent is not None else None
+        parent = self.manifest
         if parent is not None and parent.blocks[i] == block_id:
             return self._unchanged(i, parent, chunk, nonzero)
         record_stats = chunk_stats(chunk, bits_nonzero=nonzero)
@@ -207,12 +258,12 @@ class _VersionWriter:
         if chunk.nbytes <= self.inline_max * _SMALL_FACTOR:
             return self._small(full_item, record_stats)
         base = self._base(i, parent)
-        full_frame = self.store.encode_block(full_item)
         if base is None or parent is None:
-            return self._full(full_item, full_frame, record_stats)
-        return self._smaller(
-            i, parent, chunk, base, full=(full_item, full_frame), record_stats=record_stats
-        )
+            return self._full(full_item, self._encode(full_item), record_stats)
+        return self._smaller(i, parent, chunk, base, full=full_item, record_stats=record_stats)
+
+    def _encode(self, item: BlockToWrite) -> bytes:
+        return self.store.encode_block(item, self.level)
 
     def _unchanged(self, i: int, parent: TensorManifest, chunk: np.ndarray, nonzero: int) -> _Chunk:
         """The parent's chunk as it is stored: no new block."""
@@ -222,21 +273,30 @@ class _VersionWriter:
         elif frame is not None:
             full = len(frame)
         else:  # a parent written without a chain: what this chunk takes alone
-            item = BlockToWrite(parent.blocks[i] or "", chunk, None, nonzero)
-            full = len(self.store.encode_block(item))
-        self.stats.blocks_reused += 1
-        return _Chunk(parent.blocks[i], parent.stats[i], frame, parent.deltas.get(i, ()), 0, full)
+            full = len(self._encode(BlockToWrite(parent.blocks[i] or "", chunk, None, nonzero)))
+        links = parent.deltas.get(i, ())
+        return _Chunk(
+            parent.blocks[i], parent.stats[i], frame, links, 0, full,
+            logical=chunk.nbytes, outcome="unchanged",
+        )  # fmt: skip
 
     def _small(self, item: BlockToWrite, record_stats: ChunkStats) -> _Chunk:
-        frame = self.store.encode_block(item)
+        frame = self._encode(item)
         if len(frame) <= self.inline_max:
-            self.stats.inline_chunks += 1
-            return _Chunk(item.block_id, record_stats, frame, (), len(frame), len(frame))
+            size = len(frame)
+            return _Chunk(
+                item.block_id, record_stats, frame, (), size, size,
+                logical=item.data.nbytes, outcome="inline",
+            )  # fmt: skip
         return self._full(item, frame, record_stats)
 
     def _full(self, item: BlockToWrite, frame: bytes, record_stats: ChunkStats) -> _Chunk:
-        self.writes.add(BlockToWrite(item.block_id, item.data, None, item.nonzero, frame))
-        return _Chunk(item.block_id, record_stats, None, (), len(frame), len(frame))
+        write = BlockToWrite(item.block_id, item.data, None, item.nonzero, frame)
+        size = len(frame)
+        return _Chunk(
+            item.block_id, record_stats, None, (), size, size,
+            logical=item.data.nbytes, write=write,
+        )  # fmt: skip
 
     def _base(self, i: int, parent: TensorManifest | None) -> np.ndarray | None:
         """The parent's chunk ``i`` to delta against, or None when it cannot serve."""
@@ -247,7 +307,7 @@ class _VersionWriter:
             return None  # no stored block: no chain can start from it
         if len(parent.deltas.get(i, ())) + 1 >= self.interval:
             return None  # time for a keyframe
-        start, stop = parent.chunk_ranges()[i]
+        start, stop = self.parent_ranges[i]
         values = self.parent_flat[start:stop]
         if not self.parent.trusted and hash_bytes(values.view(np.uint8)) != block:
             return None  # the values at hand are not what the parent stored
@@ -260,11 +320,15 @@ class _VersionWriter:
         chunk: np.ndarray,
         base: np.ndarray,
         *,
-        full: tuple[BlockToWrite, bytes],
+        full: BlockToWrite,
         record_stats: ChunkStats,
     ) -> _Chunk:
-        """The chunk as a delta against ``base`` if that is smaller, else in full."""
-        full_item, full_frame = full
+        """The chunk as a delta against ``base`` if that is smaller, else in full.
+
+        When the delta is clearly smaller than the parent's own full copy of
+        the chunk (a full copy's size moves little between versions), the full
+        encoding is not made, and the parent's size stands for it.
+        """
         codec = DeltaCodec(self.kind, dtype_name(chunk.dtype), self.threshold).bind(base)
         words = codec.encode(chunk)
         # Lossless deltas are shown to the policy as the tensor's dtype, so the
@@ -272,19 +336,26 @@ class _VersionWriter:
         delta = words if self.kind == "sparse" else words.view(chunk.dtype)
         delta_id = hash_bytes(delta.view(np.uint8))
         delta_item = BlockToWrite(delta_id, delta, None, bit_nonzero(delta))
-        delta_frame = self.store.encode_block(delta_item)
-        if len(delta_frame) >= len(full_frame):
-            return self._full(full_item, full_frame, record_stats)
-        block_id = full_item.block_id
+        delta_frame = self._encode(delta_item)
+        known = parent.chain.full[i] if parent.chain is not None else 0
+        if len(delta_frame) <= _CLEAR_WIN * known:
+            full_size = known
+        else:
+            full_frame = self._encode(full)
+            if len(delta_frame) >= len(full_frame):
+                return self._full(full, full_frame, record_stats)
+            full_size = len(full_frame)
+        block_id, error = full.block_id, None
         if not codec.lossless:
             rebuilt = codec.decode(words).view(chunk.dtype)
             block_id = hash_bytes(rebuilt.view(np.uint8))
             record_stats = chunk_stats(rebuilt, bits_nonzero=bit_nonzero(rebuilt))
-            if not codec.exact:
-                self.lossy = True
-                self.max_abs_error = max(self.max_abs_error, codec.max_abs_error)
-        self.writes.add(BlockToWrite(delta_id, delta, None, delta_item.nonzero, delta_frame))
+            error = None if codec.exact else codec.max_abs_error
         parent_block = parent.blocks[i]
         assert parent_block is not None  # _base returned a base only for a stored block
         links = (DeltaLink(delta_id, parent_block, self.kind), *parent.deltas.get(i, ()))
-        return _Chunk(block_id, record_stats, None, links, len(delta_frame), len(full_frame))
+        write = BlockToWrite(delta_id, delta, None, delta_item.nonzero, delta_frame)
+        return _Chunk(
+            block_id, record_stats, None, links, len(delta_frame), full_size,
+            logical=chunk.nbytes, write=write, error=error,
+        )  # fmt: skip
