@@ -16,7 +16,8 @@ costs a fraction of a full checkpoint each. ``blocking=False`` works like
 ``torch.distributed.checkpoint.async_save``: the state is copied to host
 memory during the call (the next ``optimizer.step()`` changes the parameters
 in place) and written by one background thread, which writes the saves of
-this process one after another, in the order they were asked for.
+this process one after another, in the order they were asked for. Saves still
+pending when the interpreter exits are finished first.
 
 torch is an optional dependency (the ``torch`` extra); ``import gradpipe``
 does not import this module.
@@ -27,7 +28,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -72,7 +73,7 @@ def save_state(
     *,
     step: int,
     loss: float | None = ...,
-    metadata: dict[str, str] | None = ...,
+    metadata: Mapping[str, str] | None = ...,
     blocking: Literal[True] = ...,
     delta: str = ...,
     threshold: float = ...,
@@ -87,7 +88,7 @@ def save_state(
     *,
     step: int,
     loss: float | None = ...,
-    metadata: dict[str, str] | None = ...,
+    metadata: Mapping[str, str] | None = ...,
     blocking: Literal[False],
     delta: str = ...,
     threshold: float = ...,
@@ -101,7 +102,7 @@ def save_state(
     *,
     step: int,
     loss: float | None = None,
-    metadata: dict[str, str] | None = None,
+    metadata: Mapping[str, str] | None = None,
     blocking: bool = True,
     delta: str = "int",
     threshold: float = 0.0,

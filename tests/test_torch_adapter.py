@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -228,3 +232,25 @@ def test_background_saves_round_trip_on_every_store(store: gp.Store) -> None:
     assert_same(fresh.state_dict(), model.state_dict(), "model")
     assert_same(fresh_opt.state_dict(), opt.state_dict(), "optimizer")
     assert train_step(fresh, fresh_opt, 3).hex() == train_step(model, opt, 3).hex()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_gets_its_own_writer(tmp_path: Path) -> None:
+    """A child forked after a background save inherits no writer thread: it must start one."""
+    code = textwrap.dedent(
+        f"""
+        import os, torch, gradpipe as gp
+        from gradpipe.torch import save_state
+        model, store = torch.nn.Linear(3, 2), gp.open_store({str(tmp_path / "s")!r}, mode="w")
+        save_state(store, "parent", model, step=0, blocking=False).result()
+        pid = os.fork()
+        if pid == 0:
+            save_state(store, "child", model, step=1, blocking=False).result()
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        """
+    )
+    # The timeout only ends a hang (the failure this guards against); nothing is timed.
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    store = gp.open_store(str(tmp_path / "s"), mode="r")
+    assert [i.step for i in gp.snapshot_log(store, "child")] == [1]
