@@ -124,7 +124,7 @@ def save_state(
         The training step; ``load_state(step=...)`` finds it.
     loss : float, optional
         Shown by ``gradpipe log``.
-    metadata : dict of str to str, optional
+    metadata : mapping of str to str, optional
         Free-form string fields.
     blocking : bool
         If False, return once the state is copied to host memory and write it
