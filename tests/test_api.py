@@ -113,13 +113,24 @@ def test_public_calls_return_exported_types(tmp_path: Path) -> None:
 
 
 def test_import_is_light() -> None:
-    """Integrations (xarray, distributed, ml_dtypes) load only when used."""
+    """Integrations (xarray, distributed, ml_dtypes, torch) load only when used."""
     code = "import sys, gradpipe; print(sorted({m.split('.')[0] for m in sys.modules}))"
     loaded = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     for heavy in ("xarray", "distributed", "ml_dtypes", "s3fs", "torch"):
         assert f"'{heavy}'" not in loaded.stdout
+    # Nor the torch adapter, even after the whole public API has been touched.
+    code = (
+        "import sys, gradpipe; [getattr(gradpipe, n) for n in gradpipe.__all__]; "
+        "print(sorted(sys.modules))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert "'gradpipe.snapshot'" in loaded.stdout
+    assert "'gradpipe.torch'" not in loaded.stdout
+    assert "'torch'" not in loaded.stdout
 
 
 @pytest.mark.parametrize("name", errors.__all__)

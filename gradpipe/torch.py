@@ -1,0 +1,264 @@
+"""PyTorch adapter: a model's and optimizer's state as snapshots, saved in the background.
+
+>>> import gradpipe as gp                                              # doctest: +SKIP
+>>> from gradpipe.torch import load_state, save_state                  # doctest: +SKIP
+>>> store = gp.open_store("s3://bucket/ckpt", mode="a")                # doctest: +SKIP
+>>> for step in range(start, steps):                                   # doctest: +SKIP
+...     loss = train_step(model, optimizer)
+...     save_state(store, "run1", model, optimizer, step=step, loss=loss.item(), blocking=False)
+>>> info = load_state(store, "run1", model, optimizer)                 # doctest: +SKIP
+>>> start = info.step + 1                                              # doctest: +SKIP
+
+:func:`save_state` writes ``{"model": model.state_dict(), "optimizer":
+optimizer.state_dict()}`` with :func:`gradpipe.snapshot`: every snapshot of a
+name is stored as deltas against the previous one, so keeping every step
+costs a fraction of a full checkpoint each. ``blocking=False`` works like
+``torch.distributed.checkpoint.async_save``: the state is copied to host
+memory during the call (the next ``optimizer.step()`` changes the parameters
+in place) and written by one background thread, which writes the saves of
+this process one after another, in the order they were asked for. Saves still
+pending when the interpreter exits are finished first.
+
+torch is an optional dependency (the ``torch`` extra); ``import gradpipe``
+does not import this module.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Literal, overload
+
+from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
+from gradpipe.formats.state_file import from_torch, to_torch
+from gradpipe.snapshot import SnapshotInfo, find_snapshot, restore_manifest, snapshot
+
+if TYPE_CHECKING:
+    import torch
+
+    from gradpipe.storage.store import Store
+
+__all__ = ["load_state", "save_state"]
+
+
+class _Writer:
+    """One writer thread per process, so saves land in the order they were made."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = -1
+        self._executor: ThreadPoolExecutor | None = None
+
+    def executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            # A forked child inherits the parent's executor without its thread: start anew.
+            if self._executor is None or self._pid != os.getpid():
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="gradpipe-save")
+                self._pid = os.getpid()
+            return self._executor
+
+
+_WRITER = _Writer()
+
+
+@overload
+def save_state(
+    store: Store,
+    name: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = ...,
+    *,
+    step: int,
+    loss: float | None = ...,
+    metadata: Mapping[str, str] | None = ...,
+    blocking: Literal[True] = ...,
+    delta: str = ...,
+    threshold: float = ...,
+    keyframe_interval: int = ...,
+) -> str: ...
+@overload
+def save_state(
+    store: Store,
+    name: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = ...,
+    *,
+    step: int,
+    loss: float | None = ...,
+    metadata: Mapping[str, str] | None = ...,
+    blocking: Literal[False],
+    delta: str = ...,
+    threshold: float = ...,
+    keyframe_interval: int = ...,
+) -> Future[str]: ...
+def save_state(
+    store: Store,
+    name: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    step: int,
+    loss: float | None = None,
+    metadata: Mapping[str, str] | None = None,
+    blocking: bool = True,
+    delta: str = "int",
+    threshold: float = 0.0,
+    keyframe_interval: int = DEFAULT_KEYFRAME_INTERVAL,
+) -> str | Future[str]:
+    """Save a model's and optimizer's state as the next snapshot of ``name``.
+
+    Parameters
+    ----------
+    store : Store
+        A writable store.
+    name : str
+        The snapshot chain (see :func:`gradpipe.snapshot`).
+    model : torch.nn.Module
+        Saved as ``state["model"] = model.state_dict()``, on any device.
+    optimizer : torch.optim.Optimizer, optional
+        Saved as ``state["optimizer"]``; omitted when None.
+    step : int
+        The training step; ``load_state(step=...)`` finds it.
+    loss : float, optional
+        Shown by ``gradpipe log``.
+    metadata : mapping of str to str, optional
+        Free-form string fields.
+    blocking : bool
+        If False, return once the state is copied to host memory and write it
+        in the background; the parameters may be changed right away.
+    delta, threshold, keyframe_interval
+        Passed to :func:`gradpipe.snapshot`.
+
+    Returns
+    -------
+    str or concurrent.futures.Future of str
+        The snapshot id, or (``blocking=False``) a future of it whose
+        ``result()`` raises what the write raised.
+
+    Raises
+    ------
+    InvalidInputError
+        At the call, for a tensor gradpipe cannot store (sparse, quantized, an
+        unsupported dtype), naming it.
+
+    Examples
+    --------
+    >>> future = save_state(store, "run1", model, opt, step=7, blocking=False)  # doctest: +SKIP
+    >>> opt.step()  # safe: the save holds its own copy                        # doctest: +SKIP
+    >>> future.result()                                                         # doctest: +SKIP
+    'b3f1...'
+    """
+    state: dict[str, Any] = {"model": model.state_dict()}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+    # A blocking save may read CPU tensors in place: the caller waits for it.
+    host = from_torch(_to_host(state, copy=not blocking), path=f"save_state {name!r}")
+    future = _WRITER.executor().submit(
+        snapshot,
+        store,
+        name,
+        host,
+        step=step,
+        loss=loss,
+        metadata=metadata,
+        delta=delta,
+        threshold=threshold,
+        keyframe_interval=keyframe_interval,
+    )
+    return future if not blocking else future.result()
+
+
+def load_state(
+    store: Store,
+    name: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    step: int | None = None,
+    map_location: str | torch.device | None = None,
+    strict: bool = True,
+    assign: bool = False,
+) -> SnapshotInfo:
+    """Load a snapshot saved by :func:`save_state` into a model and optimizer.
+
+    Parameters
+    ----------
+    store : Store
+    name : str
+    model : torch.nn.Module
+        Gets ``model.load_state_dict(...)``; values are copied into its
+        parameters and buffers on their device.
+    optimizer : torch.optim.Optimizer, optional
+        Gets ``optimizer.load_state_dict(...)`` (torch moves each state to its
+        parameter's device). When None, only the model's chunks are read.
+    step : int, optional
+        The snapshot at this step; the newest by default.
+    map_location : str or torch.device, optional
+        Move the model's tensors here before loading (with ``assign=True``
+        they become the parameters); by default they stay in host memory.
+    strict, assign : bool
+        Passed to ``model.load_state_dict``.
+
+    Returns
+    -------
+    SnapshotInfo
+        The snapshot loaded: ``info.step``, ``info.loss``, ``info.id``...
+
+    Raises
+    ------
+    NotFoundError
+        If there is no snapshot ``name`` (at ``step``), or it holds no
+        optimizer state and ``optimizer`` was given.
+
+    Examples
+    --------
+    >>> info = load_state(store, "run1", model, opt)  # doctest: +SKIP
+    >>> start = info.step + 1                          # doctest: +SKIP
+    """
+    snapshot_id, manifest = find_snapshot(store, name, step)
+    keys = ["model"] if optimizer is None else ["model", "optimizer"]
+    # One manifest for the read and the answer, even if a save lands meanwhile.
+    state = restore_manifest(store, manifest, keys=keys)
+    model_state = to_torch(state["model"])
+    if map_location is not None:
+        model_state = _to_device(model_state, map_location)
+    model.load_state_dict(model_state, strict=strict, assign=assign)
+    if optimizer is not None:
+        optimizer.load_state_dict(to_torch(state["optimizer"]))
+    return SnapshotInfo.of(snapshot_id, manifest)
+
+
+def _to_host(obj: Any, *, copy: bool) -> Any:
+    """``obj`` with every tensor detached in host memory; a copy of each if ``copy``."""
+    import torch
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if copy or t.device.type != "cpu":
+            return t.to("cpu", memory_format=torch.contiguous_format, copy=True)
+        return t
+
+    return _map_tensors(obj, move)
+
+
+def _to_device(obj: Any, device: str | torch.device) -> Any:
+    return _map_tensors(obj, lambda t: t.to(device))
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """A copy of a nested state (as :func:`from_torch` walks it) with ``fn`` on each tensor."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if type(obj) in (list, tuple):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    if type(obj) in (dict, OrderedDict):
+        out = type(obj)((k, _map_tensors(v, fn)) for k, v in obj.items())
+        for attr, value in vars(obj).items() if type(obj) is OrderedDict else ():
+            setattr(out, attr, _map_tensors(value, fn))  # a state_dict's _metadata
+        return out
+    return obj
