@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Final
@@ -34,8 +35,8 @@ from gradpipe.core.snapshot_manifest import SnapshotManifest
 from gradpipe.core.state import FlatState, flatten_state, select_state, unflatten_state
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import ConflictError, IntegrityError, InvalidInputError, NotFoundError
-from gradpipe.storage.blocks import WriteStats
 from gradpipe.storage.chains import ChainParent, write_version
+from gradpipe.storage.reads import read_threads
 from gradpipe.storage.tensors import read_tensors
 
 if TYPE_CHECKING:
@@ -239,21 +240,21 @@ def _write(
     if head is not None:
         parents = {k: head.embedded[t] for k, t in head.tensors.items() if k in flat.arrays}
     values = _parent_values(store, name, head_id, parents)
-    stats = WriteStats()
+
+    def write(key: str) -> TensorManifest:
+        parent = None
+        if key in parents and head is not None:
+            parent = ChainParent(parents[key], head.tensors[key], values.get(key), trusted=True)
+        where = f"snapshot {name!r}, {key}"
+        return write_version(store, flat.arrays[key], parent, where=where, **options)
+
+    # Tensors in parallel (most are one chunk, so a tensor's own chunks give
+    # little to share out); the encoders release the GIL.
+    with ThreadPoolExecutor(read_threads(), thread_name_prefix="gradpipe-snapshot") as pool:
+        manifests = list(pool.map(write, flat.arrays))
     tensors: dict[str, str] = {}
     embedded: dict[str, TensorManifest] = {}
-    for key, array in flat.arrays.items():
-        parent = None
-        if key in parents:
-            parent = ChainParent(
-                parents[key],
-                head.tensors[key] if head is not None else None,
-                values.get(key),
-                trusted=True,
-            )
-        manifest = write_version(
-            store, array, parent, stats=stats, where=f"snapshot {name!r}, {key}", **options
-        )
+    for key, manifest in zip(flat.arrays, manifests, strict=True):
         tensor_id = manifest_id(manifest)
         tensors[key] = tensor_id
         embedded[tensor_id] = manifest
