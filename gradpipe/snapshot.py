@@ -112,29 +112,61 @@ class SnapshotInfo:
         )
 
 
-# --- the writer's memory of its last snapshot -----------------------------------
-# Writing a version needs the previous version's values. A process that wrote
-# it keeps a private copy (the caller's arrays may be changed in place by the
-# next optimizer step), so the next snapshot needs no read; another process,
-# or a copy that would be too large (gradpipe.snapshot-cache-bytes), reads
-# the previous version from the store instead.
-_LAST: dict[tuple[str, str], tuple[str, dict[str, np.ndarray]]] = {}
-_LAST_LOCK = threading.Lock()
+# --- the writer's memory of its keyframes -------------------------------------
+# Every delta is taken against its chunk's keyframe. A process keeps a private
+# copy of the keyframe chunks of the last snapshot it wrote of each name (the
+# caller's arrays may be changed in place by the next optimizer step), so the
+# next snapshot reads nothing back; another process, or keyframes that would
+# take more than gradpipe.snapshot-cache-bytes, reads the keyframes it needs
+# from the store (one block per chunk).
+_KEYFRAMES: dict[tuple[str, str], tuple[str, dict[str, np.ndarray]]] = {}
+_KEYFRAMES_LOCK = threading.Lock()
 
 
-def _remember(store: Store, name: str, snapshot_id: str, arrays: Mapping[str, np.ndarray]) -> None:
+def _remember(
+    store: Store,
+    name: str,
+    snapshot_id: str,
+    *,
+    written: _Tensors,
+    arrays: Mapping[str, np.ndarray],
+    known: Mapping[str, np.ndarray],
+) -> None:
+    """Keep the keyframe chunks snapshot ``snapshot_id`` uses (copies of its own, or ``known``)."""
     limit = get_bytes("snapshot-cache-bytes")
-    key = (store.url, name)
-    with _LAST_LOCK:
-        _LAST.pop(key, None)
-        if sum(a.nbytes for a in arrays.values()) <= limit:
-            _LAST[key] = (snapshot_id, {k: np.array(a, copy=True) for k, a in arrays.items()})
+    kept: dict[str, np.ndarray] = {}
+    for keyframe, values in _keyframes(written, arrays, known):
+        if keyframe not in kept:
+            kept[keyframe] = values
+            limit -= values.nbytes
+            if limit < 0:
+                kept = {}  # too large to keep: the next snapshot reads its keyframes
+                break
+    with _KEYFRAMES_LOCK:
+        _KEYFRAMES[(store.url, name)] = (snapshot_id, kept)
 
 
-def _recalled(store: Store, name: str, snapshot_id: str) -> dict[str, np.ndarray] | None:
-    with _LAST_LOCK:
-        found = _LAST.get((store.url, name))
-    return found[1] if found is not None and found[0] == snapshot_id else None
+def _keyframes(
+    written: _Tensors, arrays: Mapping[str, np.ndarray], known: Mapping[str, np.ndarray]
+) -> Iterator[tuple[str, np.ndarray]]:
+    """``(block id, values)`` of every keyframe chunk the written tensors use, where at hand."""
+    for key, tensor_id in written.tensors.items():
+        manifest = written.embedded[tensor_id]
+        flat = arrays[key].reshape(-1)
+        for i, (start, stop) in enumerate(manifest.chunk_ranges()):
+            block, links = manifest.blocks[i], manifest.deltas.get(i)
+            if block is None or i in manifest.inline:
+                continue
+            if not links:
+                yield block, np.array(flat[start:stop], copy=True)
+            elif links[-1].base in known:
+                yield links[-1].base, known[links[-1].base]
+
+
+def _recalled(store: Store, name: str, snapshot_id: str | None) -> dict[str, np.ndarray]:
+    with _KEYFRAMES_LOCK:
+        found = _KEYFRAMES.get((store.url, name))
+    return found[1] if found is not None and found[0] == snapshot_id else {}
 
 
 # --- writing --------------------------------------------------------------------
@@ -196,6 +228,7 @@ def snapshot(
             head_id = _head(store, name)
             head = None if head_id is None else _get(store, head_id, name)
             written = _write(store, name, flat, head, head_id=head_id, options=options)
+            known = _recalled(store, name, head_id)
             manifest = SnapshotManifest(
                 name=name,
                 step=step,
@@ -213,7 +246,9 @@ def snapshot(
             except ConflictError:
                 continue  # another snapshot of this name landed first: chain on it
             if delta != "sparse":  # a lossy version stores other values than it was given
-                _remember(store, name, snapshot_id, flat.arrays)
+                _remember(
+                    store, name, snapshot_id, written=written, arrays=flat.arrays, known=known
+                )
             return snapshot_id
     raise ConflictError(
         f"snapshot {name!r}: other writers moved {ref} {_MAX_ATTEMPTS} times in a row; retry"
@@ -239,12 +274,12 @@ def _write(
     parents = {}
     if head is not None:
         parents = {k: head.embedded[t] for k, t in head.tensors.items() if k in flat.arrays}
-    values = _parent_values(store, name, head_id, parents)
+    keyframes = _recalled(store, name, head_id)
 
     def write(key: str) -> TensorManifest:
         parent = None
         if key in parents and head is not None:
-            parent = ChainParent(parents[key], head.tensors[key], values.get(key), trusted=True)
+            parent = ChainParent(parents[key], head.tensors[key], keyframes=keyframes)
         where = f"snapshot {name!r}, {key}"
         return write_version(store, flat.arrays[key], parent, where=where, **options)
 
@@ -259,22 +294,6 @@ def _write(
         tensors[key] = tensor_id
         embedded[tensor_id] = manifest
     return _Tensors(tensors, embedded)
-
-
-def _parent_values(
-    store: Store, name: str, head_id: str | None, parents: Mapping[str, TensorManifest]
-) -> dict[str, np.ndarray]:
-    """The previous snapshot's arrays: remembered from writing it, or read back."""
-    if head_id is None or not parents:
-        return {}
-    remembered = _recalled(store, name, head_id)
-    if remembered is not None:
-        return remembered
-    keys = list(parents)
-    arrays = read_tensors(
-        store, [parents[k] for k in keys], contexts=[f"snapshot {name!r}, {k}" for k in keys]
-    )
-    return dict(zip(keys, arrays, strict=True))
 
 
 # --- reading --------------------------------------------------------------------

@@ -67,7 +67,8 @@ class ChainInfo:
 
     ``stored[i]`` is the bytes chunk ``i`` of this version added (its delta or
     full block; 0 when unchanged from the parent), ``full[i]`` what the chunk
-    takes stored on its own, so ``sum(full) - sum(stored)`` is what the chain
+    takes stored on its own, ``ages[i]`` how many versions ago its keyframe
+    was written (0: stored in full), so ``sum(full) - sum(stored)`` is what the chain
     saved against independent storage. ``parent`` is the id of the tensor this
     version was written against (provenance only: reads and gc never follow
     it, so pruning the parent leaves it dangling by design).
@@ -77,6 +78,7 @@ class ChainInfo:
     keyframe_interval: int
     stored: tuple[int, ...]
     full: tuple[int, ...]
+    ages: tuple[int, ...] = ()
     lossy: bool = False
     max_abs_error: float = 0.0
 
@@ -84,8 +86,8 @@ class ChainInfo:
         if self.parent is not None:
             parse_id(self.parent)
         parse_keyframe_interval(self.keyframe_interval)
-        if len(self.stored) != len(self.full):
-            raise InvalidInputError("chain info lists stored and full sizes for different chunks")
+        if len(self.stored) != len(self.full) or len(self.ages) not in (0, len(self.full)):
+            raise InvalidInputError("chain info lists sizes or ages for different chunks")
         if any(n < 0 for n in (*self.stored, *self.full)):
             raise InvalidInputError("chain info lists a negative size")
 
@@ -105,6 +107,7 @@ class ChainInfo:
             "keyframe_interval": self.keyframe_interval,
             "stored": list(self.stored),
             "full": list(self.full),
+            "ages": list(self.ages),
             "lossy": self.lossy,
             "max_abs_error": encode_float(self.max_abs_error),
         }
@@ -116,6 +119,7 @@ class ChainInfo:
             keyframe_interval=int(data["keyframe_interval"]),
             stored=tuple(int(n) for n in data["stored"]),
             full=tuple(int(n) for n in data["full"]),
+            ages=tuple(int(n) for n in data.get("ages", ())),
             lossy=bool(data.get("lossy", False)),
             max_abs_error=decode_float(data.get("max_abs_error", 0.0)) or 0.0,
         )

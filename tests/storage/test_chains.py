@@ -47,6 +47,11 @@ def write_chain(
     return out
 
 
+def _ages(manifest: gp.TensorManifest) -> tuple[int, ...]:
+    assert manifest.chain is not None
+    return manifest.chain.ages
+
+
 def drift(base: np.ndarray, rng: np.random.Generator, fraction: float, scale: float) -> np.ndarray:
     """``base`` with a fraction of its elements nudged (a training step, roughly)."""
     out = base.copy()
@@ -63,8 +68,13 @@ def test_parameters_drifting_chain_and_read_back(tmp_path: Path, small_chunks: N
     for _ in range(9):
         versions.append(drift(versions[-1], rng, 1.0, 1e-4))
     written = write_chain(store, versions, keyframe_interval=4)
-    depths = [m.depth for _, m in written]
-    assert depths == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    # Every delta is against its keyframe: a read decodes at most two blocks per chunk.
+    assert [m.depth for _, m in written] == [0, 1, 1, 1, 0, 1, 1, 1, 0, 1]
+    assert [max(_ages(m)) for _, m in written] == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    keyframes = {
+        link.base for _, m in written[1:4] for links in m.deltas.values() for link in links
+    }
+    assert keyframes == {b for b in written[0][1].blocks if b is not None}
     for (manifest_id, manifest), want in zip(written, versions, strict=True):
         assert manifest.format_needed() == 3
         got = read_tensor(store, store.get_typed(manifest_id, gp.TensorManifest))
@@ -116,18 +126,17 @@ def test_new_shape_or_dtype_starts_over(tmp_path: Path, small_chunks: None) -> N
 def test_untrusted_values_that_differ_from_the_parent_are_not_used(
     tmp_path: Path, small_chunks: None
 ) -> None:
-    """An ingest's previous file changed since it was stored: full chunks, still exact."""
+    """An ingest's previous file changed since it was stored: the keyframe is read instead."""
     store = _store(tmp_path)
     rng = np.random.default_rng(4)
     first = rng.standard_normal(4096).astype("float32")
     second = drift(first, rng, 1.0, 1e-4)
     written = write_chain(store, [first])
     wrong = first + 1.0
-    manifest = write_version(store, second, ChainParent(written[0][1], written[0][0], wrong))
-    assert manifest.depth == 0
-    right = write_version(store, second, ChainParent(written[0][1], written[0][0], first))
-    assert right.depth == 1
-    assert read_tensor(store, right).tobytes() == second.tobytes()
+    for values in (wrong, first, None):
+        manifest = write_version(store, second, ChainParent(written[0][1], written[0][0], values))
+        assert manifest.depth == 1
+        assert read_tensor(store, manifest).tobytes() == second.tobytes()
 
 
 @pytest.mark.parametrize("kind", ["int", "xor"])
@@ -188,7 +197,8 @@ def test_gc_keeps_every_block_of_a_chain(tmp_path: Path, small_chunks: None) -> 
     versions += [drift(versions[-1], rng, 1.0, 1e-4) for _ in range(5)]
     written = write_chain(store, versions, keyframe_interval=8)
     newest_id, newest = written[-1]
-    assert newest.depth == 5
+    assert newest.depth == 1
+    assert max(_ages(newest)) == 5
     store.refs.set("tensors/newest", newest_id)
     report = gp.gc(store, grace=0)
     assert report.ok
@@ -266,7 +276,8 @@ def test_chains_are_bit_exact_and_bounded(tmp_path_factory: pytest.TempPathFacto
     with dask.config.set({"gradpipe.chunk-bytes": 512, "gradpipe.inline-bytes": 16}):
         written = write_chain(store, versions, keyframe_interval=interval, delta=kind)
     for (manifest_id, manifest), want in zip(written, versions, strict=True):
-        assert manifest.depth <= interval - 1
+        assert manifest.depth <= min(1, interval - 1)
+        assert max(_ages(manifest), default=0) <= interval - 1
         stored = store.get_typed(manifest_id, gp.TensorManifest)
         assert stored == manifest
         assert read_tensor(store, stored).tobytes() == want.tobytes()
