@@ -8,8 +8,8 @@ and the tasks in :mod:`gradpipe.graph.ingest_tasks` take a unit as their plan.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import pairwise
 from dataclasses import dataclass
+from itertools import pairwise
 
 from gradpipe.core.chunking import choose_chunk_shape, chunk_ranges
 from gradpipe.core.dtypes import parse_dtype
