@@ -17,12 +17,19 @@ from dask.utils import format_bytes
 from numcodecs.abc import Codec
 
 from gradpipe.config import get_bytes
+from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL, ChainTotals, parse_keyframe_interval
 from gradpipe.core.names import parse_name
 from gradpipe.core.run_manifest import RunManifest, TensorSchema
-from gradpipe.errors import NotFoundError
+from gradpipe.errors import InvalidInputError, NotFoundError
 from gradpipe.formats.dump import DumpHeader
 from gradpipe.graph.discover import DumpFile, Failure, discover_dumps
-from gradpipe.graph.ingest import build_ingest_graph, build_inspect_graph
+from gradpipe.graph.ingest import (
+    build_chained_ingest_graph,
+    build_ingest_graph,
+    build_inspect_graph,
+)
+from gradpipe.graph.ingest_chains import ChainSettings
+from gradpipe.graph.ingest_plan import plan_chains
 from gradpipe.graph.ingest_tasks import CommitResult, schema_conflict
 from gradpipe.graph.runner import Runner, RunnerOptions, check_runner_options, use_runner
 from gradpipe.storage.blocks import WriteStats
@@ -35,7 +42,13 @@ if TYPE_CHECKING:
 
     from gradpipe.core.report import Report
 
-__all__ = ["IngestReport", "ingest", "recorded_id"]
+__all__ = ["DELTA_KINDS", "IngestReport", "ingest", "recorded_id"]
+
+#: Delta kinds an ingest may chain with: both lossless (design note 008 measured
+#: the integer difference of bit patterns smaller than XOR on parameters).
+DELTA_KINDS = ("int", "xor")
+#: Below this fraction saved, the report says the deltas did not pay.
+_DELTAS_PAY = 0.05
 
 
 @dataclass
@@ -54,6 +67,7 @@ class IngestReport:
     nonfinite: list[str] = field(default_factory=list)
     seconds: float = 0.0
     dashboard: str | None = None
+    chains: ChainTotals | None = None  # a --delta ingest: what chaining did
 
     @property
     def ok(self) -> bool:
@@ -95,6 +109,7 @@ class IngestReport:
             "seconds": round(self.seconds, 3),
             "mib_per_second": round(self.mib_per_second, 1),
             "dashboard": self.dashboard,
+            "chains": self.chains.to_dict() if self.chains is not None else None,
         }
 
     def summary(self) -> str:
@@ -111,11 +126,30 @@ class IngestReport:
             f"{self.writes.inline_chunks}; {self.seconds:.1f} s, "
             f"{self.mib_per_second:.0f} MiB/s",
         ]
+        if self.chains is not None:
+            lines.append(_describe_chains(self.chains))
         lines += [f"warning: {w}" for w in self.nonfinite]
         lines += [f"FAILED step {f.step} peer {f.peer}: {f.reason}" for f in self.failures]
         if self.dashboard:
             lines.append(f"dashboard: {self.dashboard}")
         return "\n".join(lines)
+
+
+def _describe_chains(chains: ChainTotals) -> str:
+    """The report's line on a --delta ingest, honest when the deltas did not pay."""
+    text = (
+        f"delta chains: {chains.delta_chunks} chunks stored as deltas, {chains.full_chunks} in "
+        f"full, {chains.unchanged_chunks} unchanged; deltas saved "
+        f"{format_bytes(chains.saved_bytes)} of {format_bytes(chains.full_bytes)} "
+        f"({chains.saved_fraction:.1%}) against storing them in full; deepest chain "
+        f"{chains.max_depth}"
+    )
+    if chains.full_bytes and chains.saved_fraction < _DELTAS_PAY:
+        text += (
+            " -- deltas did not pay on these dumps (consecutive gradients are uncorrelated, "
+            "see docs/design/008); --delta pays on parameters and optimizer state"
+        )
+    return text
 
 
 def _select(
@@ -196,6 +230,9 @@ def ingest(
     storage_options: dict[str, Any] | None = None,
     replace: bool = False,
     repair: bool = False,
+    delta: bool = False,
+    delta_kind: str = "int",
+    keyframe_interval: int = DEFAULT_KEYFRAME_INTERVAL,
 ) -> IngestReport:
     """Ingest the dumps matching ``pattern`` into ``run``.
 
@@ -235,6 +272,19 @@ def ingest(
         ingested again from its file, which rewrites exactly what is missing
         (blocks are named by their content). Without it, recorded dumps are
         skipped unread.
+    delta : bool
+        Store each peer's tensors as delta chains across steps: tensor ``T``
+        of (step, peer) is written against ``T`` of the same peer's previous
+        step (in this batch, or already recorded), chunk by chunk as a delta
+        or in full, whichever is smaller (:func:`gradpipe.storage.chains.write_version`).
+        Reads and exports are unchanged. ``report.chains`` says what it saved:
+        on parameters about half, on gradients nothing (docs/design/008).
+        Cannot be combined with ``codecs``.
+    delta_kind : {"int", "xor"}
+        Integer difference or XOR of the bit patterns; both are bit-exact.
+    keyframe_interval : int
+        A chunk is stored in full at least every this many steps, which bounds
+        the chunks a read decodes.
 
     Returns
     -------
@@ -259,8 +309,9 @@ def ingest(
         "progress": progress,
     }
     check_runner_options(runner, **options)
+    settings = _chain_settings(delta, delta_kind, keyframe_interval, codecs, chunk_bytes)
     started = time.perf_counter()
-    report = IngestReport(run)
+    report = IngestReport(run, chains=ChainTotals() if settings is not None else None)
     fs, found, refused = discover_dumps(pattern, storage_options)
     report.failures.extend(refused)
     _, recorded = read_run(store, run, missing_ok=True)
@@ -285,6 +336,7 @@ def ingest(
                 chunk_bytes=chunk_bytes,
                 codecs=codecs,
                 replace=replace,
+                chains=settings,
             )
             _add_commit(report, result, {(d.step, d.peer) for d in broken})
     if report.run_id is None:
@@ -292,6 +344,33 @@ def ingest(
     report.failures.sort(key=lambda f: (f.step, f.peer))
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _chain_settings(
+    delta: bool,
+    kind: str,
+    keyframe_interval: int,
+    codecs: Sequence[Codec] | None,
+    chunk_bytes: int | None,
+) -> ChainSettings | None:
+    """How a ``delta`` ingest chains, validated before any file is read; None without it."""
+    if not delta:
+        return None
+    if kind not in DELTA_KINDS:
+        raise InvalidInputError(
+            f"delta kind {kind!r} is not one ingest stores; choose one of {', '.join(DELTA_KINDS)}"
+        )
+    if codecs is not None:
+        raise InvalidInputError(
+            "a delta ingest chooses the codec of every chunk and delta itself (the lossless "
+            "policy); drop the fixed codecs (--codec) or the delta (--delta)"
+        )
+    return ChainSettings(
+        kind,
+        parse_keyframe_interval(keyframe_interval),
+        chunk_bytes or get_bytes("chunk-bytes"),
+        get_bytes("ingest.task-bytes"),
+    )
 
 
 def recorded_id(store: Store, run: str) -> str | None:
@@ -319,23 +398,50 @@ def _write(
     chunk_bytes: int | None,
     codecs: Sequence[Codec] | None,
     replace: bool,
+    chains: ChainSettings | None,
 ) -> CommitResult:
     """Build and compute the write graph: the one place an ingest writes to the store."""
     # The lease covers every dedup decision up to the commit: gc cannot
     # delete a block this ingest found present and will reference.
     with store.writing(f"ingest into run {run}") as lease:
-        graph, key = build_ingest_graph(
-            store,
-            run,
-            fs,
-            dumps,
-            chunk_bytes=chunk_bytes or get_bytes("chunk-bytes"),
-            unit_bytes=get_bytes("ingest.task-bytes"),
-            codecs=codecs,
-            message=message,
-            replace=replace,
-            lease=lease.key if lease is not None else None,
-        )
+        key_of_lease = lease.key if lease is not None else None
+        if chains is None:
+            graph, key = build_ingest_graph(
+                store,
+                run,
+                fs,
+                dumps,
+                chunk_bytes=chunk_bytes or get_bytes("chunk-bytes"),
+                unit_bytes=get_bytes("ingest.task-bytes"),
+                codecs=codecs,
+                message=message,
+                replace=replace,
+                lease=key_of_lease,
+            )
+        else:
+            # The recorded parents are read here, inside the lease, not from
+            # the run read before it: a dump reachable from the run ref now
+            # has all its blocks (gc only deletes what no ref reaches), and
+            # no gc can sweep until this lease ends (design note 003), by
+            # which time the commit has published the new dumps, whose
+            # manifests list every block of their chains (delta blocks and
+            # keyframes, TensorManifest.data_children). Read before the
+            # lease, the parent could have been replaced (--replace) and its
+            # blocks swept in between, and the new deltas would name blocks
+            # that are gone: write_version reuses a parent's blocks without
+            # writing, or checking, them.
+            _, recorded = read_run(store, run, missing_ok=True)
+            graph, key = build_chained_ingest_graph(
+                store,
+                run,
+                fs,
+                dumps,
+                plan_chains(recorded, [d for d, _ in dumps]),
+                settings=chains,
+                message=message,
+                replace=replace,
+                lease=key_of_lease,
+            )
         [result] = runner.get(graph, [key], name="gradpipe-ingest")
     if not isinstance(result, CommitResult):  # our own graph's invariant, not data
         raise TypeError(f"the commit task returned {type(result).__name__}, not CommitResult")
@@ -353,6 +459,8 @@ def _add_commit(report: IngestReport, result: CommitResult, repairs: set[tuple[i
         report.tensors += len(done.schema)
         report.raw_bytes += done.raw_bytes
         report.writes.add(done.stats)
+        if report.chains is not None and done.chain is not None:
+            report.chains.add(done.chain)
         for name, (nan, inf) in sorted(done.nonfinite.items()):
             report.nonfinite.append(
                 f"tensor {name!r} of step {done.entry.step}, peer {done.entry.peer!r} has "

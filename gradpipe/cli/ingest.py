@@ -23,7 +23,13 @@ from gradpipe.errors import InvalidInputError
 if TYPE_CHECKING:
     from numcodecs.abc import Codec
 
-__all__ = ["add_arguments", "ingest_options", "parse_codecs", "register"]
+#: The kinds ``--delta-kind`` takes and the default ``--keyframe-interval``: those
+#: of ``gradpipe.ingest.DELTA_KINDS`` and ``gradpipe.core.chain.DEFAULT_KEYFRAME_INTERVAL``
+#: (a test checks), not imported from there so that ``--help`` loads no numpy.
+DELTA_KINDS = ("int", "xor")
+DEFAULT_KEYFRAME_INTERVAL = 8
+
+__all__ = ["DELTA_KINDS", "add_arguments", "ingest_options", "parse_codecs", "register"]
 
 
 def register(commands: Commands) -> None:
@@ -67,6 +73,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also check the dumps already recorded (manifests read, blocks checked for "
         "presence) and ingest again those with missing objects",
     )
+    p.add_argument(
+        "--delta",
+        action="store_true",
+        help="store each peer's tensors as delta chains across steps: every chunk against the "
+        "same peer's previous step, as a delta or in full, whichever is smaller (about half "
+        "the size on parameters, nothing on gradients; the report says which)",
+    )
+    p.add_argument(
+        "--delta-kind",
+        choices=DELTA_KINDS,
+        help="with --delta: integer difference or XOR of the bit patterns, both bit-exact "
+        "(default: int)",
+    )
+    p.add_argument(
+        "--keyframe-interval",
+        type=positive_int,
+        metavar="K",
+        help="with --delta: a chunk is stored in full at least every K steps, so a read "
+        f"decodes at most K blocks per chunk (default: {DEFAULT_KEYFRAME_INTERVAL})",
+    )
 
 
 def ingest_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -74,7 +100,30 @@ def ingest_options(args: argparse.Namespace) -> dict[str, Any]:
 
     Everything is validated here, before the store is opened or any file read.
     """
+    if not args.delta:
+        given = [
+            flag
+            for flag, value in (
+                ("--delta-kind", args.delta_kind),
+                ("--keyframe-interval", args.keyframe_interval),
+            )
+            if value is not None
+        ]
+        if given:
+            raise InvalidInputError(f"{' and '.join(given)} only apply with --delta")
+    if args.delta and args.codec is not None:
+        raise InvalidInputError(
+            "--delta chooses the codec of every chunk and delta itself; drop --codec"
+        )
+    chains: dict[str, Any] = {}
+    if args.delta:
+        chains = {
+            "delta": True,
+            "delta_kind": args.delta_kind or "int",
+            "keyframe_interval": args.keyframe_interval or DEFAULT_KEYFRAME_INTERVAL,
+        }
     return {
+        **chains,
         "scheduler": args.scheduler,
         "workers": args.workers,
         "codecs": parse_codecs(args.codec),

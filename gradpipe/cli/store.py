@@ -16,6 +16,7 @@ from gradpipe.cli._common import (
 )
 
 if TYPE_CHECKING:
+    from gradpipe.runs import Run
     from gradpipe.storage.store import Store
 
 __all__ = ["register"]
@@ -26,6 +27,13 @@ def register(commands: Commands) -> None:
     commands.add("init", run_init, "create a store (nothing happens if one exists)")
     p = commands.add("ls", run_ls, "list the refs of a store, or the steps x peers of a run")
     p.add_argument("run", metavar="RUN", nargs="?", help="show this run's steps x peers")
+    p.add_argument(
+        "--depth",
+        action="store_true",
+        help="with RUN: read every dump's manifest and show its delta-chain depth (the "
+        "longest chain of deltas a read of it decodes; 0: stored in full, see ingest --delta) "
+        "instead of x",
+    )
     p = commands.add("verify", run_verify, "check every reachable object against its id")
     p.add_argument("--all", action="store_true", help="also check unreferenced blocks")
     p.add_argument(
@@ -56,7 +64,11 @@ def run_init(args: argparse.Namespace) -> CommandResult:
 def run_ls(args: argparse.Namespace) -> CommandResult:
     store = open_store_arg(args, "r")
     if args.run is not None:
-        return _ls_run(store, args.run)
+        return _ls_run(store, args.run, depth=args.depth)
+    if args.depth:
+        from gradpipe.errors import InvalidInputError
+
+        raise InvalidInputError("ls --depth shows the dumps of a run: name the RUN")
     refs = store.refs.list()
     rows: list[dict[str, Any]] = [
         {"ref": name, "target": e.target, "time": e.time, "message": e.message}
@@ -112,11 +124,28 @@ def _describe_runs(store: Store, rows: list[dict[str, Any]]) -> int:
     return bad
 
 
-def _ls_run(store: Store, name: str) -> CommandResult:
+def _dump_depths(store: Store, run: Run) -> dict[tuple[int, str], int]:
+    """(step, peer) → the deepest delta chain of any chunk of the dump (manifests in batches)."""
+    from gradpipe.core.run_manifest import DumpManifest
+    from gradpipe.core.tensor_manifest import TensorManifest
+
+    entries = list(run)
+    dumps = store.get_typed_many([e.dump for e in entries], DumpManifest, context="dump")
+    out = {}
+    for entry, dump in zip(entries, dumps, strict=True):
+        # Dumps written before manifests were embedded keep their tensors apart.
+        apart = [tid for _, tid in dump.tensors if tid not in dump.embedded]
+        tensors = [*dump.embedded.values(), *store.get_typed_many(apart, TensorManifest)]
+        out[entry.step, entry.peer] = max((t.depth for t in tensors), default=0)
+    return out
+
+
+def _ls_run(store: Store, name: str, *, depth: bool = False) -> CommandResult:
     from gradpipe.runs import open_run
 
     run = open_run(store, name)
     grid = run.grid()
+    depths = _dump_depths(store, run) if depth else {}
     doc = {
         "store": store.url,
         "run": run.name,
@@ -125,6 +154,7 @@ def _ls_run(store: Store, name: str) -> CommandResult:
         "peers": run.peers,
         "dumps": [
             {"step": e.step, "peer": e.peer, "dump": e.dump, "fingerprint": e.fingerprint}
+            | ({"depth": depths[e.step, e.peer]} if depth else {})
             for e in run
         ],
         "schema": {k: v.to_dict() for k, v in sorted(run.schema.items())},
@@ -137,7 +167,12 @@ def _ls_run(store: Store, name: str) -> CommandResult:
     ]
     lines.append(f"{'step':>{width}}  " + "  ".join(peers))
     for step, present in grid.items():
-        marks = ["x".center(len(p)) if p in present else ".".center(len(p)) for p in peers]
+        marks = [
+            (str(depths[step, p]) if depth else "x").center(len(p))
+            if p in present
+            else ".".center(len(p))
+            for p in peers
+        ]
         lines.append(f"{step:>{width}}  " + "  ".join(marks))
     return CommandResult(doc, "\n".join(lines))
 

@@ -13,14 +13,23 @@ it alive from the manifest alone (see docs/design/008).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Final
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Final
 
 from gradpipe.core.encoding import decode_float, encode_float
 from gradpipe.core.ids import parse_id
 from gradpipe.errors import InvalidInputError
 
-__all__ = ["DEFAULT_KEYFRAME_INTERVAL", "ChainInfo", "DeltaLink", "parse_keyframe_interval"]
+if TYPE_CHECKING:
+    from gradpipe.core.tensor_manifest import TensorManifest
+
+__all__ = [
+    "DEFAULT_KEYFRAME_INTERVAL",
+    "ChainInfo",
+    "ChainTotals",
+    "DeltaLink",
+    "parse_keyframe_interval",
+]
 
 #: A full keyframe every this many versions of a chunk, so a read decodes at
 #: most this many blocks per chunk. Chosen from bench_snapshots (README): on
@@ -123,3 +132,72 @@ class ChainInfo:
             lossy=bool(data.get("lossy", False)),
             max_abs_error=decode_float(data.get("max_abs_error", 0.0)) or 0.0,
         )
+
+
+@dataclass
+class ChainTotals:
+    """What chaining did for many tensor versions, chunk by chunk (for reports; accumulates).
+
+    Each stored chunk of a version is counted once: ``delta_chunks`` were
+    stored as a new delta, ``full_chunks`` as a full block (a keyframe, a
+    first version, or a chunk whose delta was no smaller), ``unchanged_chunks``
+    were equal to the parent's chunk and added nothing (content addressing
+    would have stored nothing for them without a chain, too). Chunks kept
+    inline or all-zero are not counted: they are never delta-encoded.
+    ``stored_bytes`` is what the delta and full chunks took, ``full_bytes``
+    what they would have taken all stored in full, so ``saved_bytes`` is what
+    the deltas saved against an ingest without chains.
+    """
+
+    tensors: int = 0
+    chained_tensors: int = 0  # tensors written against a parent version
+    delta_chunks: int = 0
+    full_chunks: int = 0
+    unchanged_chunks: int = 0
+    stored_bytes: int = 0
+    full_bytes: int = 0
+    max_depth: int = 0
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes the deltas saved against storing the same chunks in full."""
+        return self.full_bytes - self.stored_bytes
+
+    @property
+    def saved_fraction(self) -> float:
+        """``saved_bytes`` over ``full_bytes`` (0.0 when nothing was stored)."""
+        return self.saved_bytes / self.full_bytes if self.full_bytes else 0.0
+
+    def add_version(self, manifest: TensorManifest) -> None:
+        """Count the chunks of one tensor version written with a chain."""
+        info = manifest.chain
+        self.tensors += 1
+        if info is None:
+            return
+        self.chained_tensors += info.parent is not None
+        self.max_depth = max(self.max_depth, manifest.depth)
+        for i, block in enumerate(manifest.blocks):
+            if block is None or i in manifest.inline:
+                continue
+            if info.stored[i] == 0:
+                self.unchanged_chunks += 1
+                continue
+            if i in manifest.deltas:
+                self.delta_chunks += 1
+            else:
+                self.full_chunks += 1
+            self.stored_bytes += info.stored[i]
+            self.full_bytes += info.full[i]
+
+    def add(self, other: ChainTotals) -> None:
+        """Accumulate ``other`` into this one."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            setattr(self, f.name, max(mine, theirs) if f.name == "max_depth" else mine + theirs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form."""
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["saved_bytes"] = self.saved_bytes
+        out["saved_fraction"] = round(self.saved_fraction, 4)
+        return out

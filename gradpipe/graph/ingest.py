@@ -7,6 +7,10 @@ An ingest computes two graphs, one after the other::
                           gradpipe-encode    stats, hash, codec, write blocks  ┘
                           gradpipe-dump      tensor + dump manifests           per dump
                           gradpipe-commit    one compare-and-swap of the run   per ingest
+    build_chained_ingest_graph  (``--delta``)
+                          gradpipe-chain     a dump's tensors as versions of   per dump, one
+                                             the peer's previous step's        chain per peer
+                          gradpipe-commit
 
 The builders only build: they return plain task dicts (the tasks are in
 :mod:`gradpipe.graph.ingest_tasks`) and the keys to compute, and a
@@ -26,7 +30,13 @@ from numcodecs.abc import Codec
 
 from gradpipe.formats.dump import DumpHeader
 from gradpipe.graph.discover import DumpFile
-from gradpipe.graph.ingest_plan import ReadUnit, plan_units
+from gradpipe.graph.ingest_chains import (
+    ChainSettings,
+    ParentFile,
+    ParentRecorded,
+    write_dump_version,
+)
+from gradpipe.graph.ingest_plan import ChainPlan, ReadUnit, plan_units
 from gradpipe.graph.ingest_tasks import (
     commit_run,
     encode_unit,
@@ -36,7 +46,12 @@ from gradpipe.graph.ingest_tasks import (
 )
 from gradpipe.storage.store import Store
 
-__all__ = ["HEADERS_PER_TASK", "build_ingest_graph", "build_inspect_graph"]
+__all__ = [
+    "HEADERS_PER_TASK",
+    "build_chained_ingest_graph",
+    "build_ingest_graph",
+    "build_inspect_graph",
+]
 
 #: Dump headers read per inspect task: enough to amortise a task, few enough to spread.
 HEADERS_PER_TASK = 16
@@ -115,6 +130,69 @@ def build_ingest_graph(
         run,
         [d for d, _ in dumps],
         dump_keys,
+        message,
+        replace,
+        lease,
+    )
+    return graph, commit_key
+
+
+def build_chained_ingest_graph(
+    store: Store,
+    run: str,
+    fs: Any,
+    dumps: Sequence[tuple[DumpFile, DumpHeader]],
+    plans: Sequence[ChainPlan],
+    *,
+    settings: ChainSettings,
+    message: str,
+    replace: bool = False,
+    lease: str | None = None,
+) -> tuple[dict[Hashable, Any], str]:
+    """The graph of a ``--delta`` ingest (not computed), and its output key.
+
+    One ``gradpipe-chain`` task per dump, which depends on the task of the
+    dump it is written against (``plans``, from
+    :func:`~gradpipe.graph.ingest_plan.plan_chains`): the steps of one peer
+    run in order, peers in parallel. The output is the commit's
+    :class:`~gradpipe.graph.ingest_tasks.CommitResult`, as for
+    :func:`build_ingest_graph`.
+    """
+    token = tokenize(
+        store.url,
+        run,
+        [(d.path, d.fingerprint) for d, _ in dumps],
+        [(p.previous, p.recorded) for p in plans],
+        settings,
+    )
+    graph: dict[Hashable, Any] = {}
+    keys = [(f"gradpipe-chain-{token}", j) for j in range(len(dumps))]
+    for j, ((dump, header), plan) in enumerate(zip(dumps, plans, strict=True)):
+        parent: ParentFile | ParentRecorded | None = None
+        previous = None
+        if plan.previous is not None:
+            parent = ParentFile(*dumps[plan.previous])
+            previous = keys[plan.previous]
+        elif plan.recorded is not None:
+            parent = ParentRecorded(plan.recorded.dump, plan.recorded.step)
+        graph[keys[j]] = (
+            write_dump_version,
+            store,
+            fs,
+            dump,
+            header,
+            run,
+            parent,
+            previous,
+            settings,
+        )
+    commit_key = f"gradpipe-commit-{token}"
+    graph[commit_key] = (
+        commit_run,
+        store,
+        run,
+        [d for d, _ in dumps],
+        list(keys),
         message,
         replace,
         lease,

@@ -7,13 +7,17 @@ and the tasks in :mod:`gradpipe.graph.ingest_tasks` take a unit as their plan.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 from gradpipe.core.chunking import choose_chunk_shape, chunk_ranges
 from gradpipe.core.dtypes import parse_dtype
+from gradpipe.core.run_manifest import DumpEntry, RunManifest
 from gradpipe.formats.dump import DumpHeader
+from gradpipe.graph.discover import DumpFile
 
-__all__ = ["Part", "ReadUnit", "plan_units", "tensor_chunks"]
+__all__ = ["ChainPlan", "Part", "ReadUnit", "plan_chains", "plan_units", "tensor_chunks"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,3 +79,50 @@ def plan_units(header: DumpHeader, *, chunk_bytes: int, unit_bytes: int) -> list
     if parts:
         close_unit()
     return units
+
+
+@dataclass(frozen=True, slots=True)
+class ChainPlan:
+    """What one dump of a ``--delta`` ingest is written against (at most one of the two).
+
+    ``previous`` is the index, in the batch, of the same peer's previous step;
+    ``recorded`` the same peer's previous step already in the run, when that
+    step is not in the batch. Neither: the peer's first step, stored in full.
+    """
+
+    previous: int | None = None
+    recorded: DumpEntry | None = None
+
+
+def plan_chains(recorded: RunManifest, dumps: Sequence[DumpFile]) -> list[ChainPlan]:
+    """Per dump of the batch, the version of the same peer its tensors chain on.
+
+    A dump's parent is the same peer's nearest earlier step, in the batch or
+    recorded in the run; a step that is both (a repair, a replacement) is the
+    batch's, as that is the version about to be recorded.
+
+    >>> from gradpipe.core.run_manifest import DumpEntry, RunManifest
+    >>> old = DumpEntry(1, "a", "0" * 64, "f")
+    >>> run = RunManifest("r", (old,))
+    >>> files = [DumpFile(s, "a", f"{s}", 1, "f") for s in (3, 2)]
+    >>> [(p.previous, p.recorded and p.recorded.step) for p in plan_chains(run, files)]
+    [(1, None), (None, 1)]
+    """
+    batch = {(d.step, d.peer): j for j, d in enumerate(dumps)}
+    versions: dict[str, list[tuple[int, int | DumpEntry]]] = {}
+    for entry in recorded.dumps:
+        if (entry.step, entry.peer) not in batch:
+            versions.setdefault(entry.peer, []).append((entry.step, entry))
+    for (step, peer), j in batch.items():
+        versions.setdefault(peer, []).append((step, j))
+    plans = [ChainPlan()] * len(dumps)
+    for steps in versions.values():
+        steps.sort(key=lambda version: version[0])
+        for (_, before), (_, this) in pairwise(steps):
+            if isinstance(this, int):
+                plans[this] = (
+                    ChainPlan(previous=before)
+                    if isinstance(before, int)
+                    else ChainPlan(recorded=before)
+                )
+    return plans

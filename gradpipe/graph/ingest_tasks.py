@@ -24,6 +24,7 @@ from typing import Any, ParamSpec, TypeVar
 import numpy as np
 from numcodecs.abc import Codec
 
+from gradpipe.core.chain import ChainTotals
 from gradpipe.core.chunking import chunk_ranges
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.ids import hash_bytes
@@ -49,6 +50,7 @@ __all__ = [
     "inspect_dumps",
     "read_unit",
     "schema_conflict",
+    "store_dump",
     "write_dump",
 ]
 
@@ -153,13 +155,19 @@ def encode_unit(
 
 @dataclass(frozen=True)
 class DumpResult:
-    """A dump written to the store, not yet part of its run."""
+    """A dump written to the store, not yet part of its run.
+
+    A ``--delta`` ingest's dumps also carry what chaining did (``chain``) and
+    their manifest, which the same peer's next step is written against.
+    """
 
     entry: DumpEntry
     schema: dict[str, TensorSchema]
     stats: WriteStats
     raw_bytes: int
     nonfinite: dict[str, tuple[int, int]]  # tensor → (NaN count, Inf count), where any
+    chain: ChainTotals | None = None
+    manifest: DumpManifest | None = field(default=None, repr=False)
 
 
 @_isolated
@@ -178,24 +186,44 @@ def write_dump(
         stats.add(unit_result.stats)
         for name, recs in unit_result.records.items():
             records.setdefault(name, []).extend(recs)
+    manifests = [
+        (
+            spec.name,
+            build_tensor_manifest(
+                spec.dtype,
+                spec.shape,
+                tensor_chunks(spec.shape, spec.dtype, chunk_bytes),
+                records.get(spec.name, []),
+            ),
+        )
+        for spec in header.tensors
+    ]
+    return store_dump(store, dump, header, run, manifests, stats)
+
+
+def store_dump(
+    store: Store,
+    dump: DumpFile,
+    header: DumpHeader,
+    run: str,
+    manifests: Sequence[tuple[str, TensorManifest]],
+    stats: WriteStats,
+    *,
+    chain: ChainTotals | None = None,
+) -> DumpResult:
+    """Store the dump manifest of ``dump`` (its tensors' manifests inside), not yet in the run."""
     nonfinite: dict[str, tuple[int, int]] = {}
     embedded: dict[str, TensorManifest] = {}
     tensors: list[tuple[str, str]] = []
-    for spec in header.tensors:
-        manifest = build_tensor_manifest(
-            spec.dtype,
-            spec.shape,
-            tensor_chunks(spec.shape, spec.dtype, chunk_bytes),
-            records.get(spec.name, []),
-        )
+    for name, manifest in manifests:
         summary = manifest.summary()
         if summary.nan or summary.inf:
-            nonfinite[spec.name] = (summary.nan, summary.inf)
+            nonfinite[name] = (summary.nan, summary.inf)
         # Every tensor's manifest goes inside the dump's: one object for the
         # dump, whatever its number of tensors. Its id is that of its encoding.
         tensor_id = hash_bytes(encode_manifest(manifest))
         embedded[tensor_id] = manifest
-        tensors.append((spec.name, tensor_id))
+        tensors.append((name, tensor_id))
     source = {
         "path": dump.path,
         "format": header.format,
@@ -212,6 +240,8 @@ def write_dump(
         stats,
         sum(t.nbytes for t in header.tensors),
         nonfinite,
+        chain,
+        dump_manifest if chain is not None else None,
     )
 
 

@@ -130,3 +130,93 @@ def test_repair_after_verify_finds_a_missing_block(sample: SampleRun, tmp_path: 
     assert doc["repaired"] + doc["skipped"] == 9
     status, doc = run_cli_json("verify", store)
     assert (status, doc["ok"]) == (0, True)
+
+
+def test_delta_ingest_reports_chains_and_ls_shows_depth(
+    sample: SampleRun, kit: types.ModuleType, tmp_path: Path
+) -> None:
+    import dask.config
+
+    store = str(tmp_path / "store")
+    # Chunks of 8 KiB, none inline: the sample's tensors are small.
+    with dask.config.set({"gradpipe.chunk-bytes": 8192, "gradpipe.inline-bytes": 0}):
+        status, doc = run_cli_json(
+            "ingest", store, sample.dump_pattern, "--run", "train", "--delta",
+            "--keyframe-interval", "2",
+        )  # fmt: skip
+    assert status == 0
+    chains = doc["chains"]
+    assert chains["tensors"] == 9 * 7
+    assert chains["chained_tensors"] == 6 * 7  # steps 1 and 2 of 3 peers
+    assert chains["delta_chunks"] + chains["full_chunks"] > 0
+    assert chains["max_depth"] <= 1  # K = 2
+    assert chains["saved_bytes"] == chains["full_bytes"] - chains["stored_bytes"]
+
+    outcome = run_cli("ls", store, "train", "--depth")
+    assert outcome.status == 0
+    rows = [line.split() for line in outcome.out.splitlines()[2:]]
+    depths = {
+        (int(row[0]), peer): int(mark)
+        for row in rows
+        for peer, mark in zip(sample.peers, row[1:], strict=True)
+    }
+    assert set(depths) == {(s, p) for s in sample.steps for p in sample.peers}
+    assert all(depths[0, p] == 0 for p in sample.peers)
+    assert max(depths.values()) <= 1
+    status, listing = run_cli_json("ls", store, "train", "--depth")
+    assert status == 0
+    assert {(d["step"], d["peer"]): d["depth"] for d in listing["dumps"]} == depths
+
+    for step in sample.steps:
+        for peer in sample.peers:
+            out_file = tmp_path / f"out-{step}-{peer}.safetensors"
+            args = ("--run", "train", "--step", str(step), "--peer", peer, "-o", str(out_file))
+            assert run_cli("export", store, *args).status == 0
+            kit.assert_all_bit_exact(
+                read_safetensors(out_file)[0], read_safetensors(sample.dump_path(step, peer))[0]
+            )
+
+
+def test_delta_summary_says_when_deltas_do_not_pay(sample: SampleRun, tmp_path: Path) -> None:
+    outcome = run_cli(
+        "ingest", str(tmp_path / "store"), sample.dump_pattern, "--run", "t", "--delta"
+    )
+    assert outcome.status == 0
+    assert "delta chains:" in outcome.out
+    assert "did not pay" in outcome.out  # gradients of consecutive steps
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--delta-kind", "xor"],
+        ["--keyframe-interval", "4"],
+        ["--delta", "--codec", "zstd"],
+        ["--delta", "--delta-kind", "sparse"],
+        ["--delta", "--keyframe-interval", "0"],
+    ],
+)
+def test_bad_delta_options_exit_2(extra: list[str], sample: SampleRun, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    outcome = run_cli("ingest", str(store), sample.dump_pattern, "--run", "t", *extra)
+    assert outcome.status == 2
+    assert not store.exists()  # refused before the store was opened
+
+
+def test_delta_flags_in_help_match_the_library() -> None:
+    from gradpipe.cli import ingest as cli_ingest
+    from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
+    from gradpipe.ingest import DELTA_KINDS
+
+    assert cli_ingest.DELTA_KINDS == DELTA_KINDS
+    assert cli_ingest.DEFAULT_KEYFRAME_INTERVAL == DEFAULT_KEYFRAME_INTERVAL
+    outcome = run_cli("ingest", "--help")
+    assert outcome.status == 0
+    text = " ".join(outcome.out.split())
+    for flag in ("--delta ", "--delta-kind {int,xor}", "--keyframe-interval K"):
+        assert flag in text
+    assert f"(default: {DEFAULT_KEYFRAME_INTERVAL})" in text
+
+
+def test_ls_depth_needs_a_run(ingested: str) -> None:
+    assert run_cli("ls", ingested, "--depth").status == 2
