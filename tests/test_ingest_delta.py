@@ -118,7 +118,7 @@ def test_parameters_chain_store_less_and_export_bit_exact(
     assert chains.delta_chunks == 2 * 4 * 8
     # Keyframes of w, and every bias chunk (32 bytes: a delta frame is no smaller).
     assert chains.full_chunks == 2 * 2 * 8 + 12
-    assert chains.max_depth == 2
+    assert chains.max_depth == 1  # every delta is against its keyframe
     assert 0 < chains.saved_bytes < chains.full_bytes
     assert chains.tensors == 24
     assert chains.chained_tensors == 20
@@ -129,8 +129,9 @@ def test_parameters_chain_store_less_and_export_bit_exact(
     assert "did not pay" not in chained.summary()
 
     for peer in PEERS:
-        depths = [info(store, "r", step, peer, "w").depth for step in range(6)]
-        assert depths == [0, 1, 2, 0, 1, 2]  # never more than K - 1
+        ages = [info(store, "r", step, peer, "w").age for step in range(6)]
+        assert ages == [0, 1, 2, 0, 1, 2]  # never more than K - 1
+        assert max(info(store, "r", step, peer, "w").depth for step in range(6)) == 1
         for step in range(1, 6):
             chain = info(store, "r", step, peer, "w").chain
             assert chain is not None
@@ -192,11 +193,11 @@ def test_bad_dump_mid_chain_fails_alone(kit: types.ModuleType, tmp_path: Path) -
     assert (failure.step, failure.peer) == (1, "a")
     assert "mask" in failure.reason
     assert report.ingested == 7
-    assert [info(store, "r", s, "a", "w").depth for s in (0, 2, 3)] == [0, 0, 1]
+    assert [info(store, "r", s, "a", "w").age for s in (0, 2, 3)] == [0, 0, 1]
     after = info(store, "r", 2, "a", "w").chain
     assert after is not None
     assert after.parent is None
-    assert [info(store, "r", s, "b", "w").depth for s in range(4)] == [0, 1, 2, 3]
+    assert [info(store, "r", s, "b", "w").age for s in range(4)] == [0, 1, 2, 3]
     del want[1, "a"]
     check_exports(kit, store, "r", want, tmp_path)
 
@@ -238,7 +239,7 @@ def test_later_ingest_chains_on_recorded_steps(
         chain = info(store, "r", 3, peer, "w").chain
         assert chain is not None
         assert chain.parent == tensor_id(store, "r", 2, peer, "w")
-        assert [info(store, "r", s, peer, "w").depth for s in range(5)] == [0, 1, 2, 3, 4]
+        assert [info(store, "r", s, peer, "w").age for s in range(5)] == [0, 1, 2, 3, 4]
     check_exports(kit, store, "r", want, tmp_path)
     assert verify(store).ok
 
@@ -292,7 +293,7 @@ def test_gc_after_replacing_a_parent_keeps_every_chain(
     assert swept.deleted > 0  # the replaced dump's manifest at least
     assert verify(store).ok
     # Step 2 of peer a still chains on the blocks of the replaced step 1.
-    assert info(store, "r", 2, "a", "w").depth == 2
+    assert info(store, "r", 2, "a", "w").age == 2
     check_exports(kit, store, "r", want, tmp_path)
 
 

@@ -104,6 +104,13 @@ class TensorManifest(Manifest):
         """The longest delta chain of any chunk (0: every chunk is stored in full)."""
         return max((len(links) for links in self.deltas.values()), default=0)
 
+    @property
+    def age(self) -> int:
+        """Versions since the oldest keyframe any chunk's delta uses (0: none)."""
+        if self.chain is not None and self.chain.ages:
+            return max(self.chain.ages)
+        return self.depth
+
     def format_needed(self) -> int:
         if self.deltas or self.chain is not None:
             return 3

@@ -23,8 +23,10 @@ Maker = Callable[[str, int, float, str, int], np.ndarray]
 def test_public_api() -> None:
     # Sorted as ruff's RUF022 sorts: constants, classes, functions.
     assert gradpipe.codecs.__all__ == [
+        "DELTA_KINDS",
         "SPARSE_MAX_DENSITY",
         "ByteGroupCodec",
+        "DeltaCodec",
         "SparseCodec",
         "choose_codec",
         "default_codec_config",
