@@ -76,11 +76,16 @@ def main() -> None:
         f"shapes, AdamW lr {config.learning_rate}; tensors as {args.dtype}; 4 MiB chunks"
     )
     print("stored bytes over the full encoding's (below 1.0: the delta against the previous")
-    print("step is smaller); 'full' is the full encoding's ratio raw/stored\n")
-    header = f"{'step':>4} {'class':<12} {'raw MiB':>8} {'full':>7} {'xor/full':>9} {'int/full':>9}"
+    print("step is smaller); 'full' is the full encoding's ratio raw/stored; the last column")
+    print("is the integer delta against step 0 (a keyframe `step` versions back)\n")
+    header = (
+        f"{'step':>4} {'class':<12} {'raw MiB':>8} {'full':>7} {'xor/full':>9} {'int/full':>9}"
+        f" {'int vs step 0':>14}"
+    )
     print(header)
     print("-" * len(header))
     previous: dict[str, dict[str, np.ndarray]] | None = None
+    first: dict[str, dict[str, np.ndarray]] | None = None
     for step in train_transformer(config):
         classes = {
             "params": step.params,
@@ -89,13 +94,17 @@ def main() -> None:
             "grads peer0": step.gradients[config.peer_names[0]],
         }
         current = {k: {n: a.astype(wire) for n, a in v.items()} for k, v in classes.items()}
-        if previous is not None:
+        if previous is not None and first is not None:
             for kind, tensors in current.items():
                 raw, full, xor, diff = sizes(tensors, previous[kind], sorted(tensors))
+                # Against the first step: what gradpipe's keyframe-relative deltas store
+                # for a chunk whose keyframe is `step` versions back.
+                *_, keyed = sizes(tensors, first[kind], sorted(tensors))
                 print(
                     f"{step.step:>4} {kind:<12} {raw / 2**20:>8.1f} {raw / full:>7.2f}"
-                    f" {xor / full:>9.3f} {diff / full:>9.3f}"
+                    f" {xor / full:>9.3f} {diff / full:>9.3f} {keyed / full:>14.3f}"
                 )
+        first = first if first is not None else current
         previous = current
 
 

@@ -1,13 +1,14 @@
-"""How a chunk of a chained tensor is stored: as itself, or as deltas down to a keyframe.
+"""How a chunk of a chained tensor is stored: in full, or as a delta against a keyframe.
 
 A tensor stored as a version of another (a snapshot's parameters after the
 previous snapshot's, a peer's gradient after its previous step's) lists, per
-chunk that is a delta, its :class:`DeltaLink`\\ s nearest first: the chunk is
-``links[0].block`` applied to the chunk ``links[0].base``, which is
-``links[1].block`` applied to ``links[1].base``, and so on down to the
-*keyframe* ``links[-1].base``, a full block. Every id a reader needs is in the
-manifest, so reads fetch a whole chain in one batch and gc keeps every block of
-it alive from the manifest alone (see docs/design/008).
+chunk that is a delta, its :class:`DeltaLink`: the chunk is ``link.block``
+(the delta's bytes) applied to ``link.base``, the chunk's *keyframe*, a full
+block. gradpipe writes one link per chunk (every delta against the keyframe);
+readers follow any number, nearest first, each applying to the next one's
+result. Every id a reader needs is in the manifest, so reads fetch a chunk's
+blocks in one batch and gc keeps them alive from the manifest alone (see
+docs/design/008).
 """
 
 from __future__ import annotations
@@ -31,11 +32,10 @@ __all__ = [
     "parse_keyframe_interval",
 ]
 
-#: A full keyframe every this many versions of a chunk, so a read decodes at
-#: most this many blocks per chunk. Chosen from bench_snapshots (README): on
-#: parameters the delta is half a keyframe's size, so K = 8 stores
-#: (1 + 7 * 0.5) / 8 = 56% of independent copies, against 52% for K = 16 at
-#: twice the worst-case reconstruction work, and 75% for K = 2.
+#: A chunk is stored in full again every this many versions. Deltas are taken
+#: against the keyframe, so K costs no read time (a read decodes the keyframe and
+#: one delta); on parameters K = 8 stores ~0.54 of full copies against ~0.60 for
+#: K = 4 and ~0.53 for K = 16 (design note 008, from benchmarks/bench_delta.py).
 DEFAULT_KEYFRAME_INTERVAL: Final = 8
 
 
