@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from gradpipe.graph.runner import Runner, runner
     from gradpipe.ingest import IngestReport, ingest
     from gradpipe.runs import Dump, Run, export_dump, list_runs, open_run
-    from gradpipe.snapshot import SnapshotInfo, restore, snapshot, snapshot_log
+    from gradpipe.snapshot import SnapshotInfo, restore, restore_steps, snapshot, snapshot_log
     from gradpipe.snapshot_prune import PruneReport, prune
     from gradpipe.storage import Refs, Store, WriteStats, open_store
     from gradpipe.storage.gc import GcReport, gc
@@ -85,6 +85,7 @@ _LAZY: Final[dict[str, str]] = {
     "open_store": "gradpipe.storage",
     "prune": "gradpipe.snapshot_prune",
     "restore": "gradpipe.snapshot",
+    "restore_steps": "gradpipe.snapshot",
     "runner": "gradpipe.graph.runner",
     "snapshot": "gradpipe.snapshot",
     "snapshot_log": "gradpipe.snapshot",
@@ -134,6 +135,7 @@ __all__ = [
     "open_store",
     "prune",
     "restore",
+    "restore_steps",
     "runner",
     "snapshot",
     "snapshot_log",

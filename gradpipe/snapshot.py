@@ -18,6 +18,7 @@ Retention (``prune``) lives in :mod:`gradpipe.snapshot_prune`.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -29,14 +30,15 @@ import numpy as np
 
 from gradpipe.config import get_bytes
 from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
+from gradpipe.core.ids import hash_bytes
 from gradpipe.core.manifest import manifest_id
 from gradpipe.core.names import parse_name
 from gradpipe.core.snapshot_manifest import SnapshotManifest
 from gradpipe.core.state import FlatState, flatten_state, select_state, unflatten_state
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import ConflictError, IntegrityError, InvalidInputError, NotFoundError
+from gradpipe.storage._pools import read_threads
 from gradpipe.storage.chains import ChainParent, write_version
-from gradpipe.storage.reads import read_threads
 from gradpipe.storage.tensors import read_tensors
 
 if TYPE_CHECKING:
@@ -47,6 +49,7 @@ __all__ = [
     "SnapshotInfo",
     "find_snapshot",
     "restore",
+    "restore_steps",
     "snapshot",
     "snapshot_log",
     "snapshot_ref",
@@ -73,7 +76,10 @@ class SnapshotInfo:
     stored_bytes: int  # what this version added to the store
     full_bytes: int  # what it would take stored on its own
     logical_bytes: int  # uncompressed size of its arrays
-    depth: int  # longest delta chain of any chunk
+    depth: int  # longest delta chain of any chunk (0 or 1: deltas are against keyframes)
+    age: int = 0  # versions since the oldest keyframe it uses (< the keyframe interval)
+    lossy: bool = False  # a sparse delta dropped or rounded changes
+    max_abs_error: float = 0.0
     metadata: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -93,6 +99,9 @@ class SnapshotInfo:
             "logical_bytes": self.logical_bytes,
             "ratio": self.ratio,
             "depth": self.depth,
+            "age": self.age,
+            "lossy": self.lossy,
+            "max_abs_error": self.max_abs_error if math.isfinite(self.max_abs_error) else None,
             "metadata": dict(self.metadata),
         }
 
@@ -108,6 +117,9 @@ class SnapshotInfo:
             manifest.full_bytes,
             manifest.logical_bytes,
             manifest.depth,
+            manifest.age,
+            manifest.lossy,
+            manifest.max_abs_error,
             dict(manifest.metadata),
         )
 
@@ -123,6 +135,14 @@ _KEYFRAMES: dict[tuple[str, str], tuple[str, dict[str, np.ndarray]]] = {}
 _KEYFRAMES_LOCK = threading.Lock()
 
 
+def _after_fork_in_child() -> None:  # a lock held by a parent's thread would never be released
+    global _KEYFRAMES_LOCK  # noqa: PLW0603 - replacing the lock is the point
+    _KEYFRAMES_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _remember(
     store: Store,
     name: str,
@@ -133,7 +153,12 @@ def _remember(
     known: Mapping[str, np.ndarray],
 ) -> None:
     """Keep the keyframe chunks snapshot ``snapshot_id`` uses (copies of its own, or ``known``)."""
-    limit = get_bytes("snapshot-cache-bytes")
+    key = (store.url, name)
+    with _KEYFRAMES_LOCK:  # free the old copy first, and stay within one budget per process
+        _KEYFRAMES.pop(key, None)
+        limit = get_bytes("snapshot-cache-bytes") - sum(
+            a.nbytes for _, held in _KEYFRAMES.values() for a in held.values()
+        )
     kept: dict[str, np.ndarray] = {}
     for keyframe, values in _keyframes(written, arrays, known):
         if keyframe not in kept:
@@ -143,7 +168,7 @@ def _remember(
                 kept = {}  # too large to keep: the next snapshot reads its keyframes
                 break
     with _KEYFRAMES_LOCK:
-        _KEYFRAMES[(store.url, name)] = (snapshot_id, kept)
+        _KEYFRAMES[key] = (snapshot_id, kept)
 
 
 def _keyframes(
@@ -158,7 +183,11 @@ def _keyframes(
             if block is None or i in manifest.inline:
                 continue
             if not links:
-                yield block, np.array(flat[start:stop], copy=True)
+                copy = np.array(flat[start:stop], copy=True)
+                # The caller's arrays may have changed since they were hashed (a
+                # training thread): a copy that is not the keyframe is not kept.
+                if hash_bytes(copy.view(np.uint8)) == block:
+                    yield block, copy
             elif links[-1].base in known:
                 yield links[-1].base, known[links[-1].base]
 
@@ -365,14 +394,62 @@ def restore(
     return restore_manifest(store, manifest, keys=keys, runner=runner)
 
 
-def restore_manifest(
+def _tensor(store: Store, manifest: SnapshotManifest, key: str) -> TensorManifest:
+    """A snapshot's tensor manifest: embedded (as gradpipe writes them) or stored apart."""
+    tensor_id = manifest.tensors[key]
+    found = manifest.embedded.get(tensor_id)
+    if found is not None:
+        return found
+    where = f"snapshot {manifest.name!r} at step {manifest.step}, {key}"
+    return store.get_typed(tensor_id, TensorManifest, context=where)
+
+
+def restore_steps(
     store: Store,
-    manifest: SnapshotManifest,
+    name: str,
+    steps: Iterable[int],
     *,
     keys: Iterable[str] | None = None,
     runner: Runner | None = None,
-) -> Any:
-    """The state of one snapshot manifest (see :func:`restore`)."""
+) -> dict[int, Any]:
+    """Several snapshots of ``name`` at once, by step: ``{step: state}``.
+
+    One Dask graph reads them all, a task per chunk version named by its
+    content, so the keyframes several snapshots share are read and decoded
+    once. Without ``runner`` it runs on local threads.
+    """
+    from gradpipe.graph.chains import read_tensors_graph
+    from gradpipe.graph.runner import Runner
+
+    wanted = list(dict.fromkeys(steps))
+    found: dict[int, SnapshotManifest] = {}
+    for _, manifest in _versions(store, name):
+        if manifest.step in wanted and manifest.step not in found:
+            found[manifest.step] = manifest
+    missing = [s for s in wanted if s not in found]
+    if missing:
+        raise NotFoundError(f"snapshot {name!r} has no step {', '.join(map(str, missing))}")
+    plans = [(step, *_plan(store, found[step], keys)) for step in wanted]
+    tensors = [t for _, _, keys_, ts in plans for t in ts]
+    contexts = [
+        f"snapshot {name!r}, step {step}, {k}" for step, _, keys_, _ in plans for k in keys_
+    ]
+    if runner is None:
+        with Runner() as local:
+            arrays = iter(read_tensors_graph(store, tensors, runner=local, contexts=contexts))
+    else:  # the caller's runner: used, never closed
+        arrays = iter(read_tensors_graph(store, tensors, runner=runner, contexts=contexts))
+    out = {}
+    for step, tree, keys_, _ in plans:
+        values = {k: next(arrays) for k in keys_}
+        out[step] = _unflatten(found[step], tree, values)
+    return out
+
+
+def _plan(
+    store: Store, manifest: SnapshotManifest, keys: Iterable[str] | None
+) -> tuple[dict[str, Any], list[str], list[TensorManifest]]:
+    """The skeleton to rebuild, the array keys it needs and their tensor manifests."""
     tree = manifest.state
     wanted = list(manifest.tensors)
     if keys is not None:
@@ -383,7 +460,28 @@ def restore_manifest(
             f"snapshot {manifest.name!r} at step {manifest.step} lacks arrays {missing[:5]}; "
             "run `gradpipe verify`"
         )
-    tensors = [manifest.embedded[manifest.tensors[k]] for k in wanted]
+    return tree, wanted, [_tensor(store, manifest, k) for k in wanted]
+
+
+def _unflatten(manifest: SnapshotManifest, tree: dict[str, Any], arrays: dict[str, Any]) -> Any:
+    try:
+        return unflatten_state(tree, arrays)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise IntegrityError(
+            f"snapshot {manifest.name!r} at step {manifest.step} has a damaged state skeleton: "
+            f"{exc!r}"
+        ) from None
+
+
+def restore_manifest(
+    store: Store,
+    manifest: SnapshotManifest,
+    *,
+    keys: Iterable[str] | None = None,
+    runner: Runner | None = None,
+) -> Any:
+    """The state of one snapshot manifest (see :func:`restore`)."""
+    tree, wanted, tensors = _plan(store, manifest, keys)
     contexts = [f"snapshot {manifest.name!r}, step {manifest.step}, {k}" for k in wanted]
     if runner is None:
         arrays = read_tensors(store, tensors, contexts=contexts)
@@ -391,10 +489,4 @@ def restore_manifest(
         from gradpipe.graph.chains import read_tensors_graph
 
         arrays = read_tensors_graph(store, tensors, runner=runner, contexts=contexts)
-    try:
-        return unflatten_state(tree, dict(zip(wanted, arrays, strict=True)))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise IntegrityError(
-            f"snapshot {manifest.name!r} at step {manifest.step} has a damaged state skeleton: "
-            f"{exc!r}"
-        ) from None
+    return _unflatten(manifest, tree, dict(zip(wanted, arrays, strict=True)))

@@ -26,6 +26,7 @@ from gradpipe.core.manifest import manifest_id
 from gradpipe.core.snapshot_manifest import SnapshotManifest
 from gradpipe.errors import ConflictError, InvalidInputError
 from gradpipe.snapshot import find_snapshot, snapshot_ref
+from gradpipe.storage.walk import walk_reachable
 
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
@@ -120,7 +121,7 @@ def prune(
             if not report.dropped_steps:
                 return report
             new_head, rechained = _rechain(store, kept, dry_run=dry_run)
-            _count_freed(store, [m for _, m in chain], rechained, report)
+            _count_freed(store, name, [m for _, m in chain], rechained, report)
             if dry_run:
                 return report
             try:
@@ -159,13 +160,21 @@ def _chain(store: Store, name: str, head_id: str) -> list[tuple[str, SnapshotMan
 
 def _count_freed(
     store: Store,
+    name: str,
     old: list[SnapshotManifest],
     new: list[SnapshotManifest],
     report: PruneReport,
 ) -> None:
-    """Blocks the old chain uses and the new one does not, and their stored size."""
+    """Blocks the old chain uses and neither the new one nor any other ref does, and their size.
+
+    Walks what every other ref reaches (as gc's mark does), so blocks shared
+    with another snapshot name, a run or a named tensor are not counted.
+    """
     used = {b for m in new for b in m.data_children()}
     dropped = {b for m in old for b in m.data_children()} - used
+    if dropped:
+        elsewhere = walk_reachable(store, skip_refs={snapshot_ref(name)})
+        dropped -= set(elsewhere.data)
     if not dropped:
         return
     wanted = {block_key(b) for b in dropped}

@@ -29,10 +29,11 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
+from gradpipe.errors import InvalidInputError
 from gradpipe.formats.state_file import from_torch, to_torch
 from gradpipe.snapshot import SnapshotInfo, find_snapshot, restore_manifest, snapshot
 
@@ -45,12 +46,18 @@ __all__ = ["load_state", "save_state"]
 
 
 class _Writer:
-    """One writer thread per process, so saves land in the order they were made."""
+    """One writer thread per process, so saves land in the order they were made.
+
+    At most one save is pending: a new save first waits for the one before it
+    (as torch's async checkpointing does), so host copies of the state never
+    pile up when writing is slower than training.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pid = -1
         self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future[str] | None = None
 
     def executor(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -58,7 +65,24 @@ class _Writer:
             if self._executor is None or self._pid != os.getpid():
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="gradpipe-save")
                 self._pid = os.getpid()
+                self._pending = None
             return self._executor
+
+    def wait_for_pending(self) -> None:
+        """Wait until the previous save finished (its error stays with its future)."""
+        if threading.current_thread().name.startswith("gradpipe-save"):
+            raise InvalidInputError(
+                "save_state called from the background writer (a future's callback?) would "
+                "wait for itself; call it from the training thread"
+            )
+        pending = self._pending if self._pid == os.getpid() else None
+        if pending is not None:
+            wait([pending])
+
+    def submit(self, future_of: Callable[[ThreadPoolExecutor], Future[str]]) -> Future[str]:
+        future = future_of(self.executor())
+        self._pending = future
+        return future
 
 
 _WRITER = _Writer()
@@ -151,22 +175,25 @@ def save_state(
     >>> future.result()                                                         # doctest: +SKIP
     'b3f1...'
     """
+    _WRITER.wait_for_pending()
     state: dict[str, Any] = {"model": model.state_dict()}
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
     # A blocking save may read CPU tensors in place: the caller waits for it.
     host = from_torch(_to_host(state, copy=not blocking), path=f"save_state {name!r}")
-    future = _WRITER.executor().submit(
-        snapshot,
-        store,
-        name,
-        host,
-        step=step,
-        loss=loss,
-        metadata=metadata,
-        delta=delta,
-        threshold=threshold,
-        keyframe_interval=keyframe_interval,
+    future = _WRITER.submit(
+        lambda executor: executor.submit(
+            snapshot,
+            store,
+            name,
+            host,
+            step=step,
+            loss=loss,
+            metadata=metadata,
+            delta=delta,
+            threshold=threshold,
+            keyframe_interval=keyframe_interval,
+        )
     )
     return future if not blocking else future.result()
 

@@ -57,6 +57,7 @@ PUBLIC = [
     "open_store",
     "prune",
     "restore",
+    "restore_steps",
     "runner",
     "snapshot",
     "snapshot_log",

@@ -185,7 +185,9 @@ def test_prune_then_gc_keeps_every_kept_version_exact(store: gp.Store) -> None:
         assert gc.deleted_bytes >= report.freed_bytes
         log = gp.snapshot_log(store, "run")
         assert [v.step for v in log] == [0, 4, 7, 8, 9]
-        assert all(v.depth <= 3 for v in log)
+        assert all(v.depth <= 1 for v in log)
+        assert all(v.age <= 3 for v in log)  # K = 4
+        assert max(v.age for v in log) >= 1
         for step in (0, 4, 7, 8, 9):
             assert same(gp.restore(store, "run", step=step), states[step])
         assert gp.verify(store).ok
@@ -195,12 +197,31 @@ def test_prune_then_gc_keeps_every_kept_version_exact(store: gp.Store) -> None:
         assert same(gp.restore(store, "run", step=10), states[0])
 
 
-def test_two_writers_of_one_name_both_land(tmp_path: Path, small: None) -> None:
+def test_two_writers_of_one_name_both_land(
+    tmp_path: Path, small: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each snapshot is one compare-and-swap; the loser rebuilds against the winner."""
+    import sys
+
+    module = sys.modules["gradpipe.snapshot"]
     url = f"file://{tmp_path}/store"
     gp.open_store(url, mode="w")
     states = drifting(8, seed=2)
     errors: list[BaseException] = []
+    # Both writers build their first snapshot against the same (empty) head before
+    # either publishes, so one of them must lose the race and rebuild.
+    barrier = threading.Barrier(2, timeout=30)
+    builds: list[int] = []
+    real = module._write
+
+    def raced(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        builds.append(1)
+        if len(builds) <= 2:
+            barrier.wait()
+        return out
+
+    monkeypatch.setattr(module, "_write", raced)
 
     def writer(offset: int) -> None:
         store = gp.open_store(url, mode="a")
@@ -216,6 +237,7 @@ def test_two_writers_of_one_name_both_land(tmp_path: Path, small: None) -> None:
     for t in threads:
         t.join()
     assert not errors
+    assert len(builds) > 8  # at least one snapshot was built twice
     store = gp.open_store(url, mode="r")
     log = gp.snapshot_log(store, "run")
     assert sorted(v.step for v in log) == list(range(8))
@@ -252,3 +274,121 @@ def test_restore_on_a_local_cluster_shares_chain_work(tmp_path: Path, small: Non
         len(m.deltas.get(i, ())) + 1 for m in manifests for i, b in enumerate(m.blocks) if b
     )
     assert len(chunk_tasks) < listed
+
+
+def test_concurrent_restores_on_one_cluster_get_their_own_data(tmp_path: Path, small: None) -> None:
+    """Task keys are named by content: two restores in flight never share a result."""
+    from distributed import Client, LocalCluster
+
+    store = gp.open_store(tmp_path / "store", mode="w")
+    states = drifting(2, seed=4)
+    for i, state in enumerate(states):
+        gp.snapshot(store, "run", state, step=i)
+    results: dict[int, list[bool]] = {0: [], 1: []}
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=2, processes=False) as cluster,
+        Client(cluster) as client,
+        gp.runner(client) as runner,
+    ):
+
+        def reader(step: int) -> None:
+            for _ in range(5):
+                got = gp.restore(store, "run", step=step, runner=runner)
+                results[step].append(same(got, states[step]))
+
+        threads = [threading.Thread(target=reader, args=(s,)) for s in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        both = gp.restore_steps(store, "run", [1, 0], runner=runner)
+    assert results == {0: [True] * 5, 1: [True] * 5}
+    assert list(both) == [1, 0]
+    assert same(both[0], states[0])
+    assert same(both[1], states[1])
+    assert same(gp.restore_steps(store, "run", [0], keys=["model"])[0]["model"], states[0]["model"])
+    with pytest.raises(NotFoundError, match="has no step 7"):
+        gp.restore_steps(store, "run", [0, 7])
+
+
+@pytest.mark.parametrize("cache", ["warm", "cold"])
+def test_a_snapshot_over_lost_parent_blocks_stores_them_again(
+    tmp_path: Path, small: None, cache: str
+) -> None:
+    """Blocks of the previous snapshot lost (or deleted as corrupt): the next one is whole."""
+    import sys
+
+    store = gp.open_store(tmp_path / "store", mode="w")
+    states = drifting(3, seed=5)
+    gp.snapshot(store, "run", states[0], step=0)
+    if cache == "cold":
+        sys.modules["gradpipe.snapshot"]._KEYFRAMES.clear()
+    _, first = find_snapshot(store, "run")
+    for block in first.data_children():
+        store.backend.delete(block_key(block))
+    gp.snapshot(store, "run", states[1], step=1)  # changed arrays and unchanged ones alike
+    gp.snapshot(store, "run", states[2], step=2)
+    for step in (1, 2):
+        assert same(gp.restore(store, "run", step=step), states[step])
+    with pytest.raises(NotFoundError):
+        gp.restore(store, "run", step=0)  # that one is gone, and verify says so
+    assert {p.kind for p in gp.verify(store).problems} == {"missing"}
+
+
+def test_keyframes_changed_after_hashing_are_not_remembered(
+    tmp_path: Path, small: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A training thread changing the arrays while a snapshot is written cannot poison the next."""
+    import sys
+
+    module = sys.modules["gradpipe.snapshot"]
+    real = module.write_version
+
+    def then_changed(store: gp.Store, array: np.ndarray, *args: Any, **kwargs: Any) -> Any:
+        manifest = real(store, array, *args, **kwargs)
+        array += 1  # after it was hashed and written: the copy kept for later differs
+        return manifest
+
+    store = gp.open_store(tmp_path / "store", mode="w")
+    states = drifting(2, seed=6)
+    monkeypatch.setattr(module, "write_version", then_changed)
+    gp.snapshot(store, "run", {"w": states[0]["model"]["embed.weight"].copy()}, step=0)
+    monkeypatch.setattr(module, "write_version", real)
+    gp.snapshot(store, "run", {"w": states[1]["model"]["embed.weight"]}, step=1)
+    got = gp.restore(store, "run", step=1)["w"]
+    assert got.tobytes() == states[1]["model"]["embed.weight"].tobytes()
+
+
+def test_sparse_snapshots_keep_other_dtypes_exact(tmp_path: Path, small: None) -> None:
+    store = gp.open_store(tmp_path / "store", mode="w")
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal(4096).astype("float32")
+    blob = rng.integers(0, 255, 100_000, dtype=np.uint8).tobytes()  # > 64 KiB: an array
+    counts = np.arange(4096, dtype="int32")
+    gp.snapshot(store, "s", {"w": w, "blob": blob, "n": counts}, step=0, delta="sparse")
+    w2 = w.copy()
+    w2[::64] += 0.5
+    w2[1::64] += np.float32(1e-7)
+    gp.snapshot(
+        store, "s", {"w": w2, "blob": blob, "n": counts + 1}, step=1, delta="sparse", threshold=1e-3
+    )
+    got = gp.restore(store, "s", step=1)
+    assert got["blob"] == blob
+    assert got["n"].tobytes() == (counts + 1).tobytes()
+    assert np.max(np.abs(got["w"] - w2)) <= 1e-3
+    [_, newest] = gp.snapshot_log(store, "s")
+    assert newest.lossy
+    assert 0 < newest.max_abs_error <= 1e-3
+    assert gp.verify(store).ok
+
+
+def test_prune_counts_only_what_no_other_ref_uses(tmp_path: Path, small: None) -> None:
+    store = gp.open_store(tmp_path / "store", mode="w")
+    states = drifting(3, seed=8)
+    for i, state in enumerate(states):
+        gp.snapshot(store, "a", state, step=i)
+        gp.snapshot(store, "b", state, step=i)  # the same blocks, under another name
+    report = gp.prune(store, "a", keep_last=1)
+    assert report.dropped_steps == [0, 1]
+    assert report.freed_blocks == 0
+    assert report.freed_bytes == 0

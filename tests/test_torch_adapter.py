@@ -168,22 +168,42 @@ def test_background_save_keeps_the_values_of_the_call(
 def test_saves_land_in_the_order_they_were_made(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A second save waits for the first: one pending host copy at most, saves in order."""
     store = gp.open_store(str(tmp_path / "store"), mode="w")
     model, opt = make(seed=0)
     gate = gate_writes(monkeypatch)
     first = gpt.save_state(store, "run", model, opt, step=1, blocking=False)
     train_step(model, opt, 1)
-    second = gpt.save_state(store, "run", model, opt, step=2, blocking=False)
-    train_step(model, opt, 2)
     opener = threading.Timer(0.05, gate.set)
     opener.start()
-    third = gpt.save_state(store, "run", model, opt, step=3)  # waits for both before it writes
+    second = gpt.save_state(store, "run", model, opt, step=2, blocking=False)
+    assert first.done()  # the second call waited for it before copying its own state
+    train_step(model, opt, 2)
+    third = gpt.save_state(store, "run", model, opt, step=3)
     opener.join()
-    assert first.done()
     assert second.done()
     log = gp.snapshot_log(store, "run")
     assert [i.step for i in log] == [1, 2, 3]
     assert [i.id for i in log] == [first.result(), second.result(), third]
+
+
+def test_a_save_from_the_writer_thread_is_refused(tmp_path: Path) -> None:
+    store = gp.open_store(str(tmp_path / "store"), mode="w")
+    model, opt = make(seed=0)
+    errors: list[BaseException] = []
+
+    def again(_: object) -> None:
+        try:
+            gpt.save_state(store, "run", model, opt, step=2, blocking=False)
+        except InvalidInputError as exc:
+            errors.append(exc)
+
+    future = gpt.save_state(store, "run", model, opt, step=1, blocking=False)
+    future.add_done_callback(again)
+    future.result()
+    gpt.save_state(store, "run", model, opt, step=3)  # the writer is still alive
+    assert errors
+    assert "wait for itself" in str(errors[0])
 
 
 def test_a_failed_background_save_raises_from_its_future(tmp_path: Path) -> None:

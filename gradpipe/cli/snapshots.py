@@ -107,7 +107,7 @@ def _metadata(pairs: list[str]) -> dict[str, str]:
 def run_snapshot(args: argparse.Namespace) -> CommandResult:
     from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
     from gradpipe.formats.state_file import read_state_file
-    from gradpipe.snapshot import find_snapshot, snapshot
+    from gradpipe.snapshot import snapshot
 
     metadata = _metadata(args.meta)
     state, info = read_state_file(args.state_file)  # before opening the store
@@ -124,9 +124,11 @@ def run_snapshot(args: argparse.Namespace) -> CommandResult:
         delta=args.delta,
         keyframe_interval=interval,
     )
+    from gradpipe.core.snapshot_manifest import SnapshotManifest
     from gradpipe.snapshot import SnapshotInfo
 
-    _, manifest = find_snapshot(store, args.name)
+    # This snapshot's own manifest (another writer may have landed on top since).
+    manifest = store.get_typed(snapshot_id, SnapshotManifest, context=f"snapshot {args.name!r}")
     info_doc = SnapshotInfo.of(snapshot_id, manifest)
     doc = {"store": store.url, "file": args.state_file, **info_doc.to_dict()}
     text = (
@@ -173,13 +175,16 @@ def run_log(args: argparse.Namespace) -> CommandResult:
     store = open_store_arg(args, "r")
     versions = snapshot_log(store, args.name)
     rows = [v.to_dict() for v in versions]
-    header = f"{'step':>8}  {'time':<26}  {'loss':>10}  {'stored':>10}  {'ratio':>5}  depth  id"
+    header = (
+        f"{'step':>8}  {'time':<26}  {'loss':>10}  {'stored':>10}  {'ratio':>5}  depth  age  id"
+    )
     lines = [header]
     for v in versions:
         loss = "-" if v.loss is None else f"{v.loss:.6g}"
+        lossy = f"  lossy, max error {v.max_abs_error:.3g}" if v.lossy else ""
         lines.append(
             f"{v.step:>8}  {v.time:<26.26}  {loss:>10}  {v.stored_bytes / 2**20:>7.1f} MiB  "
-            f"{v.ratio:>5.2f}  {v.depth:>5}  {v.id[:16]}"
+            f"{v.ratio:>5.2f}  {v.depth:>5}  {v.age:>3}  {v.id[:16]}{lossy}"
         )
     total = sum(v.stored_bytes for v in versions)
     full = sum(v.full_bytes for v in versions)

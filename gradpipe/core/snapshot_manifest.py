@@ -71,8 +71,26 @@ class SnapshotManifest(Manifest):
 
     @property
     def depth(self) -> int:
-        """The longest delta chain of any of its chunks."""
+        """The longest delta chain of any of its chunks (blocks a read decodes, minus one)."""
         return max((m.depth for m in self.embedded.values()), default=0)
+
+    @property
+    def age(self) -> int:
+        """Versions since the oldest keyframe any of its chunks uses."""
+        return max((m.age for m in self.embedded.values()), default=0)
+
+    @property
+    def lossy(self) -> bool:
+        """Whether some chunk was stored with a lossy (sparse) delta."""
+        return any(m.chain is not None and m.chain.lossy for m in self.embedded.values())
+
+    @property
+    def max_abs_error(self) -> float:
+        """The largest error a lossy delta left in any chunk (0.0 when exact)."""
+        return max(
+            (m.chain.max_abs_error for m in self.embedded.values() if m.chain is not None),
+            default=0.0,
+        )
 
     def manifest_children(self) -> Iterator[str]:
         if self.previous is not None:

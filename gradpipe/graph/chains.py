@@ -15,11 +15,13 @@ from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from dask.base import tokenize
 
 from gradpipe.codecs.delta import DeltaCodec
 from gradpipe.core.chain import DeltaLink
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.ids import hash_bytes
+from gradpipe.core.manifest import manifest_id
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import IntegrityError
 from gradpipe.storage.blocks import decode_block
@@ -51,7 +53,9 @@ def build_read_graph(
             frame = manifest.inline.get(i)
             links = manifest.deltas.get(i, ())
             parts.append(_add_chunk(graph, store, block, frame, links, manifest.dtype, where))
-        key = (_TENSOR, t)
+        # Named by content, not position: two reads on one cluster must never
+        # share a key unless they read the same tensor.
+        key = (f"{_TENSOR}-{tokenize(manifest_id(manifest))}", t)
         graph[key] = (_assemble, manifest.dtype, manifest.shape, manifest.chunk_ranges(), parts)
         keys.append(key)
     return graph, keys

@@ -28,8 +28,6 @@ age and what the version stored against what it would have stored alone.
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -47,11 +45,12 @@ from gradpipe.core.chain import (
 )
 from gradpipe.core.chunk_stats import ChunkStats, bit_nonzero, chunk_stats
 from gradpipe.core.chunking import choose_chunk_shape, chunk_ranges
-from gradpipe.core.dtypes import canonical_dtype, check_values, dtype_name, parse_dtype
+from gradpipe.core.dtypes import canonical_dtype, check_values, dtype_name, is_float, parse_dtype
 from gradpipe.core.ids import hash_bytes
 from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.errors import IntegrityError, NotFoundError
+from gradpipe.storage._pools import process_pool, read_threads
 from gradpipe.storage.blocks import BlockToWrite, WriteStats
-from gradpipe.storage.reads import read_threads
 
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
@@ -160,8 +159,17 @@ def write_version(
     else:
         target = chunk_bytes if chunk_bytes is not None else get_bytes("chunk-bytes")
         chunk_shape = choose_chunk_shape(array.shape, dtype.itemsize, target)
+    if kind == "sparse" and not is_float(dtype):
+        kind, threshold = "int", 0.0  # the sparse delta is for floats; others stay exact
+    usable = _present_parent_blocks(store, base) if base is not None else set()
     writer = _VersionWriter(
-        store, kind=kind, threshold=threshold, interval=interval, parent=parent if base else None
+        store,
+        kind=kind,
+        threshold=threshold,
+        interval=interval,
+        parent=parent if base else None,
+        present=usable,
+        where=where,
     )
     ranges = list(chunk_ranges(array.shape, chunk_shape))
     writes = _Writes(store, stats)
@@ -206,6 +214,26 @@ def write_version(
     )
 
 
+def _chunk_blocks(manifest: TensorManifest, i: int) -> list[str]:
+    """The stored blocks chunk ``i`` of ``manifest`` needs (none when inline or all-zero)."""
+    block, links = manifest.blocks[i], manifest.deltas.get(i)
+    if links:
+        return [*(link.block for link in links), links[-1].base]
+    return [] if block is None or i in manifest.inline else [block]
+
+
+def _present_parent_blocks(store: Store, parent: TensorManifest) -> set[str]:
+    """The parent's blocks that are in the store, in one batched check.
+
+    A new version refers to its parent's blocks without writing them: one lost
+    since (or deleted by ``verify --delete-corrupt``) must not be referred to,
+    so such a chunk is written in full instead. gc cannot delete a block the
+    parent's snapshot or run still reaches while the writer holds its lease.
+    """
+    wanted = sorted({b for i in range(len(parent.blocks)) for b in _chunk_blocks(parent, i)})
+    return {b for b, there in zip(wanted, store.has_blocks(wanted), strict=True) if there}
+
+
 def _age(manifest: TensorManifest, i: int) -> int:
     """Versions since chunk ``i``'s keyframe, as ``manifest`` records it."""
     if manifest.chain is not None and manifest.chain.ages:
@@ -224,20 +252,9 @@ def _account(chunk: _Chunk, stats: WriteStats) -> None:
         stats.blocks_reused += 1
 
 
-_POOLS: dict[int, ThreadPoolExecutor] = {}  # by process id: a forked child makes its own
-_POOL_LOCK = threading.Lock()
-
-
 def _pool() -> ThreadPoolExecutor:
-    """The process's encoding pool (apart from the reading one: a writer reads parents)."""
-    pid = os.getpid()
-    with _POOL_LOCK:
-        pool = _POOLS.get(pid)
-        if pool is None:
-            pool = ThreadPoolExecutor(read_threads(), thread_name_prefix="gradpipe-encode")
-            _POOLS.clear()
-            _POOLS[pid] = pool
-        return pool
+    """The process's encoding pool (apart from the decoding one: a writer reads keyframes)."""
+    return process_pool("encode")
 
 
 class _VersionWriter:
@@ -251,8 +268,10 @@ class _VersionWriter:
         threshold: float,
         interval: int,
         parent: ChainParent | None,
+        present: set[str],
+        where: str,
     ) -> None:
-        self.store = store
+        self.store, self.present, self.where = store, present, where
         self.kind, self.threshold, self.interval = kind, threshold, interval
         self.parent = parent
         self.manifest = parent.manifest if parent is not None else None
@@ -274,7 +293,7 @@ class _VersionWriter:
             )
         block_id = hash_bytes(chunk.view(np.uint8))
         parent = self.manifest
-        if parent is not None and parent.blocks[i] == block_id:
+        if parent is not None and parent.blocks[i] == block_id and self._stored(parent, i):
             return self._unchanged(i, parent, chunk, nonzero)
         record_stats = chunk_stats(chunk, bits_nonzero=nonzero)
         full_item = BlockToWrite(block_id, chunk, None, nonzero)
@@ -324,8 +343,32 @@ class _VersionWriter:
             logical=item.data.nbytes, write=write,
         )  # fmt: skip
 
+    def _stored(self, parent: TensorManifest, i: int) -> bool:
+        """Whether every block parent's chunk ``i`` needs is in the store (or inline)."""
+        return all(b in self.present for b in _chunk_blocks(parent, i))
+
     def _base(self, i: int, parent: TensorManifest | None) -> tuple[str, np.ndarray] | None:
         """The keyframe of chunk ``i`` (its id and values) to delta against, if there is one."""
+        keyframe = self._keyframe(i, parent)
+        if keyframe is None or parent is None or self.parent is None:
+            return None
+        if not parent.deltas.get(i) and self.parent_flat is not None:
+            start, stop = self.parent_ranges[i]
+            values = self.parent_flat[start:stop]
+            if self.parent.trusted or hash_bytes(values.view(np.uint8)) == keyframe:
+                return keyframe, values
+        found = self.parent.keyframes.get(keyframe)
+        if found is not None:
+            return keyframe, found
+        where = f"{self.where}, keyframe of chunk {i}" if self.where else f"keyframe of chunk {i}"
+        try:
+            raw = self.store.get_raw(keyframe, context=where)
+        except (NotFoundError, IntegrityError):
+            return None  # a damaged keyframe is no base: this chunk starts a new one
+        return keyframe, np.frombuffer(raw, dtype=np.uint8).view(parse_dtype(parent.dtype))
+
+    def _keyframe(self, i: int, parent: TensorManifest | None) -> str | None:
+        """The id of chunk ``i``'s keyframe, if a delta may be taken against it now."""
         if parent is None or self.parent is None:
             return None
         block = parent.blocks[i]
@@ -335,17 +378,8 @@ class _VersionWriter:
             return None  # time for a new keyframe
         links = parent.deltas.get(i)
         keyframe = links[-1].base if links else block
-        if not links and self.parent_flat is not None:
-            start, stop = self.parent_ranges[i]
-            values = self.parent_flat[start:stop]
-            if self.parent.trusted or hash_bytes(values.view(np.uint8)) == keyframe:
-                return keyframe, values
-        found = self.parent.keyframes.get(keyframe)
-        if found is not None:
-            return keyframe, found
-        where = f"keyframe of chunk {i}"
-        raw = np.frombuffer(self.store.get_raw(keyframe, context=where), dtype=np.uint8)
-        return keyframe, raw.view(parse_dtype(parent.dtype))
+        # Lost (or deleted as corrupt) since: start a new keyframe.
+        return keyframe if keyframe in self.present else None
 
     def _smaller(
         self,

@@ -29,8 +29,6 @@ thread found it first, and no decode still runs when the error is raised.
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -43,6 +41,7 @@ from gradpipe.core.chain import DeltaLink
 from gradpipe.core.dtypes import dtype_name
 from gradpipe.core.ids import block_key, hash_bytes
 from gradpipe.errors import IntegrityError, NotFoundError
+from gradpipe.storage._pools import process_pool, read_threads
 from gradpipe.storage.blocks import decode_block
 
 if TYPE_CHECKING:
@@ -94,28 +93,9 @@ class ChunkRead:
 _Outcome = tuple[ChunkRead, "Future[None] | BaseException"]
 
 
-def read_threads() -> int:
-    """Decoding threads: the cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-_POOLS: dict[int, ThreadPoolExecutor] = {}  # by process id: a forked child makes its own
-_POOL_LOCK = threading.Lock()
-
-
 def _pool() -> ThreadPoolExecutor:
-    """The process's decoding pool, made on first use."""
-    pid = os.getpid()
-    with _POOL_LOCK:
-        pool = _POOLS.get(pid)
-        if pool is None:
-            pool = ThreadPoolExecutor(read_threads(), thread_name_prefix="gradpipe-decode")
-            _POOLS.clear()
-            _POOLS[pid] = pool
-        return pool
+    """The process's decoding pool."""
+    return process_pool("decode")
 
 
 def decode_chunks(store: Store, chunks: Sequence[ChunkRead]) -> None:
@@ -228,8 +208,9 @@ def decode_chain(
         DeltaCodec(link.kind, dtype).bind(out).decode(delta, out=out)
     if hash_bytes(out.reshape(-1).view(np.uint8)) != block_id:
         raise IntegrityError(
-            f"{where} rebuilt from its delta chain does not match its id {block_id}; "
-            "a delta was written against other bytes than its base: run `gradpipe verify`"
+            f"{where} rebuilt from its keyframe and delta does not match its id {block_id}: "
+            "the blocks are intact (each matched its own id), but the delta was written "
+            "against other bytes than its keyframe; this version of the chunk is lost"
         )
 
 

@@ -53,13 +53,15 @@ Visitor = Callable[[str, Manifest, str], None]
 _BATCH = 64
 
 
-def _roots(store: Store, found: Reachable) -> Iterator[Wanted]:
-    """Every ref's current entry and target.
+def _roots(store: Store, found: Reachable, skip: Collection[str] = ()) -> Iterator[Wanted]:
+    """Every ref's current entry and target (but the refs named in ``skip``).
 
     A ref that cannot be read is recorded in ``found.problems``, not raised:
     verify must report it and gc must refuse to run.
     """
     for name in store.refs.names():
+        if name in skip:
+            continue
         try:
             current, entry = store.refs.read(name)
         except GradpipeError as exc:
@@ -104,7 +106,11 @@ def _read_levels(
 
 
 def walk_reachable(
-    store: Store, *, known: Reachable | None = None, visit: Visitor | None = None
+    store: Store,
+    *,
+    known: Reachable | None = None,
+    visit: Visitor | None = None,
+    skip_refs: Collection[str] = (),
 ) -> Reachable:
     """Read every manifest reachable from the refs (checking each) and collect ids.
 
@@ -117,12 +123,13 @@ def walk_reachable(
     again: they are immutable, so their children are known. gc walks once
     without the lock and again, incrementally, while holding it. ``visit``
     sees every manifest read (verify checks what is kept inside manifests).
+    ``skip_refs`` leaves those refs out (what else keeps a block alive).
     """
     found = Reachable()
     if known is not None:
         found.manifests.update(known.manifests)
         found.data.update(known.data)
-    roots = list(_roots(store, found))
+    roots = list(_roots(store, found, skip_refs))
     for manifest_id, context, manifest in _read_levels(store, roots, set(found.manifests)):
         found.manifests[manifest_id] = context
         if isinstance(manifest, Problem):

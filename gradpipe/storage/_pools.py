@@ -1,0 +1,46 @@
+"""Thread pools shared by a process: one per purpose, made on first use, remade after a fork.
+
+The codecs' inner loops release the GIL, so decoding (reads) and encoding
+(chained writes) run on a pool of as many threads as the process has cores.
+Each purpose has its own pool, so a writer that reads its parents while its
+chunks are encoded never waits on itself. A forked child never inherits a pool
+(its threads do not exist there) or a lock held by a thread of the parent.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+__all__ = ["process_pool", "read_threads"]
+
+_POOLS: dict[str, ThreadPoolExecutor] = {}
+_LOCK = threading.Lock()
+
+
+def read_threads() -> int:
+    """Worker threads: the cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def process_pool(purpose: str) -> ThreadPoolExecutor:
+    """The process's pool for ``purpose`` (``"decode"``, ``"encode"``)."""
+    with _LOCK:
+        pool = _POOLS.get(purpose)
+        if pool is None:
+            pool = ThreadPoolExecutor(read_threads(), thread_name_prefix=f"gradpipe-{purpose}")
+            _POOLS[purpose] = pool
+        return pool
+
+
+def _after_fork_in_child() -> None:
+    global _LOCK  # noqa: PLW0603 - a lock held by a parent's thread is never released here
+    _LOCK = threading.Lock()
+    _POOLS.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
