@@ -305,17 +305,28 @@ def _write(
         parents = {k: head.embedded[t] for k, t in head.tensors.items() if k in flat.arrays}
     keyframes = _recalled(store, name, head_id)
 
-    def write(key: str) -> TensorManifest:
+    def write(key: str, *, parallel: bool) -> TensorManifest:
         parent = None
         if key in parents and head is not None:
             parent = ChainParent(parents[key], head.tensors[key], keyframes=keyframes)
         where = f"snapshot {name!r}, {key}"
-        return write_version(store, flat.arrays[key], parent, where=where, **options)
+        array = flat.arrays[key]
+        return write_version(store, array, parent, where=where, parallel=parallel, **options)
 
-    # Tensors in parallel (most are one chunk, so a tensor's own chunks give
-    # little to share out); the encoders release the GIL.
+    # Tensors of one chunk (most of them: biases, norms, a layer's matrices)
+    # are written side by side, each on one thread; larger ones one after the
+    # other, their chunks side by side. Either way a few chunks per core are
+    # in flight, whatever the number of cores. The encoders release the GIL.
+    one_chunk = get_bytes("chunk-bytes")
+    written: dict[str, TensorManifest] = {}
+    small = [k for k, a in flat.arrays.items() if a.nbytes <= one_chunk]
     with ThreadPoolExecutor(read_threads(), thread_name_prefix="gradpipe-snapshot") as pool:
-        manifests = list(pool.map(write, flat.arrays))
+        done = pool.map(lambda k: write(k, parallel=False), small)
+        written.update(zip(small, done, strict=True))
+    for key in flat.arrays:
+        if key not in written:
+            written[key] = write(key, parallel=True)
+    manifests = [written[k] for k in flat.arrays]
     tensors: dict[str, str] = {}
     embedded: dict[str, TensorManifest] = {}
     for key, manifest in zip(flat.arrays, manifests, strict=True):

@@ -138,11 +138,14 @@ def write_version(
     chunk_bytes: int | None = None,
     stats: WriteStats | None = None,
     where: str = "",
+    parallel: bool = True,
 ) -> TensorManifest:
     """Write ``array`` as the next version after ``parent`` (None: the first, all full).
 
     Returns the (not yet stored) manifest. ``delta`` is the delta kind
-    (``int``, ``xor``, or the lossy ``sparse`` with ``threshold``).
+    (``int``, ``xor``, or the lossy ``sparse`` with ``threshold``). With
+    ``parallel`` the chunks are encoded on the process's encoding pool; a
+    caller that writes many tensors at once on its own threads passes False.
     """
     store.check_writable()
     kind = parse_delta_kind(delta)
@@ -185,7 +188,8 @@ def write_version(
             start, stop = ranges[i]
             return writer.chunk(i, flat[start:stop], where=where)
 
-        done = map(encode, window) if len(window) == 1 else _pool().map(encode, window)
+        serial = len(window) == 1 or not parallel
+        done = map(encode, window) if serial else _pool().map(encode, window)
         for chunk in done:
             _account(chunk, stats)
             if chunk.write is not None:
