@@ -34,7 +34,13 @@ from gradpipe.core.ids import hash_bytes
 from gradpipe.core.manifest import manifest_id
 from gradpipe.core.names import parse_name
 from gradpipe.core.snapshot_manifest import SnapshotManifest
-from gradpipe.core.state import FlatState, flatten_state, select_state, unflatten_state
+from gradpipe.core.state import (
+    FlatState,
+    flat_array_names,
+    flatten_state,
+    select_state,
+    unflatten_state,
+)
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import ConflictError, IntegrityError, InvalidInputError, NotFoundError
 from gradpipe.storage._pools import read_threads
@@ -42,6 +48,7 @@ from gradpipe.storage.chains import ChainParent, write_version
 from gradpipe.storage.tensors import read_tensors
 
 if TYPE_CHECKING:
+    from gradpipe.formats.state_file import StateFileInfo
     from gradpipe.graph.runner import Runner
     from gradpipe.storage.store import Store
 
@@ -482,6 +489,29 @@ def _unflatten(manifest: SnapshotManifest, tree: dict[str, Any], arrays: dict[st
             f"snapshot {manifest.name!r} at step {manifest.step} has a damaged state skeleton: "
             f"{exc!r}"
         ) from None
+
+
+def restore_file(store: Store, manifest: SnapshotManifest, path: str, info: StateFileInfo) -> None:
+    """Write one snapshot as a state file of ``info.kind`` (what ``gradpipe restore`` does).
+
+    A flat state written as safetensors is streamed: each tensor is written
+    while the next ones decode, so the whole state is never held at once.
+    """
+    from gradpipe.formats.safetensors import write_safetensors_stream
+    from gradpipe.formats.state_file import write_state_file
+
+    names = flat_array_names(manifest.state) if info.kind == "safetensors" else None
+    if names is None or set(names) != set(manifest.tensors):
+        write_state_file(path, restore_manifest(store, manifest), info)
+        return
+    tensors = {n: _tensor(store, manifest, n) for n in names}
+    specs = {n: (t.dtype, t.shape) for n, t in tensors.items()}
+
+    def produce(order: list[str]) -> Iterator[np.ndarray]:
+        contexts = [f"snapshot {manifest.name!r}, step {manifest.step}, {n}" for n in order]
+        return store.iter_tensors([tensors[n] for n in order], contexts=contexts)
+
+    write_safetensors_stream(path, specs, produce, info.metadata, keep_metadata_order=True)
 
 
 def restore_manifest(

@@ -141,9 +141,9 @@ def run_snapshot(args: argparse.Namespace) -> CommandResult:
 
 def run_restore(args: argparse.Namespace) -> CommandResult:
     from gradpipe.formats.dump import dump_format
-    from gradpipe.formats.state_file import StateFileInfo, check_state_path, write_state_file
+    from gradpipe.formats.state_file import StateFileInfo, check_state_path
     from gradpipe.output import parse_output_path
-    from gradpipe.snapshot import find_snapshot, restore_manifest
+    from gradpipe.snapshot import find_snapshot, restore_file
 
     parse_output_path(args.output, what="-o")  # before opening anything
     store = open_store_arg(args, "r")
@@ -154,8 +154,7 @@ def run_restore(args: argparse.Namespace) -> CommandResult:
     else:  # made in Python: the output's extension says which kind
         info = StateFileInfo(dump_format(args.output))
     check_state_path(args.output, info)  # before reading anything
-    state = restore_manifest(store, manifest)
-    write_state_file(args.output, state, info)
+    restore_file(store, manifest, args.output, info)
     doc: dict[str, Any] = {
         "store": store.url,
         "name": args.name,

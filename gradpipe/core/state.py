@@ -59,6 +59,7 @@ __all__ = [
     "MAX_DEPTH",
     "TREE_VERSION",
     "FlatState",
+    "flat_array_names",
     "flatten_state",
     "select_state",
     "unflatten_state",
@@ -281,6 +282,25 @@ def unflatten_state(tree: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -
     damaged stored data.
     """
     return decode_tree(tree, dict(arrays)).value
+
+
+def flat_array_names(tree: Mapping[str, Any]) -> list[str] | None:
+    """The names, in order, when a tree is a plain ``{name: array}`` keyed by those names.
+
+    That is what a flat file (safetensors, npz) becomes: a writer can then
+    stream its arrays by key without rebuilding the state. None otherwise.
+    """
+    root = tree.get("root")
+    if not isinstance(root, dict) or root.get("t") != "dict" or set(root) != {"t", "items"}:
+        return None
+    names = []
+    for item in root["items"]:
+        key, value = item
+        name = key.get("v") if key.get("t") == "str" and set(key) == {"t", "v"} else None
+        if not isinstance(name, str) or value.get("t") != "array" or value.get("key") != name:
+            return None
+        names.append(name)
+    return names
 
 
 def select_state(tree: Mapping[str, Any], keys: Iterable[str]) -> tuple[dict[str, Any], list[str]]:

@@ -439,6 +439,7 @@ def write_safetensors_stream(
     metadata: Mapping[str, str] | None = None,
     *,
     storage_options: Mapping[str, object] | None = None,
+    keep_metadata_order: bool = False,
 ) -> None:
     """Write a safetensors file whose tensors are made while it is written.
 
@@ -449,8 +450,9 @@ def write_safetensors_stream(
     the writes, and an array may be dropped once written. The file is the one
     :func:`write_safetensors` would write from the same arrays, with the same
     atomicity; an array that does not match its spec is an error.
+    ``keep_metadata_order`` is as for :func:`write_safetensors`.
     """
-    meta = _parse_metadata(metadata)
+    meta = _parse_metadata(metadata, sort=not keep_metadata_order)
     entries = []
     for name, (dtype, shape) in specs.items():
         _check_name(name)
