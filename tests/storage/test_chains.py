@@ -285,3 +285,33 @@ def test_chains_are_bit_exact_and_bounded(tmp_path_factory: pytest.TempPathFacto
     gp.gc(store, grace=0)
     got = read_tensor(store, store.get_typed(written[-1][0], gp.TensorManifest))
     assert got.tobytes() == versions[-1].tobytes()
+
+
+def test_verify_rebuilds_delta_chunks(tmp_path: Path, small_chunks: None) -> None:
+    """A delta taken against other bytes than its keyframe: every block is sound, the chunk
+    is not, and verify says so (under the manifest: there is no damaged block to delete)."""
+    store = _store(tmp_path)
+    rng = np.random.default_rng(9)
+    first = rng.standard_normal(4096).astype("float32")
+    second = drift(first, rng, 1.0, 1e-4)
+    [(first_id, first_manifest)] = write_chain(store, [first])
+    wrong = {}  # the keyframes, one value off: the delta is small, so it is kept
+    for b, (lo, hi) in zip(first_manifest.blocks, first_manifest.chunk_ranges(), strict=True):
+        values = first[lo:hi].copy()
+        values[0] += 1
+        wrong[b] = values
+    parent = ChainParent(first_manifest, first_id, keyframes=wrong)
+    bad = write_version(store, second, parent)
+    assert bad.depth == 1
+    bad_id = store.put_manifest(bad)
+    store.refs.set("tensors/bad", bad_id)
+    report = gp.verify(store)
+    kinds = {(p.kind, p.id) for p in report.problems}
+    assert kinds == {("bad delta", bad_id)}
+    assert not report.ok
+    with pytest.raises(IntegrityError, match="does not match its id"):
+        read_tensor(store, bad)
+    # A sound chain verifies clean.
+    good = write_version(store, second, ChainParent(first_manifest, first_id, first))
+    store.refs.set("tensors/bad", store.put_manifest(good))
+    assert gp.verify(store).ok
