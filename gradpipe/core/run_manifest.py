@@ -17,7 +17,7 @@ from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.ids import parse_id
 from gradpipe.core.manifest import Manifest
 from gradpipe.core.names import parse_name
-from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.core.tensor_manifest import EmbeddedTensors, TensorManifest
 from gradpipe.errors import InvalidInputError
 
 __all__ = ["DumpEntry", "DumpManifest", "RunManifest", "TensorSchema", "merge_run"]
@@ -46,7 +46,7 @@ class TensorSchema:
 
 
 @dataclass(frozen=True)
-class DumpManifest(Manifest):
+class DumpManifest(EmbeddedTensors, Manifest):
     """The tensors of one (run, step, peer), with metadata and provenance.
 
     ``tensors`` keeps the file's order (pairs of name and tensor id), so the
@@ -86,20 +86,8 @@ class DumpManifest(Manifest):
     def manifest_children(self) -> Iterator[str]:
         return (t for t in dict.fromkeys(self.tensor_ids.values()) if t not in self.embedded)
 
-    def data_children(self) -> Iterator[str]:
-        for manifest in self.embedded.values():
-            yield from manifest.data_children()
-
     def format_needed(self) -> int:
         return 2 if self.embedded else 1
-
-    def embedded_manifests(self) -> Iterator[tuple[str, Manifest]]:
-        return iter(self.embedded.items())
-
-    def inline_frames(self) -> Iterator[tuple[str, bytes, str]]:
-        for tensor_id, manifest in self.embedded.items():
-            for block, frame, where in manifest.inline_frames():
-                yield block, frame, f"tensor {tensor_id}, {where}"
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {

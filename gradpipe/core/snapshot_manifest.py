@@ -19,14 +19,14 @@ from gradpipe.core.encoding import decode_float, encode_float
 from gradpipe.core.ids import parse_id
 from gradpipe.core.manifest import Manifest
 from gradpipe.core.names import parse_name
-from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.core.tensor_manifest import EmbeddedTensors, TensorManifest
 from gradpipe.errors import InvalidInputError
 
 __all__ = ["SnapshotManifest"]
 
 
 @dataclass(frozen=True)
-class SnapshotManifest(Manifest):
+class SnapshotManifest(EmbeddedTensors, Manifest):
     """One snapshot: step, time, loss, metadata, the state's skeleton and its tensors."""
 
     type: ClassVar[str] = "snapshot"
@@ -96,18 +96,6 @@ class SnapshotManifest(Manifest):
         if self.previous is not None:
             yield self.previous
         yield from (t for t in dict.fromkeys(self.tensors.values()) if t not in self.embedded)
-
-    def data_children(self) -> Iterator[str]:
-        for manifest in self.embedded.values():
-            yield from manifest.data_children()
-
-    def embedded_manifests(self) -> Iterator[tuple[str, Manifest]]:
-        return iter(self.embedded.items())
-
-    def inline_frames(self) -> Iterator[tuple[str, bytes, str]]:
-        for tensor_id, manifest in self.embedded.items():
-            for block, frame, where in manifest.inline_frames():
-                yield block, frame, f"tensor {tensor_id}, {where}"
 
     def format_needed(self) -> int:
         return 3

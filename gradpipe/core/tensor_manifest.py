@@ -27,7 +27,7 @@ from gradpipe.core.ids import parse_id
 from gradpipe.core.manifest import Manifest
 from gradpipe.errors import InvalidInputError
 
-__all__ = ["TensorManifest"]
+__all__ = ["EmbeddedTensors", "TensorManifest"]
 
 
 @dataclass(frozen=True)
@@ -184,3 +184,26 @@ class TensorManifest(Manifest):
         }
         chain = ChainInfo.from_dict(data["chain"]) if "chain" in data else None
         return cls(data["dtype"], shape, chunk_shape, blocks, stats, inline, deltas, chain)
+
+
+class EmbeddedTensors:
+    """What a manifest that keeps tensor manifests inside itself (``embedded``) links to.
+
+    A dump or a snapshot embeds its tensors' manifests (format 2): their data
+    blocks and inline chunks are the container's, for gc and verify alike.
+    Mixed in before :class:`~gradpipe.core.manifest.Manifest`.
+    """
+
+    embedded: Mapping[str, TensorManifest]
+
+    def data_children(self) -> Iterator[str]:
+        for manifest in self.embedded.values():
+            yield from manifest.data_children()
+
+    def embedded_manifests(self) -> Iterator[tuple[str, Manifest]]:
+        return iter(self.embedded.items())
+
+    def inline_frames(self) -> Iterator[tuple[str, bytes, str]]:
+        for tensor_id, manifest in self.embedded.items():
+            for block, frame, where in manifest.inline_frames():
+                yield block, frame, f"tensor {tensor_id}, {where}"
