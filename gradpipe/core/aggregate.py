@@ -41,6 +41,7 @@ gives the same bits per element.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -108,11 +109,7 @@ class _Block:
         return self.lo + self.size
 
     def is_left_sibling_of(self, other: _Block) -> bool:
-        return (
-            self.size == other.size
-            and self.lo % (2 * self.size) == 0
-            and self.hi == other.lo
-        )
+        return self.size == other.size and self.lo % (2 * self.size) == 0 and self.hi == other.lo
 
 
 @dataclass(frozen=True)
@@ -149,9 +146,7 @@ class Partial:
         return sum(b.total.nbytes for b in self.blocks)
 
 
-def partial(
-    chunk: np.ndarray, *, peer: int, weight: float = 1.0, scale: float = 1.0
-) -> Partial:
+def partial(chunk: np.ndarray, *, peer: int, weight: float = 1.0, scale: float = 1.0) -> Partial:
     """The leaf partial of peer number ``peer`` (its position in the fixed peer order).
 
     ``weight`` weights the peer in a weighted mean (FedAvg: its ``num_examples``),
@@ -184,7 +179,7 @@ def combine(partials: Iterable[Partial]) -> Partial:
     if not parts:
         raise InvalidInputError("nothing to combine: no partials")
     first = parts[0]
-    for left, right in zip(parts, parts[1:], strict=False):
+    for left, right in itertools.pairwise(parts):
         if left.hi != right.lo:
             raise InvalidInputError(
                 f"partials cover peers [{left.lo}, {left.hi}) and [{right.lo}, {right.hi}): "
@@ -283,4 +278,3 @@ def reduce_peers(
         for i, (c, w, s) in enumerate(zip(chunks, values, factors, strict=True))
     ]
     return finish(combine(leaves), method=chosen, peers=len(chunks), dtype=dtype)
-

@@ -23,9 +23,7 @@ __all__ = [
 ]
 
 
-def where(
-    *, step: int | None = None, peer: str | None = None, tensor: str | None = None
-) -> str:
+def where(*, step: int | None = None, peer: str | None = None, tensor: str | None = None) -> str:
     """``"step 7, peer 'a', tensor 'w'"`` from the parts that are known ('' if none)."""
     parts = []
     if step is not None:
@@ -89,8 +87,7 @@ def check_peer_chunks(
         )
     if peers is not None and len(peers) != len(chunks):
         raise InvalidInputError(
-            f"{_prefix(where(step=step, tensor=tensor))}{len(chunks)} chunks for "
-            f"{len(peers)} peers"
+            f"{_prefix(where(step=step, tensor=tensor))}{len(chunks)} chunks for {len(peers)} peers"
         )
     first = chunks[0]
     for i, chunk in enumerate(chunks):
