@@ -102,7 +102,7 @@ def check_peer_chunks(
                 f"{_peer_name(peers, 0)!r}'s {first.dtype}{list(first.shape)}; every peer "
                 "must send the tensor with one shape and dtype"
             )
-        if not allow_nan and not np.isfinite(chunk.astype(np.float64, copy=False)).all():
+        if not allow_nan and not np.isfinite(chunk).all():
             raise InvalidInputError(
                 f"{context}: the update holds NaN or infinity; drop the peer or fix its dump"
             )
