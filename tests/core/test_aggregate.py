@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import random
 from functools import cache
@@ -11,7 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradpipe.core.aggregate import AggregationMethod, Partial, combine, finish, partial, reduce_peers
+from gradpipe.core.aggregate import (
+    AggregationMethod,
+    Partial,
+    combine,
+    finish,
+    partial,
+    reduce_peers,
+)
 from gradpipe.errors import InvalidInputError
 from gradpipe.testing.transformer import TransformerConfig, train_transformer
 
@@ -45,9 +53,7 @@ def _within_one_ulp32(ours: np.ndarray, ref64: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 13])
-@pytest.mark.parametrize(
-    "method", ["sum", "mean", "weighted-mean", "fedavg"]
-)
+@pytest.mark.parametrize("method", ["sum", "mean", "weighted-mean", "fedavg"])
 def test_reducible_methods_match_a_float64_reference(n: int, method: str) -> None:
     chunks = _peers(n, 513, seed=n)
     weighted = method in ("weighted-mean", "fedavg")
@@ -83,7 +89,9 @@ def test_fedavg_on_transformer_gradients() -> None:
     for name, chunks in grads.items():
         ours = reduce_peers(chunks, weights=weights, tensor=name)
         _within_one_ulp32(ours, _reference(chunks, [float(w) for w in weights], divide=True))
-        (flower,) = aggregate_mod.aggregate([([c], w) for c, w in zip(chunks, weights, strict=True)])
+        (flower,) = aggregate_mod.aggregate(
+            [([c], w) for c, w in zip(chunks, weights, strict=True)]
+        )
         bound = 2 * len(chunks) * EPS32 * max(float(np.abs(c).max()) for c in chunks)
         assert np.abs(ours.astype(np.float64) - flower).max() <= bound, name
 
@@ -104,7 +112,7 @@ def test_chunking_does_not_change_a_bit() -> None:
 def _random_groups(n: int, rng: random.Random) -> list[list[int]]:
     cuts = sorted(rng.sample(range(1, n), rng.randint(0, n - 1))) if n > 1 else []
     bounds = [0, *cuts, n]
-    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [list(range(a, b)) for a, b in itertools.pairwise(bounds)]
 
 
 def _tree(leaves: list[Partial], rng: random.Random) -> Partial:
@@ -128,14 +136,17 @@ def test_any_tree_gives_bit_identical_results(n: int, seed: int) -> None:
     chunks = _peers(n, 64, seed=seed % 1000)
     weights = [float(rng.randint(1, 1000)) for _ in range(n)]
     reference = reduce_peers(chunks, weights=weights)
-    leaves = [partial(c, peer=i, weight=w) for i, (c, w) in enumerate(zip(chunks, weights, strict=True))]
+    leaves = [
+        partial(c, peer=i, weight=w) for i, (c, w) in enumerate(zip(chunks, weights, strict=True))
+    ]
     for _ in range(3):
         state = _tree(leaves, rng)
         assert state.weight == sum(weights)  # integer weights: exact in any order
         assert finish(state, peers=n).tobytes() == reference.tobytes()
-        assert finish(state, method="sum", peers=n).tobytes() == reduce_peers(
-            chunks, method="sum", weights=weights
-        ).tobytes()
+        assert (
+            finish(state, method="sum", peers=n).tobytes()
+            == reduce_peers(chunks, method="sum", weights=weights).tobytes()
+        )
 
 
 def test_a_power_of_two_fan_in_keeps_one_array_per_partial() -> None:
@@ -180,8 +191,10 @@ def test_dtype_and_noise_in_finish() -> None:
 
 def test_aggregation_method_names() -> None:
     assert AggregationMethod("trimmed-mean") is AggregationMethod.TRIMMED_MEAN
-    assert AggregationMethod.FEDAVG.reducible and AggregationMethod.FEDAVG.divides
-    assert AggregationMethod.SUM.reducible and not AggregationMethod.SUM.divides
+    assert AggregationMethod.FEDAVG.reducible
+    assert AggregationMethod.FEDAVG.divides
+    assert AggregationMethod.SUM.reducible
+    assert not AggregationMethod.SUM.divides
     assert not AggregationMethod.KRUM.reducible
 
 

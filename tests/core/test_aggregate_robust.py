@@ -124,7 +124,8 @@ def test_krum_and_multi_krum_select_as_flower(n: int, f: int, seed: int) -> None
     # Multi-Krum: FedAvg of the m best (Flower weights them by num_examples too)
     m = n - f
     kept = krum_select(dist, f, m)
-    assert len(kept) == m and kept == sorted(kept)
+    assert len(kept) == m
+    assert kept == sorted(kept)
     flower_m = agg.aggregate_krum(results, num_malicious=f, to_keep=m)
     for t in range(3):
         chunks = [peers[i][t] for i in kept]
@@ -141,7 +142,8 @@ def test_bulyan_selects_and_averages_as_flower(n: int, f: int, seed: int) -> Non
     peers = _tensors(n, seed=seed, byzantine=f)
     dist = _distances_by_chunks(peers, 16, seed)
     selected = bulyan_select(dist, f)
-    assert len(selected) == n - 2 * f and selected == sorted(selected)
+    assert len(selected) == n - 2 * f
+    assert selected == sorted(selected)
     flower = agg.aggregate_bulyan(
         [(p, 1) for p in peers], num_malicious=f, aggregation_rule=agg.aggregate_krum, to_keep=0
     )
@@ -187,7 +189,9 @@ def test_ties_go_to_the_lower_peer() -> None:
 
 def test_too_few_peers_for_krum_or_bulyan() -> None:
     dist = np.zeros((6, 6))
-    with pytest.raises(InvalidInputError, match=r"step 3: krum with f=2 needs at least 7 peers, got 6"):
+    with pytest.raises(
+        InvalidInputError, match=r"step 3: krum with f=2 needs at least 7 peers, got 6"
+    ):
         krum_select(dist, 2, step=3)
     with pytest.raises(InvalidInputError, match=r"bulyan with f=1 needs at least 7 peers"):
         bulyan_select(dist, 1)

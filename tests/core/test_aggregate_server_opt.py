@@ -101,10 +101,34 @@ def _flower(strategy_name: str, x0: np.ndarray, grads: list[np.ndarray], **kw: f
 @pytest.mark.parametrize(
     ("name", "config", "flower_kw", "round_offset"),
     [
-        ("FedAvgM", ServerOptimizerConfig("fedavgm", lr=0.5, momentum=0.9), {"server_learning_rate": 0.5, "server_momentum": 0.9}, 0),  # type: ignore[arg-type]
-        ("FedAdagrad", ServerOptimizerConfig("fedadagrad", lr=0.1, beta1=0.0, tau=1e-3, initial_accumulator=0.0), {"eta": 0.1, "tau": 1e-3}, 0),  # type: ignore[arg-type]
-        ("FedAdam", ServerOptimizerConfig("fedadam", lr=0.1, tau=1e-3, initial_accumulator=0.0, bias_correction=True), {"eta": 0.1, "tau": 1e-3, "beta_1": 0.9, "beta_2": 0.99}, 1),  # type: ignore[arg-type]
-        ("FedYogi", ServerOptimizerConfig("fedyogi", lr=0.01, tau=1e-3, initial_accumulator=0.0), {"eta": 0.01, "tau": 1e-3}, 0),  # type: ignore[arg-type]
+        (
+            "FedAvgM",
+            ServerOptimizerConfig("fedavgm", lr=0.5, momentum=0.9),
+            {"server_learning_rate": 0.5, "server_momentum": 0.9},
+            0,
+        ),  # type: ignore[arg-type]
+        (
+            "FedAdagrad",
+            ServerOptimizerConfig(
+                "fedadagrad", lr=0.1, beta1=0.0, tau=1e-3, initial_accumulator=0.0
+            ),
+            {"eta": 0.1, "tau": 1e-3},
+            0,
+        ),  # type: ignore[arg-type]
+        (
+            "FedAdam",
+            ServerOptimizerConfig(
+                "fedadam", lr=0.1, tau=1e-3, initial_accumulator=0.0, bias_correction=True
+            ),
+            {"eta": 0.1, "tau": 1e-3, "beta_1": 0.9, "beta_2": 0.99},
+            1,
+        ),  # type: ignore[arg-type]
+        (
+            "FedYogi",
+            ServerOptimizerConfig("fedyogi", lr=0.01, tau=1e-3, initial_accumulator=0.0),
+            {"eta": 0.01, "tau": 1e-3},
+            0,
+        ),  # type: ignore[arg-type]
     ],
 )
 def test_optimizers_match_flower_with_its_conventions(
@@ -128,7 +152,8 @@ def test_state_round_trips_through_to_dict_and_has_array_state() -> None:
     config = ServerOptimizerConfig(ServerOptimizer.FEDYOGI, lr=0.01)
     assert ServerOptimizerConfig.from_dict(config.to_dict()) == config
     state = init_server_state(np.zeros((2, 3), np.float16), config)
-    assert set(state) == {"m", "v"} and state["v"].dtype == np.float32
+    assert set(state) == {"m", "v"}
+    assert state["v"].dtype == np.float32
     assert (state["v"] == np.float32(1e-6)).all()  # v starts at tau**2 (Reddi et al.)
     assert init_server_state(np.zeros(2), config)["m"].dtype == np.float64
 
