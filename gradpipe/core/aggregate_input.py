@@ -67,7 +67,7 @@ def parse_weights(
             peer = _peer_name(peers, i)
             raise InvalidInputError(
                 f"{_prefix(where(step=step, peer=peer))}weight {w!r} is not a finite number "
-                "> 0; fix the peer's num_examples or the --weights given"
+                "> 0; fix the peer's num_examples or the weights given"
             )
     return values
 
@@ -126,7 +126,7 @@ def check_byzantine(
     if n < need:
         raise InvalidInputError(
             f"{context}{method} with f={f} needs at least {need} peers, got {n}; "
-            "lower --byzantine or wait for more peers"
+            "assume fewer Byzantine peers (a lower f) or wait for more peers"
         )
     if keep is not None and not 1 <= keep <= n:
-        raise InvalidInputError(f"{context}{method}: --keep {keep} must be between 1 and {n}")
+        raise InvalidInputError(f"{context}{method}: keep={keep} must be between 1 and {n}")

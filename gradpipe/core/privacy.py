@@ -70,7 +70,7 @@ def clip_scale(sq_norm: ExactSum | float, clip_norm: float) -> float:
     0.2
     """
     if not math.isfinite(clip_norm) or clip_norm <= 0:
-        raise InvalidInputError(f"--clip-norm {clip_norm!r} must be a finite number > 0")
+        raise InvalidInputError(f"clip norm {clip_norm!r} must be a finite number > 0")
     total = float(sq_norm.to_array()) if isinstance(sq_norm, ExactSum) else float(sq_norm)
     if not math.isfinite(total) or total < 0:
         raise InvalidInputError(f"a squared norm must be finite and >= 0, got {total!r}")

@@ -74,7 +74,7 @@ def median(
 def trim_count(n: int, beta: float) -> int:
     """``⌊β·n⌋`` as Flower's ``_trim_mean`` computes it (``int(beta * n)``), ``0 <= β < 0.5``."""
     if not 0.0 <= beta < 0.5:
-        raise InvalidInputError(f"trimmed mean: --trim {beta!r} must be in [0, 0.5)")
+        raise InvalidInputError(f"trimmed mean: trim fraction {beta!r} must be in [0, 0.5)")
     return int(beta * n)
 
 

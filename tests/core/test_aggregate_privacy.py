@@ -25,7 +25,7 @@ def test_clip_scale_is_the_seeds_clip_gradient_norm() -> None:
     assert clip_scale(25.0, 1.0) == 0.2  # [3, 4] has norm 5
     assert clip_scale(0.25, 1.0) == 1.0  # within the bound: unchanged
     assert clip_scale(0.0, 1.0) == 1.0
-    with pytest.raises(InvalidInputError, match="clip-norm"):
+    with pytest.raises(InvalidInputError, match="clip norm"):
         clip_scale(1.0, 0.0)
 
 

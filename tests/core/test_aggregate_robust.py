@@ -195,7 +195,7 @@ def test_too_few_peers_for_krum_or_bulyan() -> None:
         krum_select(dist, 2, step=3)
     with pytest.raises(InvalidInputError, match=r"bulyan with f=1 needs at least 7 peers"):
         bulyan_select(dist, 1)
-    with pytest.raises(InvalidInputError, match="--keep 7"):
+    with pytest.raises(InvalidInputError, match="keep=7"):
         krum_select(dist, 1, 7)
     with pytest.raises(InvalidInputError, match="square"):
         krum_select(np.zeros((3, 4)), 0)
