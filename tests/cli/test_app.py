@@ -193,7 +193,11 @@ BAD_ARGUMENTS: list[tuple[list[str], int, str]] = [
     ([*EXPORT, "-o", "CWD/"], 2, "-o needs a file name"),
     ([*EXPORT, "-o", "STORE/gradpipe.json"], 2, "inside the gradpipe store"),
     ([*EXPORT, "-o", "CWD"], 2, "is a directory"),
-    ([*EXPORT[:2], "--run", "train", "--step", "1", "-o", "OUT"], 2, "one of the arguments --peer --aggregate is required"),
+    (
+        [*EXPORT[:2], "--run", "train", "--step", "1", "-o", "OUT"],
+        2,
+        "one of the arguments --peer --aggregate is required",
+    ),
     ([*EXPORT[:5], "99", "--peer", "peer0", "-o", "OUT"], 1, "no dump for step 99"),
     (["export", "MISSING", *EXPORT[2:], "-o", "OUT"], 2, "gradpipe init"),
     (["demo"], 2, "required: STORE"),
