@@ -3,7 +3,7 @@
 >>> import gradpipe as gp
 >>> store = gp.open_store("file:///tmp/gp-doc", mode="w")  # doctest: +SKIP
 
-Operations (:func:`ingest`, :func:`gc`, :func:`verify`) return reports that
+Operations (:func:`ingest`, :func:`aggregate`, :func:`gc`, :func:`verify`) return reports that
 share one shape (:class:`Report`: ``ok``, ``to_dict()``, ``summary()``); those
 that compute Dask graphs take ``runner=`` (:func:`runner`), so one cluster
 serves many of them.
@@ -34,16 +34,32 @@ from gradpipe.errors import (
 )
 
 if TYPE_CHECKING:
+    from gradpipe.aggregate import AggregateReport, aggregate
+    from gradpipe.core.aggregate_manifest import AggregateManifest
     from gradpipe.core.chunk_stats import ChunkStats
     from gradpipe.core.ref_entry import RefEntry
     from gradpipe.core.report import Report
-    from gradpipe.core.run_manifest import DumpEntry, DumpManifest, RunManifest, TensorSchema
+    from gradpipe.core.run_manifest import (
+        AggregateEntry,
+        DumpEntry,
+        DumpManifest,
+        RunManifest,
+        TensorSchema,
+    )
     from gradpipe.core.snapshot_manifest import SnapshotManifest
     from gradpipe.core.tensor_manifest import TensorManifest
     from gradpipe.graph.discover import Failure
     from gradpipe.graph.runner import Runner, runner
     from gradpipe.ingest import IngestReport, ingest
-    from gradpipe.runs import Dump, Run, export_dump, list_runs, open_run
+    from gradpipe.runs import (
+        Aggregate,
+        Dump,
+        Run,
+        export_aggregate,
+        export_dump,
+        list_runs,
+        open_run,
+    )
     from gradpipe.snapshot import SnapshotInfo, restore, restore_steps, snapshot, snapshot_log
     from gradpipe.snapshot_prune import PruneReport, prune
     from gradpipe.storage import Refs, Store, WriteStats, open_store
@@ -54,6 +70,10 @@ if TYPE_CHECKING:
 
 #: Public name → the module that defines it, imported on first access.
 _LAZY: Final[dict[str, str]] = {
+    "Aggregate": "gradpipe.runs",
+    "AggregateEntry": "gradpipe.core.run_manifest",
+    "AggregateManifest": "gradpipe.core.aggregate_manifest",
+    "AggregateReport": "gradpipe.aggregate",
     "ChunkStats": "gradpipe.core.chunk_stats",
     "Dump": "gradpipe.runs",
     "DumpEntry": "gradpipe.core.run_manifest",
@@ -77,6 +97,8 @@ _LAZY: Final[dict[str, str]] = {
     "TensorSchema": "gradpipe.core.run_manifest",
     "VerifyReport": "gradpipe.storage.verify",
     "WriteStats": "gradpipe.storage",
+    "aggregate": "gradpipe.aggregate",
+    "export_aggregate": "gradpipe.runs",
     "export_dump": "gradpipe.runs",
     "gc": "gradpipe.storage.gc",
     "ingest": "gradpipe.ingest",
@@ -93,6 +115,10 @@ _LAZY: Final[dict[str, str]] = {
 }
 
 __all__ = [
+    "Aggregate",
+    "AggregateEntry",
+    "AggregateManifest",
+    "AggregateReport",
     "ChunkStats",
     "ConflictError",
     "Dump",
@@ -127,6 +153,8 @@ __all__ = [
     "VerifyReport",
     "WriteStats",
     "__version__",
+    "aggregate",
+    "export_aggregate",
     "export_dump",
     "gc",
     "ingest",
@@ -158,7 +186,8 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """The gradpipe package, whose function ``ingest`` shares its name with a submodule."""
+    """The gradpipe package, whose functions ``ingest`` and ``aggregate`` share their names
+    with submodules."""
 
     def __setattr__(self, name: str, value: object) -> None:
         # Importing the submodule ``gradpipe.ingest`` sets the package attribute

@@ -1,4 +1,4 @@
-"""Browsing runs: steps × peers, dumps, their tensors and metadata; exporting a dump."""
+"""Browsing runs: steps × peers, dumps and aggregates, their tensors and metadata; exporting."""
 
 from __future__ import annotations
 
@@ -10,8 +10,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from gradpipe.core.aggregate_manifest import AggregateManifest, stale_reason
 from gradpipe.core.names import parse_name
-from gradpipe.core.run_manifest import DumpEntry, DumpManifest, RunManifest, TensorSchema
+from gradpipe.core.run_manifest import (
+    AggregateEntry,
+    DumpEntry,
+    DumpManifest,
+    RunManifest,
+    TensorSchema,
+)
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import NotFoundError
 from gradpipe.storage.catalog import list_runs, read_run
@@ -20,7 +27,15 @@ from gradpipe.storage.store import Store
 if TYPE_CHECKING:
     from dask.array import Array as DaskArray
 
-__all__ = ["Dump", "Run", "export_dump", "list_runs", "open_run"]
+__all__ = [
+    "Aggregate",
+    "Dump",
+    "Run",
+    "export_aggregate",
+    "export_dump",
+    "list_runs",
+    "open_run",
+]
 
 
 def open_run(store: Store, run: str) -> Run:
@@ -91,32 +106,42 @@ class Run:
         """One tensor of one dump (numpy, or a dask.array with ``lazy=True``)."""
         return self.dump(step, peer).read(name, lazy=lazy)
 
+    @property
+    def aggregates(self) -> list[AggregateEntry]:
+        """The recorded aggregates, by (step, name)."""
+        return list(self.manifest.aggregates)
+
+    def aggregate(self, name: str, *, step: int) -> Aggregate:
+        """The aggregate recorded as ``name`` for ``step``."""
+        parse_name(name, what="aggregate name")
+        entry = self.manifest.aggregate_entry(step, name)
+        if entry is None:
+            known = sorted({(a.name) for a in self.manifest.aggregates})
+            raise NotFoundError(
+                f"run {self.name!r} has no aggregate {name!r} of step {step} "
+                f"(aggregates: {', '.join(known) or 'none'}); compute it with gradpipe aggregate"
+            )
+        manifest = self.store.get_typed(
+            entry.aggregate,
+            AggregateManifest,
+            context=f"run {self.name!r} aggregate {name!r} of step {step}",
+        )
+        return Aggregate(
+            self.store, entry.aggregate, manifest, stale_reason(self.manifest, manifest)
+        )
+
 
 @dataclass(frozen=True)
-class Dump:
-    """A read-only view of one dump: tensors, metadata, provenance."""
+class _TensorSet:
+    """What a dump and an aggregate share: named tensors, with their manifests embedded."""
 
     store: Store
     id: str
-    manifest: DumpManifest
+    manifest: DumpManifest | AggregateManifest
 
     @property
     def step(self) -> int:
         return self.manifest.step
-
-    @property
-    def peer(self) -> str:
-        return self.manifest.peer
-
-    @property
-    def metadata(self) -> dict[str, str]:
-        """The dump's own metadata (``num_examples``...)."""
-        return dict(self.manifest.metadata)
-
-    @property
-    def source(self) -> dict[str, str]:
-        """Where the dump came from: path, format, size, fingerprint."""
-        return dict(self.manifest.source)
 
     @property
     def names(self) -> list[str]:
@@ -153,9 +178,7 @@ class Dump:
     def _infos(self) -> dict[str, TensorManifest]:
         embedded = self.manifest.embedded
         elsewhere = [tid for _, tid in self.manifest.tensors if tid not in embedded]
-        fetched = self.store.get_typed_many(
-            elsewhere, TensorManifest, context=f"step {self.step}, peer {self.peer!r}"
-        )
+        fetched = self.store.get_typed_many(elsewhere, TensorManifest, context=self._label())
         manifests = {**dict(zip(elsewhere, fetched, strict=True)), **embedded}
         return {name: manifests[tid] for name, tid in self.manifest.tensors}
 
@@ -182,17 +205,96 @@ class Dump:
             [infos[n] for n in wanted], contexts=[self._where(n) for n in wanted]
         )
 
+    def _label(self) -> str:
+        raise NotImplementedError
+
     def _where(self, name: str) -> str:
-        return f"tensor {name!r} of step {self.step}, peer {self.peer!r}"
+        return f"tensor {name!r} of {self._label()}"
 
     def _tensor_id(self, name: str) -> str:
         try:
             return self.manifest.tensor_ids[name]
         except KeyError:
             raise NotFoundError(
-                f"step {self.step}, peer {self.peer!r} has no tensor {name!r} "
+                f"{self._label()} has no tensor {name!r} "
                 f"(it has {', '.join(self.names[:8])}{'...' if len(self.names) > 8 else ''})"
             ) from None
+
+
+@dataclass(frozen=True)
+class Dump(_TensorSet):
+    """A read-only view of one dump: tensors, metadata, provenance."""
+
+    manifest: DumpManifest
+
+    @property
+    def peer(self) -> str:
+        return self.manifest.peer
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The dump's own metadata (``num_examples``...)."""
+        return dict(self.manifest.metadata)
+
+    @property
+    def source(self) -> dict[str, str]:
+        """Where the dump came from: path, format, size, fingerprint."""
+        return dict(self.manifest.source)
+
+    def _label(self) -> str:
+        return f"step {self.step}, peer {self.peer!r}"
+
+
+@dataclass(frozen=True)
+class Aggregate(_TensorSet):
+    """A read-only view of one aggregate: tensors, method, parameters, inputs.
+
+    ``stale`` says why its inputs differ from the dumps the run records now
+    (a dump replaced, a peer added or gone), or is None.
+    """
+
+    manifest: AggregateManifest
+    stale: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+    @property
+    def method(self) -> str:
+        return self.manifest.method
+
+    @property
+    def params(self) -> dict[str, object]:
+        return dict(self.manifest.params)
+
+    @property
+    def peers(self) -> list[str]:
+        """The peers aggregated, in order."""
+        return self.manifest.peers
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Peer → the weight it had."""
+        return {i.peer: i.weight for i in self.manifest.inputs}
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """String metadata for an exported file: what the aggregate is and how it was made."""
+        import json
+
+        return {
+            "aggregate": self.name,
+            "method": self.method,
+            "step": str(self.step),
+            "run": self.manifest.run,
+            "params": json.dumps(self.manifest.params, sort_keys=True),
+            "inputs": json.dumps([i.to_list() for i in self.manifest.inputs]),
+            "aggregate_id": self.id,
+        }
+
+    def _label(self) -> str:
+        return f"aggregate {self.name!r} of step {self.step}"
 
 
 def export_dump(store: Store, run: str, step: int, peer: str, path: str | os.PathLike[str]) -> Dump:
@@ -210,6 +312,20 @@ def export_dump(store: Store, run: str, step: int, peer: str, path: str | os.Pat
     # Tensors are written as they are decoded, while later ones decode.
     write_safetensors_stream(path, specs, dump.iter_read, dump.metadata)
     return dump
+
+
+def export_aggregate(
+    store: Store, run: str, step: int, name: str, path: str | os.PathLike[str]
+) -> Aggregate:
+    """Write an aggregate as safetensors: its tensors, bit-exact, and its provenance as metadata."""
+    from gradpipe.formats.safetensors import write_safetensors_stream
+    from gradpipe.output import parse_output_path
+
+    parse_output_path(path, store_url=store.url)
+    found = open_run(store, run).aggregate(name, step=step)
+    specs = {tensor: (m.dtype, m.shape) for tensor, m in found.infos().items()}
+    write_safetensors_stream(path, specs, found.iter_read, found.metadata)
+    return found
 
 
 def _span(steps: list[int]) -> str:

@@ -15,6 +15,10 @@ from gradpipe import errors
 from gradpipe.core.ids import block_key
 
 PUBLIC = [
+    "Aggregate",
+    "AggregateEntry",
+    "AggregateManifest",
+    "AggregateReport",
     "ChunkStats",
     "ConflictError",
     "Dump",
@@ -49,6 +53,8 @@ PUBLIC = [
     "VerifyReport",
     "WriteStats",
     "__version__",
+    "aggregate",
+    "export_aggregate",
     "export_dump",
     "gc",
     "ingest",
@@ -97,6 +103,13 @@ def test_public_calls_return_exported_types(tmp_path: Path) -> None:
     info = dump.info("w")
     assert isinstance(info, gp.TensorManifest)
     assert isinstance(info.summary(), gp.ChunkStats)
+    aggregated = gp.aggregate(store, run="r", method="mean")
+    assert isinstance(aggregated, gp.AggregateReport)
+    assert isinstance(aggregated, gp.Report)
+    view = gp.open_run(store, "r").aggregate("mean", step=1)
+    assert isinstance(view, gp.Aggregate)
+    assert isinstance(view.manifest, gp.AggregateManifest)
+    assert isinstance(gp.open_run(store, "r").aggregates[0], gp.AggregateEntry)
     assert isinstance(store.refs, gp.Refs)
     assert isinstance(store.refs.entry("runs/r"), gp.RefEntry)
     with store.writing("api test") as lease:

@@ -30,6 +30,7 @@ __all__ = ["COMMAND_GROUPS", "build_parser", "exit_status", "main"]
 COMMAND_GROUPS: Final[tuple[str, ...]] = (
     "store",  # init, ls, verify, gc
     "ingest",
+    "aggregate",
     "export",
     "snapshots",  # snapshot, restore, log, prune
     "demo",

@@ -146,6 +146,7 @@ def _ls_run(store: Store, name: str, *, depth: bool = False) -> CommandResult:
     run = open_run(store, name)
     grid = run.grid()
     depths = _dump_depths(store, run) if depth else {}
+    aggregates = _aggregates(store, run)
     doc = {
         "store": store.url,
         "run": run.name,
@@ -158,6 +159,7 @@ def _ls_run(store: Store, name: str, *, depth: bool = False) -> CommandResult:
             for e in run
         ],
         "schema": {k: v.to_dict() for k, v in sorted(run.schema.items())},
+        "aggregates": aggregates,
     }
     peers = run.peers
     width = max(len(str(s)) for s in [*run.steps, "step"])
@@ -174,7 +176,36 @@ def _ls_run(store: Store, name: str, *, depth: bool = False) -> CommandResult:
             for p in peers
         ]
         lines.append(f"{step:>{width}}  " + "  ".join(marks))
+    if aggregates:
+        lines.append("aggregates:")
+        lines += [
+            f"  step {a['step']:>{width}}  {a['name']}  {a['method']}  {a['aggregate'][:19]}…"
+            + (f"  STALE ({a['stale']})" if a["stale"] else "")
+            for a in aggregates
+        ]
     return CommandResult(doc, "\n".join(lines))
+
+
+def _aggregates(store: Store, run: Run) -> list[dict[str, Any]]:
+    """The run's aggregates, each marked stale when a dump it used was replaced (one batch read)."""
+    from gradpipe.core.aggregate_manifest import AggregateManifest, stale_reason
+
+    entries = run.aggregates
+    manifests = store.get_typed_many(
+        [a.aggregate for a in entries], AggregateManifest, context=f"run {run.name!r} aggregate"
+    )
+    return [
+        {
+            "step": entry.step,
+            "name": entry.name,
+            "aggregate": entry.aggregate,
+            "method": manifest.method,
+            "params": manifest.params,
+            "peers": manifest.peers,
+            "stale": stale_reason(run.manifest, manifest),
+        }
+        for entry, manifest in zip(entries, manifests, strict=True)
+    ]
 
 
 # --- verify, gc ------------------------------------------------------------------------

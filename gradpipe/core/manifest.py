@@ -36,7 +36,7 @@ __all__ = [
 
 #: The newest manifest format this version of gradpipe reads and writes.
 #: 2: small chunks inline in tensor manifests, tensor manifests embedded in
-#: dump manifests. 3: delta chains in tensor manifests, snapshots. A manifest
+#: dump manifests. 3: delta chains in tensor manifests, snapshots, aggregates. A manifest
 #: is written in the oldest format that can hold it (see
 #: :meth:`Manifest.format_needed`), so an older gradpipe still reads every
 #: manifest that uses nothing new, and an id never changes with a version bump.
@@ -44,6 +44,7 @@ FORMAT_VERSION: Final = 3
 
 #: Every manifest type, by its stored ``type``: ``"module:Class"``, imported on first use.
 MANIFEST_TYPES: Final[dict[str, str]] = {
+    "aggregate": "gradpipe.core.aggregate_manifest:AggregateManifest",
     "dump": "gradpipe.core.run_manifest:DumpManifest",
     "ref": "gradpipe.core.ref_entry:RefEntry",
     "run": "gradpipe.core.run_manifest:RunManifest",

@@ -2,8 +2,9 @@
 
 A run ref (``runs/<name>``) points at a :class:`RunManifest`, which lists
 every recorded dump with its source fingerprint (so a re-run of an ingest
-can skip a file without reading it) and the run's tensor schema (so every
-dump of the run agrees on each tensor's dtype and shape).
+can skip a file without reading it), the run's tensor schema (so every
+dump of the run agrees on each tensor's dtype and shape) and the aggregates
+computed from its dumps, each under its memo key (format 3).
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ from gradpipe.core.names import parse_name
 from gradpipe.core.tensor_manifest import EmbeddedTensors, TensorManifest
 from gradpipe.errors import InvalidInputError
 
-__all__ = ["DumpEntry", "DumpManifest", "RunManifest", "TensorSchema", "merge_run"]
+__all__ = [
+    "AggregateEntry",
+    "DumpEntry",
+    "DumpManifest",
+    "RunManifest",
+    "TensorSchema",
+    "merge_run",
+    "record_aggregates",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,21 +151,44 @@ class DumpEntry:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class AggregateEntry:
+    """One recorded aggregate of a run: (step, name) → its manifest, under its memo key."""
+
+    step: int
+    name: str
+    aggregate: str
+    key: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "name": self.name, "aggregate": self.aggregate, "key": self.key}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AggregateEntry:
+        return cls(
+            int(data["step"]), str(data["name"]), parse_id(data["aggregate"]), parse_id(data["key"])
+        )
+
+
 @dataclass(frozen=True)
 class RunManifest(Manifest):
-    """A run: its dumps in (step, peer) order and the schema they share."""
+    """A run: its dumps in (step, peer) order, the schema they share, its aggregates."""
 
     type: ClassVar[str] = "run"
 
     run: str
     dumps: tuple[DumpEntry, ...] = ()
     schema: dict[str, TensorSchema] = field(default_factory=dict)
+    aggregates: tuple[AggregateEntry, ...] = ()
 
     def __post_init__(self) -> None:
         parse_name(self.run, what="run name")
         keys = [(d.step, d.peer) for d in self.dumps]
         if keys != sorted(set(keys)):
             raise InvalidInputError(f"run {self.run!r} lists dumps out of order or twice")
+        named = [(a.step, a.name) for a in self.aggregates]
+        if named != sorted(set(named)):
+            raise InvalidInputError(f"run {self.run!r} lists aggregates out of order or twice")
 
     @cached_property
     def _index(self) -> dict[tuple[int, str], DumpEntry]:
@@ -165,6 +197,14 @@ class RunManifest(Manifest):
     def entry(self, step: int, peer: str) -> DumpEntry | None:
         """The dump recorded for (step, peer), if any."""
         return self._index.get((step, peer))
+
+    def aggregate_entry(self, step: int, name: str) -> AggregateEntry | None:
+        """The aggregate recorded as ``name`` for ``step``, if any."""
+        return next((a for a in self.aggregates if (a.step, a.name) == (step, name)), None)
+
+    def step_dumps(self, step: int) -> list[DumpEntry]:
+        """The dumps of one step, in peer order."""
+        return [d for d in self.dumps if d.step == step]
 
     @property
     def steps(self) -> list[int]:
@@ -177,14 +217,22 @@ class RunManifest(Manifest):
         return sorted({d.peer for d in self.dumps})
 
     def manifest_children(self) -> Iterator[str]:
-        return (d.dump for d in self.dumps)
+        yield from (d.dump for d in self.dumps)
+        yield from (a.aggregate for a in self.aggregates)
+
+    def format_needed(self) -> int:
+        # A run without aggregates is written as before, so older readers still read it.
+        return 3 if self.aggregates else 1
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "run": self.run,
             "dumps": [d.to_dict() for d in self.dumps],
             "schema": {name: s.to_dict() for name, s in sorted(self.schema.items())},
         }
+        if self.aggregates:
+            out["aggregates"] = [a.to_dict() for a in self.aggregates]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunManifest:
@@ -192,16 +240,26 @@ class RunManifest(Manifest):
             run=data["run"],
             dumps=tuple(DumpEntry.from_dict(d) for d in data["dumps"]),
             schema={str(k): TensorSchema.from_dict(v) for k, v in data["schema"].items()},
+            aggregates=tuple(AggregateEntry.from_dict(a) for a in data.get("aggregates", ())),
         )
 
 
 def merge_run(
     run: RunManifest, new: list[DumpEntry], schema: dict[str, TensorSchema]
 ) -> RunManifest:
-    """``run`` with ``new`` dumps added (a dump already there is replaced)."""
+    """``run`` with ``new`` dumps added (a dump already there is replaced); aggregates kept."""
     by_key = {(d.step, d.peer): d for d in run.dumps}
     by_key.update({(d.step, d.peer): d for d in new})
     merged_schema = dict(run.schema)
     for name, spec in schema.items():
         merged_schema.setdefault(name, spec)
-    return RunManifest(run.run, tuple(by_key[k] for k in sorted(by_key)), merged_schema)
+    return RunManifest(
+        run.run, tuple(by_key[k] for k in sorted(by_key)), merged_schema, run.aggregates
+    )
+
+
+def record_aggregates(run: RunManifest, new: list[AggregateEntry]) -> RunManifest:
+    """``run`` with ``new`` aggregates recorded (one of the same step and name is replaced)."""
+    by_key = {(a.step, a.name): a for a in run.aggregates}
+    by_key.update({(a.step, a.name): a for a in new})
+    return RunManifest(run.run, run.dumps, run.schema, tuple(by_key[k] for k in sorted(by_key)))

@@ -1,0 +1,444 @@
+"""``aggregate``: the aggregates of a run's steps, computed from its stored dumps.
+
+The user operation: read the run, check every step's dumps against each
+other (tensor names, dtypes, shapes, no NaN or infinity, valid weights)
+before anything is written, skip the steps whose aggregate the run already
+records under the same memo key, then compute the rest as one graph
+(:mod:`gradpipe.graph.aggregate`) under a writer's lease and report.
+Methods here: the reducible ones (sum, mean, weighted mean, FedAvg), with
+optional per-peer L2 clipping. See ``docs/design/009-aggregation.md``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+from dask.utils import format_bytes
+
+from gradpipe.core.aggregate import AggregationMethod
+from gradpipe.core.aggregate_input import parse_weights, where
+from gradpipe.core.aggregate_manifest import AggregateInput, aggregate_key
+from gradpipe.core.dtypes import parse_dtype
+from gradpipe.core.names import parse_name
+from gradpipe.core.run_manifest import DumpManifest, RunManifest
+from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.errors import InvalidInputError
+from gradpipe.graph.aggregate import StepPlan, TensorPlan, build_aggregate_graph, parse_split_every
+from gradpipe.graph.aggregate_tasks import AggregateCommit, StepFailure, StepSpec
+from gradpipe.graph.runner import Runner, use_runner
+from gradpipe.storage.blocks import WriteStats
+from gradpipe.storage.catalog import read_run
+from gradpipe.storage.store import Store
+
+if TYPE_CHECKING:
+    from gradpipe.core.report import Report
+
+__all__ = ["METHODS", "AggregateReport", "StepOutcome", "aggregate"]
+
+#: The methods :func:`aggregate` computes (the reducible ones; the others come next).
+METHODS: Final = ("sum", "mean", "weighted-mean", "fedavg")
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What happened to one step: computed, memoised, skipped (no dumps) or failed."""
+
+    step: int
+    status: str
+    aggregate: str | None = None
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"step": self.step, "status": self.status}
+        if self.aggregate is not None:
+            out["aggregate"] = self.aggregate
+        if self.reason:
+            out["reason"] = self.reason
+        return out
+
+
+@dataclass
+class AggregateReport:
+    """What an aggregate call did, per step, and what it wrote."""
+
+    run: str
+    name: str
+    method: str
+    run_id: str | None = None
+    steps: list[StepOutcome] = field(default_factory=list)
+    writes: WriteStats = field(default_factory=WriteStats)
+    logical_bytes: int = 0
+    seconds: float = 0.0
+
+    def _count(self, status: str) -> int:
+        return sum(1 for s in self.steps if s.status == status)
+
+    @property
+    def computed(self) -> int:
+        return self._count("computed")
+
+    @property
+    def memoised(self) -> int:
+        return self._count("memoised")
+
+    @property
+    def skipped(self) -> int:
+        return self._count("skipped")
+
+    @property
+    def failed(self) -> int:
+        return self._count("failed")
+
+    @property
+    def ok(self) -> bool:
+        """True when no step failed."""
+        return self.failed == 0
+
+    def aggregate_id(self, step: int) -> str | None:
+        """The id of the aggregate of ``step`` (computed or memoised), if any."""
+        return next((s.aggregate for s in self.steps if s.step == step), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (what ``gradpipe aggregate --json`` prints)."""
+        return {
+            "ok": self.ok,
+            "run": self.run,
+            "run_id": self.run_id,
+            "name": self.name,
+            "method": self.method,
+            "computed": self.computed,
+            "memoised": self.memoised,
+            "skipped": self.skipped,
+            "failed": self.failed,
+            "steps": [s.to_dict() for s in self.steps],
+            "logical_bytes": self.logical_bytes,
+            "stored_bytes": self.writes.stored_bytes,
+            "blocks_written": self.writes.blocks_written,
+            "blocks_reused": self.writes.blocks_reused,
+            "seconds": round(self.seconds, 3),
+        }
+
+    def summary(self) -> str:
+        """A few lines for people."""
+        lines = [
+            f"run {self.run!r}, aggregate {self.name!r} ({self.method}): {self.computed} steps "
+            f"computed, {self.memoised} memoised, {self.skipped} skipped (no dumps), "
+            f"{self.failed} failed",
+            f"{format_bytes(self.logical_bytes)} computed -> "
+            f"{format_bytes(self.writes.stored_bytes)} new stored, "
+            f"blocks written {self.writes.blocks_written}, reused "
+            f"{self.writes.blocks_reused}; {self.seconds:.1f} s",
+        ]
+        lines += [f"FAILED step {s.step}: {s.reason}" for s in self.steps if s.status == "failed"]
+        return "\n".join(lines)
+
+
+def aggregate(
+    store: Store,
+    *,
+    run: str,
+    steps: range | Sequence[int] | None = None,
+    method: str = "fedavg",
+    name: str | None = None,
+    weights: Mapping[str, float] | None = None,
+    clip_norm: float | None = None,
+    split_every: int | None = None,
+    force: bool = False,
+    runner: Runner | None = None,
+) -> AggregateReport:
+    """Aggregate the dumps of each step of ``run`` over its peers, and record the results.
+
+    Parameters
+    ----------
+    store : Store
+        A writable store.
+    run : str
+        The run whose dumps to aggregate.
+    steps : range or list of int, optional
+        The steps (default: every recorded step). Steps of a ``range`` that
+        have no dumps are skipped; a listed step without dumps is an error.
+    method : {"sum", "mean", "weighted-mean", "fedavg"}
+        ``fedavg`` weights each peer by its dump's ``num_examples`` metadata
+        (or by ``weights``); ``weighted-mean`` needs ``weights``; ``mean`` is
+        unweighted; ``sum`` is the (optionally weighted) sum.
+    name : str, optional
+        What the run records the aggregates as (default: the method).
+    weights : mapping of peer name to weight, optional
+        Explicit weights, finite and > 0, one for every peer of every step.
+    clip_norm : float, optional
+        Clip each peer's update (all its tensors) to this L2 norm first.
+    split_every : int, optional
+        Partials per combine task, a power of two (default 8). The result's
+        bits do not depend on it.
+    force : bool
+        Recompute steps the run already records under the same memo key.
+    runner : Runner, optional
+        Where the graph runs (default: local threads).
+
+    Returns
+    -------
+    AggregateReport
+        Per step: computed, memoised, skipped or failed, with the aggregate's id.
+
+    Examples
+    --------
+    >>> report = gp.aggregate(store, run="r", method="fedavg")  # doctest: +SKIP
+    >>> gp.open_run(store, "r").aggregate("fedavg", step=0).read("w")  # doctest: +SKIP
+    """
+    store.check_writable()
+    started = time.perf_counter()
+    chosen = _parse_method(method)
+    label = parse_name(name if name is not None else chosen.value, what="aggregate name")
+    fan = parse_split_every(split_every)
+    params = _parse_params(clip_norm)
+    run_id, recorded = read_run(store, run)
+    report = AggregateReport(run, label, chosen.value, run_id=run_id)
+    wanted = _parse_steps(recorded, steps, report)
+    dumps = _load_dumps(store, recorded, wanted)
+    plans = []
+    for step in wanted:
+        plan = _plan_step(
+            store,
+            recorded,
+            step,
+            dumps[step],
+            method=chosen,
+            name=label,
+            params=params,
+            weights=weights,
+        )
+        entry = recorded.aggregate_entry(step, label)
+        if entry is not None and entry.key == plan.spec.key and not force:
+            report.steps.append(StepOutcome(step, "memoised", entry.aggregate))
+        else:
+            plans.append(plan)
+    if plans:
+        with use_runner(runner) as active, store.writing(f"aggregate run {run}") as lease:
+            message = f"aggregate {label} ({chosen.value}) of {len(plans)} steps"
+            graph, key = build_aggregate_graph(
+                store,
+                plans,
+                clip_norm=params.get("clip_norm"),
+                split_every=fan,
+                message=message,
+                lease=lease.key if lease is not None else None,
+            )
+            [result] = active.get(graph, [key], name="gradpipe-aggregate")
+        if not isinstance(result, AggregateCommit):  # our own graph's invariant
+            raise TypeError(f"the commit task returned {type(result).__name__}")
+        _add_commit(report, result)
+    report.steps.sort(key=lambda s: s.step)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _parse_method(method: str) -> AggregationMethod:
+    if method not in METHODS:
+        raise InvalidInputError(
+            f"aggregation method {method!r} is not one gradpipe computes yet; "
+            f"choose one of {', '.join(METHODS)}"
+        )
+    return AggregationMethod(method)
+
+
+def _parse_params(clip_norm: float | None) -> dict[str, Any]:
+    if clip_norm is None:
+        return {}
+    if isinstance(clip_norm, bool) or not isinstance(clip_norm, int | float):
+        raise InvalidInputError(f"clip_norm {clip_norm!r} must be a number > 0")
+    value = float(clip_norm)
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidInputError(f"clip_norm {clip_norm!r} must be a finite number > 0")
+    return {"clip_norm": value}
+
+
+def _parse_steps(
+    recorded: RunManifest, steps: range | Sequence[int] | None, report: AggregateReport
+) -> list[int]:
+    present = set(recorded.steps)
+    if steps is None:
+        if not present:
+            raise InvalidInputError(f"run {recorded.run!r} has no dumps to aggregate")
+        return recorded.steps
+    if isinstance(steps, range):
+        wanted = [s for s in steps if s in present]
+        report.steps.extend(StepOutcome(s, "skipped") for s in steps if s not in present)
+        if not wanted:
+            raise InvalidInputError(
+                f"run {recorded.run!r} has no dumps in steps {steps.start}:{steps.stop} "
+                f"(it has steps {_span(recorded.steps)})"
+            )
+        return wanted
+    out = []
+    for s in steps:
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise InvalidInputError(f"step {s!r} is not an integer")
+        if s not in present:
+            raise InvalidInputError(
+                f"step {s}: run {recorded.run!r} has no dumps at this step, nothing to aggregate "
+                f"(it has steps {_span(recorded.steps)})"
+            )
+        if s not in out:
+            out.append(s)
+    return sorted(out)
+
+
+def _span(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    return f"{steps[0]}..{steps[-1]}" if len(steps) > 1 else str(steps[0])
+
+
+def _load_dumps(
+    store: Store, recorded: RunManifest, steps: list[int]
+) -> dict[int, list[DumpManifest]]:
+    """The dump manifests of ``steps``, in peer order (one batched read)."""
+    entries = [e for s in steps for e in recorded.step_dumps(s)]
+    manifests = store.get_typed_many(
+        [e.dump for e in entries], DumpManifest, context=f"run {recorded.run!r}"
+    )
+    out: dict[int, list[DumpManifest]] = {s: [] for s in steps}
+    for entry, manifest in zip(entries, manifests, strict=True):
+        out[entry.step].append(manifest)
+    return out
+
+
+def _peer_weights(
+    step: int,
+    dumps: list[DumpManifest],
+    method: AggregationMethod,
+    weights: Mapping[str, float] | None,
+) -> tuple[float, ...]:
+    peers = [d.peer for d in dumps]
+    if method is AggregationMethod.MEAN:
+        if weights is not None:
+            raise InvalidInputError("mean is unweighted; use weighted-mean or fedavg with weights")
+        return (1.0,) * len(dumps)
+    if weights is not None:
+        missing = [p for p in peers if p not in weights]
+        if missing:
+            raise InvalidInputError(
+                f"{where(step=step, peer=missing[0])}: no weight given; --weights must name "
+                "every peer of every step aggregated"
+            )
+        return parse_weights([weights[p] for p in peers], step=step, peers=peers)
+    if method is AggregationMethod.SUM:
+        return (1.0,) * len(dumps)
+    if method is AggregationMethod.WEIGHTED_MEAN:
+        raise InvalidInputError(
+            "weighted-mean needs explicit weights (--weights '{\"peer\": w, ...}'); fedavg "
+            "takes them from each dump's num_examples"
+        )
+    values = []
+    for dump in dumps:
+        text = dump.metadata.get("num_examples")
+        if text is None:
+            raise InvalidInputError(
+                f"{where(step=step, peer=dump.peer)}: the dump has no num_examples metadata "
+                "for fedavg; give --weights, or use mean"
+            )
+        try:
+            values.append(float(text))
+        except ValueError:
+            raise InvalidInputError(
+                f"{where(step=step, peer=dump.peer)}: num_examples {text!r} is not a number"
+            ) from None
+    return parse_weights(values, step=step, peers=peers)
+
+
+def _plan_step(
+    store: Store,
+    recorded: RunManifest,
+    step: int,
+    dumps: list[DumpManifest],
+    *,
+    method: AggregationMethod,
+    name: str,
+    params: dict[str, Any],
+    weights: Mapping[str, float] | None,
+) -> StepPlan:
+    """Check one step's dumps against each other and define its aggregate; nothing is read."""
+    if not dumps:
+        raise InvalidInputError(f"step {step}: no dumps to aggregate (empty peer set)")
+    values = _peer_weights(step, dumps, method, weights)
+    first = dumps[0]
+    names = [n for n, _ in first.tensors]
+    per_peer = [_infos(store, d) for d in dumps]
+    for dump, infos in zip(dumps, per_peer, strict=True):
+        missing = [n for n in names if n not in infos]
+        extra = [n for n in infos if n not in names]
+        if missing or extra:
+            tensor = (missing or extra)[0]
+            holder = first.peer if missing else dump.peer
+            raise InvalidInputError(
+                f"{where(step=step, peer=dump.peer, tensor=tensor)}: peer {holder!r} has this "
+                f"tensor and peer {(dump.peer if missing else first.peer)!r} has not; every peer "
+                "of a step must send the same tensors"
+            )
+    tensors = []
+    for tensor in names:
+        ref = per_peer[0][tensor]
+        for dump, infos in zip(dumps, per_peer, strict=True):
+            info = infos[tensor]
+            context = where(step=step, peer=dump.peer, tensor=tensor)
+            dtype = parse_dtype(info.dtype)
+            if dtype.kind != "f" and dtype.name != "bfloat16":
+                raise InvalidInputError(
+                    f"{context}: dtype {info.dtype} cannot be averaged; aggregation needs floats"
+                )
+            if (info.dtype, info.shape) != (ref.dtype, ref.shape):
+                raise InvalidInputError(
+                    f"{context}: {info.dtype}{list(info.shape)} differs from peer "
+                    f"{first.peer!r}'s {ref.dtype}{list(ref.shape)}; every peer must send the "
+                    "tensor with one shape and dtype"
+                )
+            summary = info.summary()
+            if summary.nan or summary.inf:
+                raise InvalidInputError(
+                    f"{context}: the update holds {summary.nan} NaN and {summary.inf} infinite "
+                    "values; drop the peer or fix its dump"
+                )
+        tensors.append(
+            TensorPlan(tensor, ref.dtype, ref.shape, tuple(infos[tensor] for infos in per_peer))
+        )
+    entries = {e.peer: e.dump for e in recorded.step_dumps(step)}
+    inputs = tuple(
+        AggregateInput(d.peer, entries[d.peer], w) for d, w in zip(dumps, values, strict=True)
+    )
+    key = aggregate_key(method.value, params, inputs)
+    spec = StepSpec(recorded.run, step, name, method.value, params, inputs, key, tuple(names))
+    return StepPlan(spec, tuple(tensors))
+
+
+def _infos(store: Store, dump: DumpManifest) -> dict[str, TensorManifest]:
+    """Every tensor's manifest (dumps of format 1 keep them apart: one batched read)."""
+    apart = [t for _, t in dump.tensors if t not in dump.embedded]
+    fetched = store.get_typed_many(
+        apart, TensorManifest, context=where(step=dump.step, peer=dump.peer)
+    )
+    manifests = {**dict(zip(apart, fetched, strict=True)), **dump.embedded}
+    return {tensor: manifests[tensor_id] for tensor, tensor_id in dump.tensors}
+
+
+def _add_commit(report: AggregateReport, result: AggregateCommit) -> None:
+    if result.run_id is not None:
+        report.run_id = result.run_id
+    for done in result.committed:
+        report.steps.append(StepOutcome(done.entry.step, "computed", done.entry.aggregate))
+        report.writes.add(done.stats)
+        report.logical_bytes += done.logical_bytes
+    for failure in result.failures:
+        report.steps.append(_failed(failure))
+
+
+def _failed(failure: StepFailure) -> StepOutcome:
+    return StepOutcome(failure.step, "failed", reason=failure.reason)
+
+
+if TYPE_CHECKING:
+    # mypy checks that the report has the shape every operation's report shares.
+    _IS_A_REPORT: type[Report] = AggregateReport

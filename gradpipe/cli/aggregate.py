@@ -1,0 +1,119 @@
+"""``gradpipe aggregate``: the aggregates of a run's steps, computed on a Dask graph."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+from gradpipe.cli._common import CommandResult, Commands, open_store_arg, report_result
+from gradpipe.errors import InvalidInputError
+
+#: The methods ``--method`` takes: ``gradpipe.aggregate.METHODS`` (a test checks),
+#: not imported from there so that ``--help`` loads no numpy.
+METHODS = ("sum", "mean", "weighted-mean", "fedavg")
+
+__all__ = ["METHODS", "parse_steps", "parse_weights_arg", "register"]
+
+
+def register(commands: Commands) -> None:
+    """Add ``aggregate``."""
+    p = commands.add(
+        "aggregate",
+        run_aggregate,
+        "aggregate each step's dumps over the peers (FedAvg, mean, ...) and record the result",
+    )
+    p.add_argument("--run", required=True, help="the run whose dumps to aggregate")
+    p.add_argument(
+        "--method",
+        required=True,
+        choices=METHODS,
+        help="fedavg weights peers by their dumps' num_examples (or --weights); weighted-mean "
+        "needs --weights; mean is unweighted; sum adds",
+    )
+    p.add_argument("--name", help="what the run records the aggregates as (default: the method)")
+    p.add_argument(
+        "--steps", metavar="A:B", help="half-open step range, e.g. 0:10 (default: every step)"
+    )
+    p.add_argument(
+        "--weights",
+        metavar="JSON",
+        help='explicit peer weights, a JSON object, e.g. \'{"peer0": 32, "peer1": 64}\'',
+    )
+    p.add_argument(
+        "--clip-norm",
+        type=float,
+        metavar="C",
+        help="clip each peer's update (all its tensors) to L2 norm C first",
+    )
+    p.add_argument(
+        "--split-every",
+        type=int,
+        metavar="N",
+        help="partials per combine task, a power of two (default 8); the result does not "
+        "depend on it",
+    )
+    p.add_argument(
+        "--force", action="store_true", help="recompute steps already recorded (memoised)"
+    )
+    p.add_argument("--scheduler", metavar="ADDR", help="Dask scheduler address (default: local)")
+
+
+def parse_steps(text: str | None) -> range | None:
+    """``--steps A:B`` as ``range(A, B)`` (half-open)."""
+    if text is None:
+        return None
+    start, sep, stop = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError(text)
+        first, last = int(start), int(stop)
+    except ValueError:
+        raise InvalidInputError(
+            f"--steps {text!r}: expected A:B, a half-open range of steps, e.g. 0:10"
+        ) from None
+    if first < 0 or last <= first:
+        raise InvalidInputError(f"--steps {text!r}: needs 0 <= A < B")
+    return range(first, last)
+
+
+def parse_weights_arg(text: str | None) -> dict[str, float] | None:
+    """``--weights`` JSON: an object of peer name to a finite number > 0."""
+    if text is None:
+        return None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidInputError(f"--weights is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict) or not doc:
+        raise InvalidInputError("--weights must be a JSON object, e.g. '{\"peer0\": 32}'")
+    out = {}
+    for peer, value in doc.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidInputError(f"--weights: peer {peer!r} has weight {value!r}, not a number")
+        if not math.isfinite(value) or value <= 0:
+            raise InvalidInputError(
+                f"--weights: peer {peer!r} has weight {value!r}; weights must be finite and > 0"
+            )
+        out[str(peer)] = float(value)
+    return out
+
+
+def run_aggregate(args: argparse.Namespace) -> CommandResult:
+    from gradpipe.aggregate import aggregate
+    from gradpipe.graph.runner import runner
+
+    options: dict[str, Any] = {
+        "method": args.method,
+        "name": args.name,
+        "steps": parse_steps(args.steps),
+        "weights": parse_weights_arg(args.weights),
+        "clip_norm": args.clip_norm,
+        "split_every": args.split_every,
+        "force": args.force,
+    }
+    store = open_store_arg(args, "r+")  # never creates: the run must exist
+    with runner(scheduler=args.scheduler) as active:
+        report = aggregate(store, run=args.run, runner=active, **options)
+    return report_result(store.url, report)

@@ -1,0 +1,257 @@
+"""The builder of the aggregate graph: stored chunks in, one reduced chunk per chunk out.
+
+For every step, tensor and chunk of the output grid (the first peer's grid)::
+
+    read(peer 0) read(peer 1) ... read(peer n-1)      one task per (peer, chunk)
+         └── combine ──┘ ... └── combine ──┘           ≤ split_every each, peer order
+                    └──── ... ────┘                    up to the root
+                        write                          finish, encode, write a block
+    tensor (per tensor) → manifest (per step) → commit (one per call)
+
+With ``clip_norm``, each peer's leaves wait for its clipping factor: one
+``norm`` task per stored chunk of the peer, combined exactly
+(:class:`~gradpipe.core.exact.ExactSum`) by a bounded tree, then ``scale``.
+Each chunk is then read twice (once for the norm, once for the sum): the
+factor must multiply every term before it is summed (one rounding), and
+keeping every chunk in memory until the norm is known would not be out of core.
+
+The tree groups contiguous peer ranges, so by :mod:`gradpipe.core.aggregate`
+the result is the same bits for every ``split_every``, scheduler and worker
+count. Tasks hold at most ``split_every`` partials of one chunk.
+
+Keys are tokenised from everything that defines the work (the store, the
+inputs' dump ids and weights, the method and parameters, the grid), so equal
+work gets equal keys; the commit's key also carries a token of the call, so
+two calls never share a commit.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from dask.base import tokenize
+
+from gradpipe.core.chunking import chunk_ranges
+from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.errors import InvalidInputError
+from gradpipe.graph.aggregate_tasks import (
+    ChunkSource,
+    StepSpec,
+    combine_norms,
+    combine_partials,
+    commit_aggregates,
+    peer_scale,
+    read_partial,
+    read_sq_norm,
+    store_aggregate,
+    tensor_manifest,
+    write_chunk,
+)
+from gradpipe.storage.store import Store
+
+__all__ = [
+    "DEFAULT_SPLIT_EVERY",
+    "StepPlan",
+    "TensorPlan",
+    "build_aggregate_graph",
+    "parse_split_every",
+]
+
+#: Partials one combine task merges by default.
+DEFAULT_SPLIT_EVERY: Final = 8
+
+
+def parse_split_every(value: int | None) -> int:
+    """``split_every``: a power of two >= 2 (None: the default, 8)."""
+    if value is None:
+        return DEFAULT_SPLIT_EVERY
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2 or value & (value - 1):
+        raise InvalidInputError(
+            f"split_every {value!r} must be a power of two >= 2 (2, 4, 8, ...): "
+            "then every partial holds one array per chunk"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor of a step: its dtype and shape, and every peer's stored manifest (peer order)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    peers: tuple[TensorManifest, ...]
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        """The output grid: the first peer's."""
+        return self.peers[0].chunk_shape
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The aggregate of one step to compute: its definition and its tensors."""
+
+    spec: StepSpec
+    tensors: tuple[TensorPlan, ...]
+
+
+def _sources(manifest: TensorManifest) -> list[ChunkSource]:
+    return [
+        ChunkSource(block, start, stop, manifest.inline.get(i), manifest.deltas.get(i, ()))
+        for i, (block, (start, stop)) in enumerate(
+            zip(manifest.blocks, manifest.chunk_ranges(), strict=True)
+        )
+    ]
+
+
+def _overlapping(sources: list[ChunkSource], start: int, stop: int) -> list[ChunkSource]:
+    return [s for s in sources if s.start < stop and s.stop > start]
+
+
+def _tree(
+    graph: dict[Hashable, Any],
+    name: str,
+    where: tuple[Any, ...],
+    leaves: list[Hashable],
+    func: Any,
+    step: int,
+    split_every: int,
+) -> Hashable:
+    """A bounded tree of ``func`` over ``leaves`` in order (contiguous groups); its root key."""
+    level, depth = leaves, 0
+    while len(level) > 1:
+        nxt: list[Hashable] = []
+        for g, lo in enumerate(range(0, len(level), split_every)):
+            key = (name, *where, depth, g)
+            graph[key] = (func, step, list(level[lo : lo + split_every]))
+            nxt.append(key)
+        level, depth = nxt, depth + 1
+    return level[0]
+
+
+def build_aggregate_graph(
+    store: Store,
+    plans: Sequence[StepPlan],
+    *,
+    clip_norm: float | None = None,
+    split_every: int | None = None,
+    message: str = "aggregate",
+    lease: str | None = None,
+) -> tuple[dict[Hashable, Any], str]:
+    """The graph that computes, stores and commits the aggregates of ``plans`` (not computed).
+
+    The output key's result is an
+    :class:`~gradpipe.graph.aggregate_tasks.AggregateCommit`. ``lease`` is the
+    key of the writer's lease the commit publishes under.
+    """
+    fan = parse_split_every(split_every)
+    token = tokenize(
+        store.url,
+        [(p.spec.key, [(t.name, t.chunk_shape) for t in p.tensors]) for p in plans],
+        clip_norm,
+        fan,
+    )
+    graph: dict[Hashable, Any] = {}
+    step_keys: list[Hashable] = []
+    for s, plan in enumerate(plans):
+        spec = plan.spec
+        n = len(spec.inputs)
+        scales: list[Any] = [1.0] * n
+        if clip_norm is not None:
+            scales = [
+                _scale_graph(graph, token, store, s, plan, p, clip_norm, fan) for p in range(n)
+            ]
+        tensor_keys = []
+        for t, tensor in enumerate(plan.tensors):
+            sources = [_sources(m) for m in tensor.peers]
+            chunk_keys = []
+            for c, (start, stop) in enumerate(chunk_ranges(tensor.shape, tensor.chunk_shape)):
+                where = f"tensor {tensor.name!r} of step {spec.step}"
+                leaves: list[Hashable] = []
+                for p, aggregate_input in enumerate(spec.inputs):
+                    key = (f"gradpipe-aggregate-read-{token}", s, t, c, p)
+                    graph[key] = (
+                        read_partial,
+                        spec.step,
+                        store,
+                        _overlapping(sources[p], start, stop),
+                        start,
+                        stop,
+                        tensor.dtype,
+                        f"{where}, peer {aggregate_input.peer!r}, chunk {c}",
+                        p,
+                        aggregate_input.weight,
+                        scales[p],
+                    )
+                    leaves.append(key)
+                root = _tree(
+                    graph,
+                    f"gradpipe-aggregate-combine-{token}",
+                    (s, t, c),
+                    leaves,
+                    combine_partials,
+                    spec.step,
+                    fan,
+                )
+                write_key = (f"gradpipe-aggregate-write-{token}", s, t, c)
+                graph[write_key] = (
+                    write_chunk,
+                    spec.step,
+                    store,
+                    root,
+                    spec.method,
+                    n,
+                    f"aggregate {spec.name!r} of {where}, chunk {c}",
+                )
+                chunk_keys.append(write_key)
+            tensor_key = (f"gradpipe-aggregate-tensor-{token}", s, t)
+            graph[tensor_key] = (
+                tensor_manifest,
+                spec.step,
+                tensor.dtype,
+                tensor.shape,
+                tensor.chunk_shape,
+                chunk_keys,
+            )
+            tensor_keys.append(tensor_key)
+        step_key = (f"gradpipe-aggregate-manifest-{token}", s)
+        graph[step_key] = (store_aggregate, spec.step, store, spec, tensor_keys)
+        step_keys.append(step_key)
+    commit_key = f"gradpipe-aggregate-commit-{tokenize(token, uuid.uuid4().hex)}"
+    run = plans[0].spec.run if plans else ""
+    graph[commit_key] = (commit_aggregates, store, run, step_keys, message, lease)
+    return graph, commit_key
+
+
+def _scale_graph(
+    graph: dict[Hashable, Any],
+    token: str,
+    store: Store,
+    s: int,
+    plan: StepPlan,
+    p: int,
+    clip_norm: float,
+    fan: int,
+) -> Hashable:
+    """The tasks of peer ``p``'s clipping factor (a norm over its stored chunks); its key."""
+    step = plan.spec.step
+    peer = plan.spec.inputs[p].peer
+    leaves: list[Hashable] = []
+    for t, tensor in enumerate(plan.tensors):
+        for c, source in enumerate(_sources(tensor.peers[p])):
+            key = (f"gradpipe-aggregate-norm-{token}", s, p, t, c)
+            context = f"tensor {tensor.name!r} of step {step}, peer {peer!r}, chunk {c}"
+            graph[key] = (read_sq_norm, step, store, source, tensor.dtype, context)
+            leaves.append(key)
+    if not leaves:  # a peer whose tensors are all empty: a zero norm, never clipped
+        return 1.0
+    total = _tree(
+        graph, f"gradpipe-aggregate-normsum-{token}", (s, p), leaves, combine_norms, step, fan
+    )
+    scale_key = (f"gradpipe-aggregate-scale-{token}", s, p)
+    graph[scale_key] = (peer_scale, step, total, clip_norm)
+    return scale_key

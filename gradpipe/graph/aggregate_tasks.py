@@ -1,0 +1,310 @@
+"""The tasks of the aggregate graph: what runs on workers, one chunk of one peer at a time.
+
+The graph is built by :mod:`gradpipe.graph.aggregate`; its task keys are::
+
+    gradpipe-aggregate-norm      one stored chunk's squared norm     ┐ with clip_norm:
+    gradpipe-aggregate-normsum   exact sums of norms (bounded tree)  │ per peer, before
+    gradpipe-aggregate-scale     min(1, C / norm)                    ┘ the leaves
+    gradpipe-aggregate-read      one chunk of one peer → its Partial  per (peer, chunk)
+    gradpipe-aggregate-combine   ≤ split_every partials, peer order   a tree per chunk
+    gradpipe-aggregate-write     finish, encode, write the block      per chunk
+    gradpipe-aggregate-tensor    the tensor's manifest                per tensor
+    gradpipe-aggregate-manifest  the aggregate's manifest             per step
+    gradpipe-aggregate-commit    one compare-and-swap of the run      per call
+
+Tasks take the store and small descriptions of chunks (:class:`ChunkSource`),
+never arrays from the client. A task that fails returns a :class:`StepFailure`
+instead of raising, and every later task of that step passes it on, so the
+other steps of the call are still committed.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ParamSpec, TypeVar
+
+import numpy as np
+
+from gradpipe._version import __version__
+from gradpipe.core.aggregate import AggregationMethod, Partial, combine, finish, partial
+from gradpipe.core.aggregate_manifest import AggregateInput, AggregateManifest
+from gradpipe.core.chain import DeltaLink
+from gradpipe.core.dtypes import parse_dtype
+from gradpipe.core.exact import ExactSum
+from gradpipe.core.ids import hash_bytes
+from gradpipe.core.manifest import encode_manifest
+from gradpipe.core.privacy import clip_scale, sq_norm_partial
+from gradpipe.core.run_manifest import AggregateEntry, RunManifest, record_aggregates
+from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.errors import InvalidInputError
+from gradpipe.graph.arrays import load_chunk
+from gradpipe.storage.blocks import WriteStats
+from gradpipe.storage.catalog import read_run_at, run_ref
+from gradpipe.storage.store import Store
+from gradpipe.storage.tensors import ChunkRecord, build_tensor_manifest, write_chunks
+
+__all__ = [
+    "AggregateCommit",
+    "ChunkSource",
+    "StepFailure",
+    "StepResult",
+    "StepSpec",
+    "combine_norms",
+    "combine_partials",
+    "commit_aggregates",
+    "peer_scale",
+    "read_partial",
+    "read_sq_norm",
+    "store_aggregate",
+    "tensor_manifest",
+    "write_chunk",
+]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSource:
+    """One stored chunk of a peer's tensor: flat range ``[start, stop)`` and how to decode it."""
+
+    block: str | None  # None: an all-zero chunk
+    start: int
+    stop: int
+    frame: bytes | None = None
+    links: tuple[DeltaLink, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepFailure:
+    """A step whose aggregate could not be computed, and why."""
+
+    step: int
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "reason": self.reason}
+
+
+def _isolated(func: Callable[P, R]) -> Callable[P, R | StepFailure]:
+    """Run a task of one step (its first argument); an exception becomes a :class:`StepFailure`.
+
+    Failures from upstream tasks (arguments, or items of list arguments) pass through.
+    """
+
+    @functools.wraps(func)
+    def task(*args: P.args, **kwargs: P.kwargs) -> R | StepFailure:
+        for arg in args:
+            items = arg if isinstance(arg, list) else [arg]
+            failed = next((x for x in items if isinstance(x, StepFailure)), None)
+            if failed is not None:
+                return failed
+        try:
+            return func(*args, **kwargs)
+        except Exception as exc:
+            step = args[0]
+            reason = str(exc) or type(exc).__name__
+            return StepFailure(step if isinstance(step, int) else -1, reason)
+
+    return task
+
+
+def _read(
+    store: Store, sources: Sequence[ChunkSource], start: int, stop: int, dtype: str, context: str
+) -> np.ndarray:
+    """The flat elements ``[start, stop)`` of a peer's tensor, from the chunks that hold them."""
+    if len(sources) == 1 and (sources[0].start, sources[0].stop) == (start, stop):
+        s = sources[0]
+        return load_chunk(store, s.block, dtype, (stop - start,), context, s.frame, s.links)
+    # The peer's tensor was chunked on another grid: copy the overlaps.
+    out = np.empty(stop - start, dtype=parse_dtype(dtype))
+    for s in sources:
+        chunk = load_chunk(store, s.block, dtype, (s.stop - s.start,), context, s.frame, s.links)
+        lo, hi = max(start, s.start), min(stop, s.stop)
+        out[lo - start : hi - start] = chunk[lo - s.start : hi - s.start]
+    return out
+
+
+# --- per-peer clipping ------------------------------------------------------------
+@_isolated
+def read_sq_norm(
+    step: int, store: Store, source: ChunkSource, dtype: str, context: str
+) -> ExactSum:
+    """One stored chunk's share of its peer's squared L2 norm."""
+    if source.block is None:
+        return ExactSum.of(np.array(0.0))
+    return sq_norm_partial(_read(store, [source], source.start, source.stop, dtype, context))
+
+
+@_isolated
+def combine_norms(step: int, parts: list[ExactSum]) -> ExactSum:
+    """Exact sum of norm shares: the same bits for any tree."""
+    return ExactSum.combine(parts)
+
+
+@_isolated
+def peer_scale(step: int, total: ExactSum, clip_norm: float) -> float:
+    """The peer's clipping factor ``min(1, C / norm)``."""
+    return clip_scale(total, clip_norm)
+
+
+# --- the reduction ----------------------------------------------------------------
+@_isolated
+def read_partial(
+    step: int,
+    store: Store,
+    sources: list[ChunkSource],
+    start: int,
+    stop: int,
+    dtype: str,
+    context: str,
+    peer: int,
+    weight: float,
+    scale: float,
+) -> Partial:
+    """One chunk of one peer, read and turned into its leaf :class:`Partial`."""
+    chunk = _read(store, sources, start, stop, dtype, context)
+    try:
+        return partial(chunk, peer=peer, weight=weight, scale=scale)
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"{context}: {exc}") from None
+
+
+@_isolated
+def combine_partials(step: int, parts: list[Partial]) -> Partial:
+    """Adjacent peer ranges merged (at most ``split_every`` of them)."""
+    return combine(parts)
+
+
+@dataclass(frozen=True)
+class ChunkOut:
+    """One written chunk of an aggregate tensor."""
+
+    record: ChunkRecord
+    stats: WriteStats
+
+
+@_isolated
+def write_chunk(
+    step: int, store: Store, state: Partial, method: str, peers: int, context: str
+) -> ChunkOut:
+    """Finish a chunk's reduction (one rounding), then encode and write its block."""
+    result = finish(state, method=AggregationMethod(method), peers=peers)
+    stats = WriteStats()
+    [record] = write_chunks(store, [result.reshape(-1)], stats=stats, where=context)
+    return ChunkOut(record, stats)
+
+
+@dataclass(frozen=True)
+class TensorOut:
+    """One aggregate tensor: its manifest and what writing its chunks did."""
+
+    manifest: TensorManifest
+    stats: WriteStats
+
+
+@_isolated
+def tensor_manifest(
+    step: int,
+    dtype: str,
+    shape: tuple[int, ...],
+    chunk_shape: tuple[int, ...],
+    outs: list[ChunkOut],
+) -> TensorOut:
+    """The manifest of one aggregate tensor from its chunks, in chunk order."""
+    stats = WriteStats()
+    for out in outs:
+        stats.add(out.stats)
+    return TensorOut(
+        build_tensor_manifest(dtype, shape, chunk_shape, [o.record for o in outs]), stats
+    )
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """What defines the aggregate of one step (everything but its tensors)."""
+
+    run: str
+    step: int
+    name: str
+    method: str
+    params: dict[str, Any]
+    inputs: tuple[AggregateInput, ...]
+    key: str
+    tensor_names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """An aggregate stored, not yet recorded in its run."""
+
+    entry: AggregateEntry
+    stats: WriteStats
+    logical_bytes: int
+
+
+@_isolated
+def store_aggregate(
+    step: int, store: Store, spec: StepSpec, tensors: list[TensorOut]
+) -> StepResult:
+    """Store the aggregate manifest of one step, its tensors' manifests inside."""
+    stats = WriteStats()
+    embedded: dict[str, TensorManifest] = {}
+    pairs: list[tuple[str, str]] = []
+    for name, out in zip(spec.tensor_names, tensors, strict=True):
+        stats.add(out.stats)
+        tensor_id = hash_bytes(encode_manifest(out.manifest))
+        embedded[tensor_id] = out.manifest
+        pairs.append((name, tensor_id))
+    manifest = AggregateManifest(
+        run=spec.run,
+        step=spec.step,
+        name=spec.name,
+        method=spec.method,
+        params=spec.params,
+        inputs=spec.inputs,
+        tensors=tuple(pairs),
+        key=spec.key,
+        provenance={"gradpipe": __version__},
+        embedded=embedded,
+    )
+    [aggregate_id] = store.put_manifests([manifest], stats=stats)
+    logical = sum(t.manifest.nbytes for t in tensors)
+    return StepResult(AggregateEntry(spec.step, spec.name, aggregate_id, spec.key), stats, logical)
+
+
+@dataclass(frozen=True)
+class AggregateCommit:
+    """What the commit published."""
+
+    run_id: str | None
+    committed: list[StepResult] = field(default_factory=list)
+    failures: list[StepFailure] = field(default_factory=list)
+
+
+def commit_aggregates(
+    store: Store,
+    run: str,
+    results: list[StepResult | StepFailure],
+    message: str,
+    lease: str | None = None,
+) -> AggregateCommit:
+    """Record every stored aggregate in the run with one compare-and-swap.
+
+    The run is re-read at the swap: a concurrent ingest's dumps (or another
+    aggregate's entries) are kept, and only this call's (step, name) entries change.
+    """
+    failures = [r for r in results if isinstance(r, StepFailure)]
+    done = [r for r in results if isinstance(r, StepResult)]
+    if not done:
+        return AggregateCommit(None, [], failures)
+
+    def decide(current: str | None) -> str | None:
+        base = read_run_at(store, current, run) if current else RunManifest(run)
+        return store.put_manifest(record_aggregates(base, [r.entry for r in done]))
+
+    with store.lock.join(lease):
+        entry = store.refs.update(run_ref(run), decide, message=message)
+    return AggregateCommit(entry.target, done, failures)

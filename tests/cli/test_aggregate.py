@@ -1,0 +1,103 @@
+"""``gradpipe aggregate``, ``export --aggregate`` and the aggregates ``ls`` lists."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gradpipe as gp
+from gradpipe.aggregate import METHODS
+from gradpipe.cli.aggregate import METHODS as CLI_METHODS
+from gradpipe.formats.safetensors import read_safetensors
+from gradpipe.testing.cli import run_cli, run_cli_json
+
+
+def test_the_cli_offers_the_methods_aggregate_computes() -> None:
+    assert CLI_METHODS == METHODS
+
+
+def test_aggregate_then_ls_and_export(ingested: str, tmp_path: Path) -> None:
+    status, doc = run_cli_json(
+        "aggregate", ingested, "--run", "train", "--method", "fedavg", "--steps", "0:2",
+        "--clip-norm", "0.1", "--split-every", "2",
+    )  # fmt: skip
+    assert status == 0, doc
+    assert doc["computed"] == 2
+    assert [s["status"] for s in doc["steps"]] == ["computed", "computed"]
+    status, again = run_cli_json(
+        "aggregate", ingested, "--run", "train", "--method", "fedavg", "--steps", "0:2",
+        "--clip-norm", "0.1",
+    )  # fmt: skip
+    assert status == 0
+    assert again["memoised"] == 2
+    assert [s["aggregate"] for s in again["steps"]] == [s["aggregate"] for s in doc["steps"]]
+
+    status, listing = run_cli_json("ls", ingested, "train")
+    assert status == 0
+    assert [(a["step"], a["name"], a["stale"]) for a in listing["aggregates"]] == [
+        (0, "fedavg", None),
+        (1, "fedavg", None),
+    ]
+    assert listing["aggregates"][0]["params"] == {"clip_norm": 0.1}
+    text = run_cli("ls", ingested, "train").out
+    assert "aggregates:" in text
+    assert "fedavg" in text
+
+    out = tmp_path / "agg.safetensors"
+    status, exported = run_cli_json(
+        "export", ingested, "--run", "train", "--step", "1", "--aggregate", "fedavg",
+        "-o", str(out),
+    )  # fmt: skip
+    assert status == 0, exported
+    tensors, meta = read_safetensors(str(out))
+    view = gp.open_run(gp.open_store(ingested), "train").aggregate("fedavg", step=1)
+    assert meta["aggregate_id"] == view.id == exported["aggregate_id"]
+    for name, array in view.read_all().items():
+        np.testing.assert_array_equal(tensors[name], array)
+
+
+def test_weights_and_force(ingested: str) -> None:
+    weights = '{"peer0": 1, "peer1": 2, "peer2": 4}'
+    argv = ["aggregate", ingested, "--run", "train", "--method", "weighted-mean"]
+    status, doc = run_cli_json(*argv, "--weights", weights, "--name", "w", "--steps", "2:3")
+    assert status == 0, doc
+    assert doc["name"] == "w"
+    status, forced = run_cli_json(*argv, "--weights", weights, "--name", "w", "--force")
+    assert forced["computed"] == 3
+    assert forced["steps"][2]["aggregate"] == doc["steps"][0]["aggregate"]
+    view = gp.open_run(gp.open_store(ingested), "train").aggregate("w", step=2)
+    assert view.weights == {"peer0": 1.0, "peer1": 2.0, "peer2": 4.0}
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (["--method", "krum"], "invalid choice: 'krum'"),
+        (["--method", "mean", "--steps", "3"], "expected A:B"),
+        (["--method", "mean", "--steps", "2:1"], "0 <= A < B"),
+        (["--method", "fedavg", "--weights", "[1]"], "JSON object"),
+        (["--method", "fedavg", "--weights", '{"peer0": 0}'], "finite and > 0"),
+        (["--method", "weighted-mean"], "needs explicit weights"),
+        (["--method", "fedavg", "--weights", '{"peer0": 1}'], "step 0, peer 'peer1'"),
+        (["--method", "mean", "--split-every", "6"], "power of two"),
+        (["--method", "mean", "--clip-norm", "-1"], "clip_norm"),
+        (["--method", "mean", "--steps", "7:9"], "no dumps in steps 7:9"),
+    ],
+)
+def test_bad_arguments_exit_2_and_write_nothing(
+    ingested: str, extra: list[str], words: str
+) -> None:
+    store = gp.open_store(ingested)
+    before = store.refs.get("runs/train")
+    outcome = run_cli("aggregate", ingested, "--run", "train", *extra)
+    assert outcome.status == 2
+    assert words in outcome.err
+    assert store.refs.get("runs/train") == before
+
+
+def test_a_missing_run_is_named(ingested: str) -> None:
+    outcome = run_cli("aggregate", ingested, "--run", "nope", "--method", "mean")
+    assert outcome.status != 0
+    assert "no run 'nope'" in outcome.err
