@@ -168,7 +168,7 @@ class PeerFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        with open(path, "rb") as f:
+        with path.open("rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(size))
         self.base = 8 + size
@@ -185,7 +185,7 @@ class PeerFile:
         shape = tuple(info["shape"])
         count = math.prod(shape) if stop is None else stop - start
         out = np.empty(count, dtype=np.float32)
-        with open(self.path, "rb", buffering=0) as f:
+        with self.path.open("rb", buffering=0) as f:
             f.seek(self.base + info["data_offsets"][0] + 4 * start)
             f.readinto(memoryview(out).cast("B"))
         return out.reshape(shape) if stop is None else out
@@ -315,7 +315,7 @@ def load_inputs(spec: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def gradpipe_call(spec: dict[str, Any], client: Any = None) -> tuple[float, Any]:
-    """Time ``gp.aggregate``; returns (seconds, report) or raises Unavailable."""
+    """Time ``gp.aggregate``; returns (seconds, store) or raises UnavailableError."""
     store = gp.open_store(spec["store"], mode="a")
     method = spec["method"]
     options: dict[str, Any] = {"byzantine": spec["byzantine"]} if method == "krum" else {}
@@ -324,7 +324,7 @@ def gradpipe_call(spec: dict[str, Any], client: Any = None) -> tuple[float, Any]
     try:
         aggregate = gp.aggregate  # type: ignore[attr-defined]
     except AttributeError as exc:
-        raise Unavailable(UNAVAILABLE) from exc
+        raise UnavailableError(UNAVAILABLE) from exc
     start = time.perf_counter()
     try:
         report = aggregate(
@@ -332,24 +332,28 @@ def gradpipe_call(spec: dict[str, Any], client: Any = None) -> tuple[float, Any]
         )
     except gp.InvalidInputError as exc:
         if method in str(exc):
-            raise Unavailable(UNAVAILABLE) from exc
+            raise UnavailableError(UNAVAILABLE) from exc
         raise
     seconds = time.perf_counter() - start
     if not report.ok:
-        raise Unavailable(f"report not ok: {json.dumps(report.to_dict())[:300]}")
+        raise UnavailableError(f"report not ok: {json.dumps(report.to_dict())[:300]}")
     return seconds, store
 
 
-class Unavailable(Exception):
-    pass
+class UnavailableError(Exception):
+    """gradpipe cannot run this row in this build (the row says why)."""
 
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
     """Run one contender; returns seconds, peak and idle RSS, or a note."""
+    out: dict[str, Any] = {"idle_rss": peak_rss()}
     if spec.get("limit"):
+        import psutil
+
+        if spec["kind"].startswith("flower"):
+            import flwr.server.strategy.aggregate  # noqa: F401  (imported before the limit)
+        out["vms"] = psutil.Process().memory_info().vms  # address space already in use
         resource.setrlimit(resource.RLIMIT_AS, (spec["limit"], spec["limit"]))
-    idle = peak_rss()
-    out: dict[str, Any] = {"idle_rss": idle}
     try:
         if spec["kind"].startswith("gradpipe"):
             if spec["kind"] == "gradpipe-cluster":
@@ -377,7 +381,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             result = func(inputs)
             out |= {"seconds": time.perf_counter() - start, "peak_rss": peak_rss()}
             result = [np.asarray(a, dtype=np.float32).ravel() for a in result]
-    except Unavailable as exc:
+    except UnavailableError as exc:
         return out | {"note": str(exc)}
     except MemoryError:
         done = spec.get("loaded", 0)
@@ -471,9 +475,7 @@ def print_table(rows: list[Row]) -> None:
             print(f"{head}  {r.note}")
             continue
         anchor = anchors.get((r.method, r.peers))
-        ratio = (
-            f"{anchor.seconds / r.seconds:>8.2f}" if anchor and anchor.seconds else f"{'-':>8}"
-        )
+        ratio = f"{anchor.seconds / r.seconds:>8.2f}" if anchor and anchor.seconds else f"{'-':>8}"
         bound = f"{r.bound_ratio:>9.3f}" if r.bound_ratio is not None else f"{'-':>9}"
         print(
             f"{head} {r.seconds:>8.2f} {r.nbytes / GiB / r.seconds:>7.2f} {ratio}"
@@ -486,9 +488,7 @@ def verdicts(rows: list[Row]) -> None:
     for r in rows:
         if r.method != "fedavg" or not r.contender.startswith("gradpipe"):
             continue
-        numpy_row = next(
-            a for a in rows if a.contender == "numpy in memory" and a.peers == r.peers
-        )
+        numpy_row = next(a for a in rows if a.contender == "numpy in memory" and a.peers == r.peers)
         if r.seconds is None or numpy_row.seconds is None:
             print(f"  n/a   {r.contender}, P={r.peers}: {r.note or numpy_row.note}")
             continue
@@ -539,7 +539,7 @@ def ooc_gradpipe(store_url: str, limit: int) -> dict[str, Any]:
         spec = {"store": store_url, "run": "ooc", "method": "fedavg", "byzantine": 1}
         try:
             out["seconds"], _ = gradpipe_call(spec, client)
-        except Unavailable as exc:
+        except UnavailableError as exc:
             out["note"] = str(exc)
         finally:
             stop.set()
@@ -573,7 +573,8 @@ def out_of_core(args: argparse.Namespace, tmp: Path) -> None:
     else:
         print(
             f"  gradpipe (LocalCluster 2x1, processes, memory_limit {limit / GiB:.2f} GiB): "
-            f"completed in {doc['seconds']:.1f} s ({data.nbytes / GiB / doc['seconds']:.2f} GiB/s), "
+            f"completed in {doc['seconds']:.1f} s "
+            f"({data.nbytes / GiB / doc['seconds']:.2f} GiB/s), "
             f"worker restarts {doc['restarts']}"
         )
         for addr, peak in sorted(doc["peaks"].items()):
@@ -591,14 +592,19 @@ def out_of_core(args: argparse.Namespace, tmp: Path) -> None:
         "result": str(tmp / "ooc-result.npy"),
         "limit": limit,
     }
-    for name, kind in (("numpy in memory", "numpy"), ("Flower aggregate_inplace", "flower-inplace")):
+    for name, kind in (
+        ("numpy in memory", "numpy"),
+        ("Flower aggregate_inplace", "flower-inplace"),
+    ):
         doc = run_child(base | {"kind": kind})
         seconds = doc.get("seconds")
-        if seconds is not None:
-            told = f"completed in {seconds:.1f} s (!)"
-        else:
-            told = doc.get("note", "?")
-        print(f"  {name} under RLIMIT_AS {limit / GiB:.2f} GiB: {told}")
+        told = f"completed in {seconds:.1f} s (!)" if seconds is not None else doc.get("note")
+        used = (
+            f"; {doc['vms'] / GiB:.2f} GiB of address space in use after imports"
+            if "vms" in doc
+            else ""
+        )
+        print(f"  {name} under RLIMIT_AS {limit / GiB:.2f} GiB: {told}{used}")
 
 
 def gp_chunk_bytes() -> int:
@@ -630,9 +636,8 @@ def main() -> None:
         tmp = Path(name)
         shapes, what = model_shapes(args.params_m * 1e6)
         largest = write_peers(tmp / "dumps" / f"p{counts[-1]}", shapes, counts[-1])
-        runs = {counts[-1]: largest}
-        for p in counts[:-1]:
-            runs[p] = link_peers(largest, tmp / "dumps" / f"p{p}", p)
+        runs = {p: link_peers(largest, tmp / "dumps" / f"p{p}", p) for p in counts[:-1]}
+        runs[counts[-1]] = largest
         store_url = str(tmp / "store")
         store = gp.open_store(store_url, mode="w")
         for p, data in runs.items():
