@@ -320,7 +320,7 @@ def gradpipe_call(spec: dict[str, Any], client: Any = None) -> tuple[float, Any]
     method = spec["method"]
     options: dict[str, Any] = {"byzantine": spec["byzantine"]} if method == "krum" else {}
     if client is not None:
-        options["client"] = client
+        options["runner"] = gp.runner(client)
     try:
         aggregate = gp.aggregate  # type: ignore[attr-defined]
     except AttributeError as exc:
@@ -333,6 +333,10 @@ def gradpipe_call(spec: dict[str, Any], client: Any = None) -> tuple[float, Any]
     except gp.InvalidInputError as exc:
         if method in str(exc):
             raise UnavailableError(UNAVAILABLE) from exc
+        raise
+    except TypeError as exc:  # an option this build does not take yet (byzantine=)
+        if any(option in str(exc) for option in options):
+            raise UnavailableError(f"{UNAVAILABLE} ({exc})") from exc
         raise
     seconds = time.perf_counter() - start
     if not report.ok:
