@@ -11,7 +11,9 @@ optional per-peer L2 clipping. See ``docs/design/009-aggregation.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,10 +22,11 @@ from typing import TYPE_CHECKING, Any, Final
 from dask.utils import format_bytes
 
 from gradpipe.core.aggregate import AggregationMethod
-from gradpipe.core.aggregate_input import parse_weights, where
-from gradpipe.core.aggregate_manifest import AggregateInput, aggregate_key
+from gradpipe.core.aggregate_input import check_byzantine, parse_weights, where
+from gradpipe.core.aggregate_manifest import AggregateInput, AggregateManifest, aggregate_key
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.names import parse_name
+from gradpipe.core.privacy import adaptive_noise_multiplier
 from gradpipe.core.run_manifest import DumpManifest, RunManifest
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import InvalidInputError
@@ -39,8 +42,31 @@ if TYPE_CHECKING:
 
 __all__ = ["METHODS", "AggregateReport", "StepOutcome", "aggregate"]
 
-#: The methods :func:`aggregate` computes (the reducible ones; the others come next).
-METHODS: Final = ("sum", "mean", "weighted-mean", "fedavg")
+#: The methods :func:`aggregate` computes.
+METHODS: Final = (
+    "sum",
+    "mean",
+    "weighted-mean",
+    "fedavg",
+    "median",
+    "trimmed-mean",
+    "krum",
+    "multi-krum",
+    "bulyan",
+    "dp-fedavg",
+)
+
+#: Methods that weigh every peer equally (``weights`` and ``num_examples`` do not apply).
+_UNWEIGHTED: Final = frozenset(
+    {
+        AggregationMethod.MEAN,
+        AggregationMethod.MEDIAN,
+        AggregationMethod.TRIMMED_MEAN,
+        AggregationMethod.KRUM,
+        AggregationMethod.BULYAN,
+        AggregationMethod.DP_FEDAVG,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -146,6 +172,14 @@ def aggregate(
     name: str | None = None,
     weights: Mapping[str, float] | None = None,
     clip_norm: float | None = None,
+    trim: float | None = None,
+    byzantine: int | None = None,
+    keep: int | None = None,
+    noise_multiplier: float | None = None,
+    seed: int | None = None,
+    adaptive_clip: bool = False,
+    target_quantile: float | None = None,
+    clip_lr: float | None = None,
     split_every: int | None = None,
     force: bool = False,
     runner: Runner | None = None,
@@ -161,16 +195,48 @@ def aggregate(
     steps : range or list of int, optional
         The steps (default: every recorded step). Steps of a ``range`` that
         have no dumps are skipped; a listed step without dumps is an error.
-    method : {"sum", "mean", "weighted-mean", "fedavg"}
-        ``fedavg`` weights each peer by its dump's ``num_examples`` metadata
-        (or by ``weights``); ``weighted-mean`` needs ``weights``; ``mean`` is
-        unweighted; ``sum`` is the (optionally weighted) sum.
+    method : str
+        One of :data:`METHODS`. ``fedavg`` weights each peer by its dump's
+        ``num_examples`` metadata (or by ``weights``); ``weighted-mean`` needs
+        ``weights``; ``mean`` is unweighted; ``sum`` is the (optionally
+        weighted) sum. ``median`` and ``trimmed-mean`` (``trim``) are
+        coordinate-wise; ``krum`` (the update of the peer of best score),
+        ``multi-krum`` (the FedAvg of the ``keep`` best) and ``bulyan`` select
+        peers tolerating ``byzantine`` faulty ones; ``dp-fedavg`` is the mean
+        of the updates clipped to ``clip_norm`` plus seeded Gaussian noise of
+        standard deviation ``noise_multiplier * clip_norm / n``.
     name : str, optional
         What the run records the aggregates as (default: the method).
     weights : mapping of peer name to weight, optional
         Explicit weights, finite and > 0, one for every peer of every step.
     clip_norm : float, optional
-        Clip each peer's update (all its tensors) to this L2 norm first.
+        Clip each peer's update (all its tensors) to this L2 norm first
+        (sum, mean, weighted mean, FedAvg; DP-FedAvg needs it: its clip norm,
+        or the first step's with ``adaptive_clip``).
+    trim : float, optional
+        ``trimmed-mean``: drop ``int(trim * n)`` values at each end per
+        coordinate, ``0 <= trim < 0.5`` (default 0.1).
+    byzantine : int, optional
+        ``krum``, ``multi-krum``, ``bulyan``: the faulty peers tolerated, ``f``
+        (default 0). Krum needs ``n >= 2f + 3`` peers, Bulyan ``n >= 4f + 3``.
+    keep : int, optional
+        ``multi-krum``: how many peers of best score to average (default
+        ``n - f``).
+    noise_multiplier : float, optional
+        ``dp-fedavg``: ``z``, the noise's standard deviation over the clip norm
+        (default 1.0).
+    seed : int, optional
+        ``dp-fedavg``: the noise's seed (default: one is picked); recorded in
+        the aggregate's params.
+    adaptive_clip : bool
+        ``dp-fedavg``: move the clip norm every step toward the
+        ``target_quantile`` of the update norms (Andrew et al.); the first
+        step starts from the run's previous aggregate of this name, or
+        ``clip_norm``.
+    target_quantile : float, optional
+        Adaptive clipping's ``γ`` (default 0.5).
+    clip_lr : float, optional
+        Adaptive clipping's learning rate ``η`` (default 0.2).
     split_every : int, optional
         Partials per combine task, a power of two (default 8). The result's
         bits do not depend on it.
@@ -194,7 +260,18 @@ def aggregate(
     chosen = _parse_method(method)
     label = parse_name(name if name is not None else chosen.value, what="aggregate name")
     fan = parse_split_every(split_every)
-    params = _parse_params(clip_norm)
+    params = _parse_params(
+        chosen,
+        clip_norm=clip_norm,
+        trim=trim,
+        byzantine=byzantine,
+        keep=keep,
+        noise_multiplier=noise_multiplier,
+        seed=seed,
+        adaptive_clip=adaptive_clip,
+        target_quantile=target_quantile,
+        clip_lr=clip_lr,
+    )
     run_id, recorded = read_run(store, run)
     report = AggregateReport(run, label, chosen.value, run_id=run_id)
     wanted = _parse_steps(recorded, steps, report)
@@ -216,6 +293,8 @@ def aggregate(
             report.steps.append(StepOutcome(step, "memoised", entry.aggregate))
         else:
             plans.append(plan)
+    if chosen is AggregationMethod.DP_FEDAVG:
+        plans = _plan_privacy(store, recorded, label, plans, params)
     if plans:
         with use_runner(runner) as active, store.writing(f"aggregate run {run}") as lease:
             message = f"aggregate {label} ({chosen.value}) of {len(plans)} steps"
@@ -245,15 +324,100 @@ def _parse_method(method: str) -> AggregationMethod:
     return AggregationMethod(method)
 
 
-def _parse_params(clip_norm: float | None) -> dict[str, Any]:
-    if clip_norm is None:
-        return {}
-    if isinstance(clip_norm, bool) or not isinstance(clip_norm, int | float):
-        raise InvalidInputError(f"clip_norm {clip_norm!r} must be a number > 0")
-    value = float(clip_norm)
-    if not math.isfinite(value) or value <= 0:
-        raise InvalidInputError(f"clip_norm {clip_norm!r} must be a finite number > 0")
-    return {"clip_norm": value}
+def _number(name: str, value: object, *, low: float, high: float = math.inf) -> float:
+    """A finite number in ``[low, high)`` (``low`` excluded when it is 0 for a scale)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidInputError(f"{name} {value!r} must be a number")
+    number = float(value)
+    if not math.isfinite(number) or not low <= number < high:
+        span = f">= {low}" if high == math.inf else f"in [{low}, {high})"
+        raise InvalidInputError(f"{name} {value!r} must be a finite number {span}")
+    return number
+
+
+def _count(name: str, value: object, *, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InvalidInputError(f"{name} {value!r} must be an integer >= {low}")
+    return value
+
+
+def _parse_params(
+    method: AggregationMethod,
+    *,
+    clip_norm: float | None,
+    trim: float | None,
+    byzantine: int | None,
+    keep: int | None,
+    noise_multiplier: float | None,
+    seed: int | None,
+    adaptive_clip: bool,
+    target_quantile: float | None,
+    clip_lr: float | None,
+) -> dict[str, Any]:
+    """The method's parameters, checked; an option the method does not take is refused."""
+    given = {
+        "clip_norm": clip_norm,
+        "trim": trim,
+        "byzantine": byzantine,
+        "keep": keep,
+        "noise_multiplier": noise_multiplier,
+        "seed": seed,
+        "adaptive_clip": adaptive_clip or None,
+        "target_quantile": target_quantile,
+        "clip_lr": clip_lr,
+    }
+    takes = {
+        AggregationMethod.TRIMMED_MEAN: {"trim"},
+        AggregationMethod.KRUM: {"byzantine"},
+        AggregationMethod.MULTI_KRUM: {"byzantine", "keep"},
+        AggregationMethod.BULYAN: {"byzantine"},
+        AggregationMethod.DP_FEDAVG: {
+            "clip_norm",
+            "noise_multiplier",
+            "seed",
+            "adaptive_clip",
+            "target_quantile",
+            "clip_lr",
+        },
+    }.get(method, {"clip_norm"} if method.reducible else set())
+    extra = sorted(k for k, v in given.items() if v is not None and k not in takes)
+    if extra:
+        raise InvalidInputError(
+            f"{method.value} takes no {', '.join(extra)}; "
+            + (f"it takes {', '.join(sorted(takes))}" if takes else "it takes no parameters")
+        )
+    params: dict[str, Any] = {}
+    if clip_norm is not None:
+        params["clip_norm"] = _number("clip_norm", clip_norm, low=0.0)
+        if params["clip_norm"] <= 0:
+            raise InvalidInputError(f"clip_norm {clip_norm!r} must be a finite number > 0")
+    if method is AggregationMethod.TRIMMED_MEAN:
+        params["trim"] = _number("trim", 0.1 if trim is None else trim, low=0.0, high=0.5)
+    if method in (AggregationMethod.KRUM, AggregationMethod.MULTI_KRUM, AggregationMethod.BULYAN):
+        params["byzantine"] = _count("byzantine", 0 if byzantine is None else byzantine, low=0)
+    if keep is not None:
+        params["keep"] = _count("keep", keep, low=1)
+    if method is AggregationMethod.DP_FEDAVG:
+        if clip_norm is None:
+            raise InvalidInputError(
+                "dp-fedavg needs a clip norm (--clip-norm C): the noise is scaled to it"
+            )
+        z = 1.0 if noise_multiplier is None else noise_multiplier
+        params["noise_multiplier"] = _number("noise_multiplier", z, low=0.0)
+        if seed is not None:
+            params["seed"] = _count("seed", seed, low=0)
+        if adaptive_clip:
+            params["adaptive_clip"] = True
+            gamma = 0.5 if target_quantile is None else target_quantile
+            params["target_quantile"] = _number("target_quantile", gamma, low=0.0, high=1.0)
+            params["clip_lr"] = _number("clip_lr", 0.2 if clip_lr is None else clip_lr, low=0.0)
+            if params["clip_lr"] <= 0:
+                raise InvalidInputError(f"clip_lr {clip_lr!r} must be a finite number > 0")
+        elif target_quantile is not None or clip_lr is not None:
+            raise InvalidInputError(
+                "target_quantile and clip_lr are adaptive clipping's (--adaptive-clip)"
+            )
+    return params
 
 
 def _parse_steps(
@@ -314,9 +478,12 @@ def _peer_weights(
     weights: Mapping[str, float] | None,
 ) -> tuple[float, ...]:
     peers = [d.peer for d in dumps]
-    if method is AggregationMethod.MEAN:
+    if method in _UNWEIGHTED:
         if weights is not None:
-            raise InvalidInputError("mean is unweighted; use weighted-mean or fedavg with weights")
+            raise InvalidInputError(
+                f"{method.value} is unweighted; use weighted-mean, fedavg or multi-krum with "
+                "weights"
+            )
         return (1.0,) * len(dumps)
     if weights is not None:
         missing = [p for p in peers if p not in weights]
@@ -339,7 +506,7 @@ def _peer_weights(
         if text is None:
             raise InvalidInputError(
                 f"{where(step=step, peer=dump.peer)}: the dump has no num_examples metadata "
-                "for fedavg; give --weights, or use mean"
+                f"for {method.value}; give --weights, or use mean"
             )
         try:
             values.append(float(text))
@@ -365,6 +532,7 @@ def _plan_step(
     if not dumps:
         raise InvalidInputError(f"step {step}: no dumps to aggregate (empty peer set)")
     values = _peer_weights(step, dumps, method, weights)
+    params = _step_params(step, len(dumps), method, params)
     first = dumps[0]
     names = [n for n, _ in first.tensors]
     per_peer = [_infos(store, d) for d in dumps]
@@ -412,6 +580,84 @@ def _plan_step(
     key = aggregate_key(method.value, params, inputs)
     spec = StepSpec(recorded.run, step, name, method.value, params, inputs, key, tuple(names))
     return StepPlan(spec, tuple(tensors))
+
+
+def _step_params(
+    step: int, n: int, method: AggregationMethod, params: dict[str, Any]
+) -> dict[str, Any]:
+    """The parameters of one step's aggregate: enough peers for the method, defaults by ``n``."""
+    if method not in (
+        AggregationMethod.KRUM,
+        AggregationMethod.MULTI_KRUM,
+        AggregationMethod.BULYAN,
+    ):
+        return params
+    f = int(params["byzantine"])
+    out = dict(params)
+    if method is AggregationMethod.MULTI_KRUM and "keep" not in out:
+        out["keep"] = max(1, n - f)  # the peers Krum trusts
+    check_byzantine(n, f, method=method.value, keep=out.get("keep"), step=step)
+    return out
+
+
+def _plan_privacy(
+    store: Store,
+    recorded: RunManifest,
+    name: str,
+    plans: list[StepPlan],
+    params: dict[str, Any],
+) -> list[StepPlan]:
+    """DP-FedAvg's decisions before the graph: the seed, the noise, the clip norm to start from.
+
+    Without a given seed one is picked for the call and recorded (and the memo
+    key, which has no seed, finds the aggregate again). Adaptive clipping starts
+    each step from the previous step's recorded ``next_clip_norm`` (the
+    previous step in this call chains in the graph), or ``clip_norm``.
+    """
+    seed = params.get("seed")
+    decided_seed = {} if seed is not None else {"seed": secrets.randbelow(2**63)}
+    z = float(params["noise_multiplier"])
+    out = []
+    previous_step: int | None = None
+    order = recorded.steps
+    for plan in plans:
+        step, n = plan.spec.step, len(plan.spec.inputs)
+        decided: dict[str, Any] = dict(decided_seed)
+        clip_start: float | None = None
+        if params.get("adaptive_clip"):
+            sigma = n / 20 if z > 0 else 0.0  # Andrew et al.'s default count noise
+            try:
+                decided["update_noise_multiplier"] = adaptive_noise_multiplier(z, sigma)
+            except InvalidInputError as exc:
+                raise InvalidInputError(
+                    f"step {step}: {exc} (the count noise is n/20 for {n} peers); "
+                    "lower --noise-multiplier"
+                ) from None
+            decided["count_stddev"] = sigma
+            before = [s for s in order if s < step]
+            if not before or before[-1] != previous_step:
+                clip_start = _recorded_clip_norm(store, recorded, name, before, params)
+        else:
+            decided["update_noise_multiplier"] = z
+        out.append(dataclasses.replace(plan, decided=decided, clip_start=clip_start))
+        previous_step = step
+    return out
+
+
+def _recorded_clip_norm(
+    store: Store, recorded: RunManifest, name: str, before: list[int], params: dict[str, Any]
+) -> float:
+    """Where adaptive clipping resumes: the previous step's recorded next clip norm."""
+    if before:
+        entry = recorded.aggregate_entry(before[-1], name)
+        if entry is not None:
+            manifest = store.get_typed(
+                entry.aggregate, AggregateManifest, context=f"aggregate {name!r}"
+            )
+            value = manifest.params.get("next_clip_norm")
+            if isinstance(value, int | float) and math.isfinite(value) and value > 0:
+                return float(value)
+    return float(params["clip_norm"])
 
 
 def _infos(store: Store, dump: DumpManifest) -> dict[str, TensorManifest]:

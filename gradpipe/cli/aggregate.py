@@ -12,7 +12,18 @@ from gradpipe.errors import InvalidInputError
 
 #: The methods ``--method`` takes: ``gradpipe.aggregate.METHODS`` (a test checks),
 #: not imported from there so that ``--help`` loads no numpy.
-METHODS = ("sum", "mean", "weighted-mean", "fedavg")
+METHODS = (
+    "sum",
+    "mean",
+    "weighted-mean",
+    "fedavg",
+    "median",
+    "trimmed-mean",
+    "krum",
+    "multi-krum",
+    "bulyan",
+    "dp-fedavg",
+)
 
 __all__ = ["METHODS", "parse_steps", "parse_weights_arg", "register"]
 
@@ -30,7 +41,9 @@ def register(commands: Commands) -> None:
         required=True,
         choices=METHODS,
         help="fedavg weights peers by their dumps' num_examples (or --weights); weighted-mean "
-        "needs --weights; mean is unweighted; sum adds",
+        "needs --weights; mean is unweighted; sum adds; median and trimmed-mean (--trim) are "
+        "coordinate-wise; krum, multi-krum (--keep) and bulyan select peers (--byzantine); "
+        "dp-fedavg clips (--clip-norm) and adds seeded Gaussian noise (--noise-multiplier)",
     )
     p.add_argument("--name", help="what the run records the aggregates as (default: the method)")
     p.add_argument(
@@ -45,7 +58,52 @@ def register(commands: Commands) -> None:
         "--clip-norm",
         type=float,
         metavar="C",
-        help="clip each peer's update (all its tensors) to L2 norm C first",
+        help="clip each peer's update (all its tensors) to L2 norm C first (dp-fedavg: "
+        "required; with --adaptive-clip, the first step's clip norm)",
+    )
+    p.add_argument(
+        "--trim",
+        type=float,
+        metavar="BETA",
+        help="trimmed-mean: drop int(BETA*n) values at each end per coordinate, "
+        "0 <= BETA < 0.5 (default 0.1)",
+    )
+    p.add_argument(
+        "--byzantine",
+        type=int,
+        metavar="F",
+        help="krum, multi-krum, bulyan: faulty peers tolerated (default 0); krum needs "
+        "n >= 2F+3 peers, bulyan n >= 4F+3",
+    )
+    p.add_argument(
+        "--keep",
+        type=int,
+        metavar="M",
+        help="multi-krum: FedAvg of the M peers of best score (default n - F)",
+    )
+    p.add_argument(
+        "--noise-multiplier",
+        type=float,
+        metavar="Z",
+        help="dp-fedavg: Gaussian noise of standard deviation Z*C/n on the mean (default 1.0)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        metavar="S",
+        help="dp-fedavg: the noise's seed (default: one is picked and recorded)",
+    )
+    p.add_argument(
+        "--adaptive-clip",
+        action="store_true",
+        help="dp-fedavg: move the clip norm every step toward --target-quantile of the update "
+        "norms (Andrew et al.), resuming from the previous step's recorded value",
+    )
+    p.add_argument(
+        "--target-quantile",
+        type=float,
+        metavar="GAMMA",
+        help="adaptive clipping's target quantile of update norms (default 0.5)",
     )
     p.add_argument(
         "--split-every",
@@ -110,6 +168,13 @@ def run_aggregate(args: argparse.Namespace) -> CommandResult:
         "steps": parse_steps(args.steps),
         "weights": parse_weights_arg(args.weights),
         "clip_norm": args.clip_norm,
+        "trim": args.trim,
+        "byzantine": args.byzantine,
+        "keep": args.keep,
+        "noise_multiplier": args.noise_multiplier,
+        "seed": args.seed,
+        "adaptive_clip": args.adaptive_clip,
+        "target_quantile": args.target_quantile,
         "split_every": args.split_every,
         "force": args.force,
     }

@@ -76,6 +76,7 @@ class AggregationMethod(StrEnum):
     KRUM = "krum"
     MULTI_KRUM = "multi-krum"
     BULYAN = "bulyan"
+    DP_FEDAVG = "dp-fedavg"
 
     @property
     def reducible(self) -> bool:
@@ -94,6 +95,8 @@ _REDUCIBLE = frozenset(
         AggregationMethod.MEAN,
         AggregationMethod.WEIGHTED_MEAN,
         AggregationMethod.FEDAVG,
+        # the unweighted mean of the clipped updates, noise added in finish
+        AggregationMethod.DP_FEDAVG,
     }
 )
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from dask.base import tokenize
@@ -43,12 +43,17 @@ from gradpipe.graph.aggregate_tasks import (
     combine_norms,
     combine_partials,
     commit_aggregates,
-    peer_scale,
     read_partial,
     read_sq_norm,
     store_aggregate,
     tensor_manifest,
     write_chunk,
+)
+from gradpipe.graph.robust_tasks import (
+    clip_round,
+    clip_round_params,
+    round_scale,
+    write_noised_chunk,
 )
 from gradpipe.storage.store import Store
 
@@ -57,7 +62,10 @@ __all__ = [
     "StepPlan",
     "TensorPlan",
     "build_aggregate_graph",
+    "overlapping",
     "parse_split_every",
+    "sources_of",
+    "tree",
 ]
 
 #: Partials one combine task merges by default.
@@ -97,9 +105,14 @@ class StepPlan:
 
     spec: StepSpec
     tensors: tuple[TensorPlan, ...]
+    #: Decided when planning, recorded in the aggregate's params (DP-FedAvg: a seed picked).
+    decided: dict[str, Any] = field(default_factory=dict)
+    #: Adaptive clipping: the clip norm this step starts from; None: the previous plan's next.
+    clip_start: float | None = None
 
 
-def _sources(manifest: TensorManifest) -> list[ChunkSource]:
+def sources_of(manifest: TensorManifest) -> list[ChunkSource]:
+    """The stored chunks of a peer's tensor, as tasks take them."""
     return [
         ChunkSource(block, start, stop, manifest.inline.get(i), manifest.deltas.get(i, ()))
         for i, (block, (start, stop)) in enumerate(
@@ -108,11 +121,12 @@ def _sources(manifest: TensorManifest) -> list[ChunkSource]:
     ]
 
 
-def _overlapping(sources: list[ChunkSource], start: int, stop: int) -> list[ChunkSource]:
+def overlapping(sources: list[ChunkSource], start: int, stop: int) -> list[ChunkSource]:
+    """The chunks of ``sources`` that hold some of the flat elements ``[start, stop)``."""
     return [s for s in sources if s.start < stop and s.stop > start]
 
 
-def _tree(
+def tree(
     graph: dict[Hashable, Any],
     name: str,
     where: tuple[Any, ...],
@@ -151,23 +165,43 @@ def build_aggregate_graph(
     fan = parse_split_every(split_every)
     token = tokenize(
         store.url,
-        [(p.spec.key, [(t.name, t.chunk_shape) for t in p.tensors]) for p in plans],
+        [
+            (p.spec.key, [(t.name, t.chunk_shape) for t in p.tensors], p.decided, p.clip_start)
+            for p in plans
+        ],
         clip_norm,
         fan,
     )
     graph: dict[Hashable, Any] = {}
     step_keys: list[Hashable] = []
+    # Robust methods are built by their own module, which builds on this one's helpers.
+    from gradpipe.graph.robust import ROBUST_METHODS, add_robust_step
+
+    previous_round: Hashable | None = None  # adaptive clipping: the previous step's round
     for s, plan in enumerate(plans):
         spec = plan.spec
         n = len(spec.inputs)
+        if spec.method in ROBUST_METHODS:
+            step_keys.append(add_robust_step(graph, token, store, s, plan, fan))
+            continue
         scales: list[Any] = [1.0] * n
-        if clip_norm is not None:
+        outcome: list[Any] = [plan.decided] if plan.decided else []
+        private = spec.method == "dp-fedavg"
+        clip: Any = None
+        if private:
+            clip, previous_round = _clip_graph(graph, token, store, s, plan, fan, previous_round)
+            if isinstance(clip, tuple):
+                params_key = (f"gradpipe-aggregate-clipparams-{token}", s)
+                graph[params_key] = (clip_round_params, spec.step, clip)
+                outcome.append(params_key)
+            scales = [_scale_graph(graph, token, store, s, plan, p, clip, fan) for p in range(n)]
+        elif clip_norm is not None:
             scales = [
                 _scale_graph(graph, token, store, s, plan, p, clip_norm, fan) for p in range(n)
             ]
         tensor_keys = []
         for t, tensor in enumerate(plan.tensors):
-            sources = [_sources(m) for m in tensor.peers]
+            sources = [sources_of(m) for m in tensor.peers]
             chunk_keys = []
             for c, (start, stop) in enumerate(chunk_ranges(tensor.shape, tensor.chunk_shape)):
                 where = f"tensor {tensor.name!r} of step {spec.step}"
@@ -178,7 +212,7 @@ def build_aggregate_graph(
                         read_partial,
                         spec.step,
                         store,
-                        _overlapping(sources[p], start, stop),
+                        overlapping(sources[p], start, stop),
                         start,
                         stop,
                         tensor.dtype,
@@ -188,7 +222,7 @@ def build_aggregate_graph(
                         scales[p],
                     )
                     leaves.append(key)
-                root = _tree(
+                root = tree(
                     graph,
                     f"gradpipe-aggregate-combine-{token}",
                     (s, t, c),
@@ -198,15 +232,31 @@ def build_aggregate_graph(
                     fan,
                 )
                 write_key = (f"gradpipe-aggregate-write-{token}", s, t, c)
-                graph[write_key] = (
-                    write_chunk,
-                    spec.step,
-                    store,
-                    root,
-                    spec.method,
-                    n,
-                    f"aggregate {spec.name!r} of {where}, chunk {c}",
-                )
+                context = f"aggregate {spec.name!r} of {where}, chunk {c}"
+                if private:
+                    graph[write_key] = (
+                        write_noised_chunk,
+                        spec.step,
+                        store,
+                        root,
+                        n,
+                        context,
+                        int(plan.decided.get("seed", spec.params.get("seed", 0))),
+                        noise_tensor(spec.step, tensor.name),
+                        start,
+                        clip,
+                        float(plan.decided["update_noise_multiplier"]),
+                    )
+                else:
+                    graph[write_key] = (
+                        write_chunk,
+                        spec.step,
+                        store,
+                        root,
+                        spec.method,
+                        n,
+                        context,
+                    )
                 chunk_keys.append(write_key)
             tensor_key = (f"gradpipe-aggregate-tensor-{token}", s, t)
             graph[tensor_key] = (
@@ -219,12 +269,77 @@ def build_aggregate_graph(
             )
             tensor_keys.append(tensor_key)
         step_key = (f"gradpipe-aggregate-manifest-{token}", s)
-        graph[step_key] = (store_aggregate, spec.step, store, spec, tensor_keys)
+        graph[step_key] = (store_aggregate, spec.step, store, spec, tensor_keys, outcome)
         step_keys.append(step_key)
     commit_key = f"gradpipe-aggregate-commit-{tokenize(token, uuid.uuid4().hex)}"
     run = plans[0].spec.run if plans else ""
     graph[commit_key] = (commit_aggregates, store, run, step_keys, message, lease)
     return graph, commit_key
+
+
+def noise_tensor(step: int, tensor: str) -> str:
+    """What DP-FedAvg keys a tensor's noise by, beside the seed: fresh noise every step."""
+    return f"{step}/{tensor}"
+
+
+def _clip_graph(
+    graph: dict[Hashable, Any],
+    token: str,
+    store: Store,
+    s: int,
+    plan: StepPlan,
+    fan: int,
+    previous: Hashable | None,
+) -> tuple[Any, Hashable | None]:
+    """DP-FedAvg's clip norm for plan ``s``: a number, or the key of its adaptive round.
+
+    Returns it and the round the next step chains from.
+    """
+    spec = plan.spec
+    if not spec.params.get("adaptive_clip"):
+        return float(spec.params["clip_norm"]), None
+    totals = [_norm_graph(graph, token, store, s, plan, p, fan) for p in range(len(spec.inputs))]
+    start: Any = plan.clip_start if plan.clip_start is not None else previous
+    if start is None:  # gradpipe.aggregate chains only consecutive steps
+        raise InvalidInputError(f"step {spec.step}: adaptive clipping has no clip norm to start")
+    key = (f"gradpipe-aggregate-clipround-{token}", s)
+    graph[key] = (
+        clip_round,
+        spec.step,
+        start,
+        totals,
+        float(spec.params["target_quantile"]),
+        float(spec.params["clip_lr"]),
+        float(plan.decided["count_stddev"]),
+        int(plan.decided.get("seed", spec.params.get("seed", 0))),
+    )
+    return key, key
+
+
+def _norm_graph(
+    graph: dict[Hashable, Any],
+    token: str,
+    store: Store,
+    s: int,
+    plan: StepPlan,
+    p: int,
+    fan: int,
+) -> Any:
+    """The tasks of peer ``p``'s squared norm over its stored chunks; its key (0.0: empty)."""
+    step = plan.spec.step
+    peer = plan.spec.inputs[p].peer
+    leaves: list[Hashable] = []
+    for t, tensor in enumerate(plan.tensors):
+        for c, source in enumerate(sources_of(tensor.peers[p])):
+            key = (f"gradpipe-aggregate-norm-{token}", s, p, t, c)
+            context = f"tensor {tensor.name!r} of step {step}, peer {peer!r}, chunk {c}"
+            graph[key] = (read_sq_norm, step, store, source, tensor.dtype, context)
+            leaves.append(key)
+    if not leaves:  # a peer whose tensors are all empty: a zero norm, never clipped
+        return 0.0
+    return tree(
+        graph, f"gradpipe-aggregate-normsum-{token}", (s, p), leaves, combine_norms, step, fan
+    )
 
 
 def _scale_graph(
@@ -234,24 +349,14 @@ def _scale_graph(
     s: int,
     plan: StepPlan,
     p: int,
-    clip_norm: float,
+    clip_norm: Any,
     fan: int,
 ) -> Hashable:
-    """The tasks of peer ``p``'s clipping factor (a norm over its stored chunks); its key."""
-    step = plan.spec.step
-    peer = plan.spec.inputs[p].peer
-    leaves: list[Hashable] = []
-    for t, tensor in enumerate(plan.tensors):
-        for c, source in enumerate(_sources(tensor.peers[p])):
-            key = (f"gradpipe-aggregate-norm-{token}", s, p, t, c)
-            context = f"tensor {tensor.name!r} of step {step}, peer {peer!r}, chunk {c}"
-            graph[key] = (read_sq_norm, step, store, source, tensor.dtype, context)
-            leaves.append(key)
-    if not leaves:  # a peer whose tensors are all empty: a zero norm, never clipped
-        return 1.0
-    total = _tree(
-        graph, f"gradpipe-aggregate-normsum-{token}", (s, p), leaves, combine_norms, step, fan
-    )
+    """The tasks of peer ``p``'s clipping factor (a norm over its stored chunks); its key.
+
+    ``clip_norm``: a number, or the key of an adaptive clipping round.
+    """
+    total = _norm_graph(graph, token, store, s, plan, p, fan)
     scale_key = (f"gradpipe-aggregate-scale-{token}", s, p)
-    graph[scale_key] = (peer_scale, step, total, clip_norm)
+    graph[scale_key] = (round_scale, plan.spec.step, total, clip_norm)
     return scale_key

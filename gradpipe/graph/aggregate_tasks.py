@@ -247,9 +247,21 @@ class StepResult:
 
 @_isolated
 def store_aggregate(
-    step: int, store: Store, spec: StepSpec, tensors: list[TensorOut]
+    step: int,
+    store: Store,
+    spec: StepSpec,
+    tensors: list[TensorOut],
+    outcome: list[dict[str, Any]] | None = None,
 ) -> StepResult:
-    """Store the aggregate manifest of one step, its tensors' manifests inside."""
+    """Store the aggregate manifest of one step, its tensors' manifests inside.
+
+    ``outcome``: what the computation decided (a selection and its scores, the
+    clip norm used, a seed picked), recorded in ``params`` beside the
+    parameters asked for; the memo key stays that of the parameters asked for.
+    """
+    params = dict(spec.params)
+    for decided in outcome or []:  # a failed decision never gets here (_isolated)
+        params.update(decided)
     stats = WriteStats()
     embedded: dict[str, TensorManifest] = {}
     pairs: list[tuple[str, str]] = []
@@ -263,7 +275,7 @@ def store_aggregate(
         step=spec.step,
         name=spec.name,
         method=spec.method,
-        params=spec.params,
+        params=params,
         inputs=spec.inputs,
         tensors=tuple(pairs),
         key=spec.key,

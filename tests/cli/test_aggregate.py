@@ -74,7 +74,7 @@ def test_weights_and_force(ingested: str) -> None:
 @pytest.mark.parametrize(
     ("extra", "words"),
     [
-        (["--method", "krum"], "invalid choice: 'krum'"),
+        (["--method", "fedadam"], "invalid choice: 'fedadam'"),
         (["--method", "mean", "--steps", "3"], "expected A:B"),
         (["--method", "mean", "--steps", "2:1"], "0 <= A < B"),
         (["--method", "fedavg", "--weights", "[1]"], "JSON object"),
@@ -84,6 +84,13 @@ def test_weights_and_force(ingested: str) -> None:
         (["--method", "mean", "--split-every", "6"], "power of two"),
         (["--method", "mean", "--clip-norm", "-1"], "clip_norm"),
         (["--method", "mean", "--steps", "7:9"], "no dumps in steps 7:9"),
+        (["--method", "krum", "--byzantine", "1"], "needs at least 5 peers, got 3"),
+        (["--method", "bulyan", "--byzantine", "1"], "needs at least 7 peers, got 3"),
+        (["--method", "multi-krum", "--keep", "4"], "keep=4"),
+        (["--method", "trimmed-mean", "--trim", "0.7"], "trim"),
+        (["--method", "median", "--byzantine", "1"], "median takes no byzantine"),
+        (["--method", "dp-fedavg"], "--clip-norm"),
+        (["--method", "dp-fedavg", "--clip-norm", "1", "--target-quantile", "0.5"], "--adaptive"),
     ],
 )
 def test_bad_arguments_exit_2_and_write_nothing(
@@ -101,3 +108,40 @@ def test_a_missing_run_is_named(ingested: str) -> None:
     outcome = run_cli("aggregate", ingested, "--run", "nope", "--method", "mean")
     assert outcome.status != 0
     assert "no run 'nope'" in outcome.err
+
+
+@pytest.mark.parametrize(
+    ("extra", "params"),
+    [
+        (["--method", "median"], {}),
+        (["--method", "trimmed-mean", "--trim", "0.34"], {"trim": 0.34}),
+        (["--method", "krum", "--byzantine", "0"], {"byzantine": 0}),
+        (["--method", "multi-krum", "--byzantine", "0", "--keep", "2"], {"keep": 2}),
+        (["--method", "bulyan", "--byzantine", "0"], {"byzantine": 0}),
+        (
+            ["--method", "dp-fedavg", "--clip-norm", "0.1", "--noise-multiplier", "0.5",
+             "--seed", "7"],
+            {"seed": 7, "noise_multiplier": 0.5, "clip_norm": 0.1},
+        ),
+        (
+            ["--method", "dp-fedavg", "--clip-norm", "0.1", "--noise-multiplier", "0.1",
+             "--adaptive-clip", "--target-quantile", "0.7"],
+            {"adaptive_clip": True, "target_quantile": 0.7, "clip_norm_used": 0.1},
+        ),
+    ],
+)  # fmt: skip
+def test_robust_and_private_methods(
+    ingested: str, extra: list[str], params: dict[str, object]
+) -> None:
+    status, doc = run_cli_json("aggregate", ingested, "--run", "train", "--steps", "0:1", *extra)
+    assert status == 0, doc
+    assert doc["computed"] == 1
+    method = extra[1]
+    found = gp.open_run(gp.open_store(ingested), "train").aggregate(method, step=0)
+    assert found.method == method
+    for key, value in params.items():
+        assert found.params[key] == value
+    if method in ("krum", "multi-krum", "bulyan"):
+        assert set(found.params["selected"]) <= {"peer0", "peer1", "peer2"}
+    if method == "dp-fedavg":
+        assert isinstance(found.params["seed"], int)
