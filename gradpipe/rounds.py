@@ -238,7 +238,7 @@ def _update(
 
     def decide(current: str | None) -> str | None:
         base = read_rounds_at(store, current, run) if current else RoundsManifest(run)
-        new = change(base)
+        new = replace(change(base), previous=current)
         done[:] = [new]
         return store.put_manifest(new)
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, ClassVar, Final
 
+from gradpipe.core.ids import parse_id
 from gradpipe.core.manifest import Manifest
 from gradpipe.core.names import parse_name
 from gradpipe.errors import InvalidInputError
@@ -173,9 +174,13 @@ class RoundsManifest(Manifest):
     start: str | None = None
     failures: tuple[PeerFailure, ...] = ()
     claims: tuple[Claim, ...] = ()
+    #: The state this one replaced: the rounds' history stays reachable (gc keeps it).
+    previous: str | None = None
 
     def __post_init__(self) -> None:
         parse_name(self.run, what="run name")
+        if self.previous is not None:
+            parse_id(self.previous)
         for peer in self.roster:
             parse_name(peer, what="peer name")
         if list(self.roster) != sorted(set(self.roster)):
@@ -211,7 +216,8 @@ class RoundsManifest(Manifest):
         )
 
     def manifest_children(self) -> Iterator[str]:
-        return iter(())
+        # A ref's old targets are not gc roots; the rounds link theirs, like a commit.
+        return iter(() if self.previous is None else (self.previous,))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -222,6 +228,7 @@ class RoundsManifest(Manifest):
             "start": self.start,
             "failures": [f.to_dict() for f in self.failures],
             "claims": [c.to_dict() for c in self.claims],
+            "previous": self.previous,
         }
 
     @classmethod
@@ -235,6 +242,7 @@ class RoundsManifest(Manifest):
             start=data.get("start"),
             failures=tuple(PeerFailure.from_dict(f) for f in data.get("failures", ())),
             claims=tuple(Claim.from_dict(c) for c in data.get("claims", ())),
+            previous=data.get("previous"),
         )
 
 
