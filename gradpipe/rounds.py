@@ -196,6 +196,7 @@ def rounds(
     settings = (expect, quorum, deadline, start)
     if any(x is not None for x in settings) or fail or unfail:
         store.check_writable()
+        read_run(store, run)  # the run must exist: no rounds for a mistyped name
         marks = [_parse_peer_at(t) for t in fail]
         clears = [_parse_peer_at(t) for t in unfail]
         if marks and not reason.strip():
