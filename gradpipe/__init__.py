@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from gradpipe.graph.discover import Failure
     from gradpipe.graph.runner import Runner, runner
     from gradpipe.ingest import IngestReport, ingest
+    from gradpipe.rounds import RoundsReport, rounds
     from gradpipe.runs import (
         Aggregate,
         Dump,
@@ -87,6 +88,7 @@ _LAZY: Final[dict[str, str]] = {
     "RefEntry": "gradpipe.core.ref_entry",
     "Refs": "gradpipe.storage",
     "Report": "gradpipe.core.report",
+    "RoundsReport": "gradpipe.rounds",
     "Run": "gradpipe.runs",
     "RunManifest": "gradpipe.core.run_manifest",
     "Runner": "gradpipe.graph.runner",
@@ -108,6 +110,7 @@ _LAZY: Final[dict[str, str]] = {
     "prune": "gradpipe.snapshot_prune",
     "restore": "gradpipe.snapshot",
     "restore_steps": "gradpipe.snapshot",
+    "rounds": "gradpipe.rounds",
     "runner": "gradpipe.graph.runner",
     "snapshot": "gradpipe.snapshot",
     "snapshot_log": "gradpipe.snapshot",
@@ -140,6 +143,7 @@ __all__ = [
     "RefEntry",
     "Refs",
     "Report",
+    "RoundsReport",
     "Run",
     "RunManifest",
     "Runner",
@@ -164,6 +168,7 @@ __all__ = [
     "prune",
     "restore",
     "restore_steps",
+    "rounds",
     "runner",
     "snapshot",
     "snapshot_log",

@@ -31,10 +31,11 @@ from gradpipe.core.run_manifest import DumpManifest, RunManifest
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import InvalidInputError
 from gradpipe.graph.aggregate import StepPlan, TensorPlan, build_aggregate_graph, parse_split_every
-from gradpipe.graph.aggregate_tasks import AggregateCommit, StepFailure, StepSpec
+from gradpipe.graph.aggregate_tasks import AggregateCommit, CommitGuard, StepFailure, StepSpec
 from gradpipe.graph.runner import Runner, use_runner
+from gradpipe.rounds import claim_aggregation, release_aggregation, step_rounds
 from gradpipe.storage.blocks import WriteStats
-from gradpipe.storage.catalog import read_run
+from gradpipe.storage.catalog import read_rounds, read_run
 from gradpipe.storage.store import Store
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ _UNWEIGHTED: Final = frozenset(
 
 @dataclass(frozen=True)
 class StepOutcome:
-    """What happened to one step: computed, memoised, skipped (no dumps) or failed."""
+    """What happened to one step: computed, memoised, skipped (with the reason) or failed."""
 
     step: int
     status: str
@@ -152,7 +153,7 @@ class AggregateReport:
         """A few lines for people."""
         lines = [
             f"run {self.run!r}, aggregate {self.name!r} ({self.method}): {self.computed} steps "
-            f"computed, {self.memoised} memoised, {self.skipped} skipped (no dumps), "
+            f"computed, {self.memoised} memoised, {self.skipped} skipped, "
             f"{self.failed} failed",
             f"{format_bytes(self.logical_bytes)} computed -> "
             f"{format_bytes(self.writes.stored_bytes)} new stored, "
@@ -160,6 +161,11 @@ class AggregateReport:
             f"{self.writes.blocks_reused}; {self.seconds:.1f} s",
         ]
         lines += [f"FAILED step {s.step}: {s.reason}" for s in self.steps if s.status == "failed"]
+        lines += [
+            f"skipped step {s.step}: {s.reason}"
+            for s in self.steps
+            if s.status == "skipped" and s.reason
+        ]
         return "\n".join(lines)
 
 
@@ -195,6 +201,9 @@ def aggregate(
     steps : range or list of int, optional
         The steps (default: every recorded step). Steps of a ``range`` that
         have no dumps are skipped; a listed step without dumps is an error.
+        Only steps that are ready in the run's rounds (quorum met, or deadline
+        passed with at least one peer) are aggregated, unless ``force``; the
+        others are skipped with the reason. Peers marked failed are left out.
     method : str
         One of :data:`METHODS`. ``fedavg`` weights each peer by its dump's
         ``num_examples`` metadata (or by ``weights``); ``weighted-mean`` needs
@@ -241,7 +250,10 @@ def aggregate(
         Partials per combine task, a power of two (default 8). The result's
         bits do not depend on it.
     force : bool
-        Recompute steps the run already records under the same memo key.
+        Recompute steps the run already records under the same memo key (or
+        under ``name`` with other parameters), and aggregate steps that are not
+        ready in the run's rounds (:func:`gradpipe.rounds`). A step another
+        live aggregation has claimed is skipped even so.
     runner : Runner, optional
         Where the graph runs (default: local threads).
 
@@ -275,7 +287,10 @@ def aggregate(
     run_id, recorded = read_run(store, run)
     report = AggregateReport(run, label, chosen.value, run_id=run_id)
     wanted = _parse_steps(recorded, steps, report)
+    wanted, excluded = _ready(store, recorded, wanted, force=force, report=report)
     dumps = _load_dumps(store, recorded, wanted)
+    for step, peers in excluded.items():
+        dumps[step] = [d for d in dumps[step] if d.peer not in peers]
     plans = []
     for step in wanted:
         plan = _plan_step(
@@ -291,28 +306,95 @@ def aggregate(
         entry = recorded.aggregate_entry(step, label)
         if entry is not None and entry.key == plan.spec.key and not force:
             report.steps.append(StepOutcome(step, "memoised", entry.aggregate))
+        elif entry is not None and not force and _same_inputs(store, entry.aggregate, plan):
+            report.steps.append(
+                StepOutcome(
+                    step,
+                    "skipped",
+                    entry.aggregate,
+                    f"already aggregated as {label!r} from these dumps with another method or "
+                    "parameters; choose another name, or force to replace it",
+                )
+            )
         else:
             plans.append(plan)
     if chosen is AggregationMethod.DP_FEDAVG:
         plans = _plan_privacy(store, recorded, label, plans, params)
     if plans:
-        with use_runner(runner) as active, store.writing(f"aggregate run {run}") as lease:
-            message = f"aggregate {label} ({chosen.value}) of {len(plans)} steps"
-            graph, key = build_aggregate_graph(
-                store,
-                plans,
-                clip_norm=params.get("clip_norm"),
-                split_every=fan,
-                message=message,
-                lease=lease.key if lease is not None else None,
-            )
-            [result] = active.get(graph, [key], name="gradpipe-aggregate")
-        if not isinstance(result, AggregateCommit):  # our own graph's invariant
-            raise TypeError(f"the commit task returned {type(result).__name__}")
-        _add_commit(report, result)
+        # Claim the steps in the run's rounds: one live aggregation per (step, name).
+        claim, refused = claim_aggregation(store, run, label, [p.spec.step for p in plans])
+        report.steps += [StepOutcome(s, "skipped", reason=r) for s, r in refused.items()]
+        plans = [p for p in plans if p.spec.step not in refused]
+        seen = {}
+        for p in plans:
+            entry = recorded.aggregate_entry(p.spec.step, label)
+            seen[p.spec.step] = entry.aggregate if entry is not None else None
+        try:
+            if plans:
+                result = _compute(
+                    store,
+                    plans,
+                    runner,
+                    params=params,
+                    fan=fan,
+                    guard=CommitGuard(label, claim, seen),
+                )
+                _add_commit(report, result)
+        finally:
+            release_aggregation(store, run, claim)
     report.steps.sort(key=lambda s: s.step)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _compute(
+    store: Store,
+    plans: list[StepPlan],
+    runner: Runner | None,
+    *,
+    params: dict[str, Any],
+    fan: int,
+    guard: CommitGuard,
+) -> AggregateCommit:
+    spec = plans[0].spec
+    with use_runner(runner) as active, store.writing(f"aggregate run {spec.run}") as lease:
+        message = f"aggregate {spec.name} ({spec.method}) of {len(plans)} steps"
+        graph, key = build_aggregate_graph(
+            store,
+            plans,
+            clip_norm=params.get("clip_norm"),
+            split_every=fan,
+            message=message,
+            lease=lease.key if lease is not None else None,
+            guard=guard,
+        )
+        [result] = active.get(graph, [key], name="gradpipe-aggregate")
+    if not isinstance(result, AggregateCommit):  # our own graph's invariant
+        raise TypeError(f"the commit task returned {type(result).__name__}")
+    return result
+
+
+def _ready(
+    store: Store, recorded: RunManifest, wanted: list[int], *, force: bool, report: AggregateReport
+) -> tuple[list[int], dict[int, list[str]]]:
+    """The steps of ``wanted`` that are ready (all with ``force``), and the peers to leave out."""
+    _, manifest = read_rounds(store, recorded.run)
+    evaluated = step_rounds(store, recorded, manifest, wanted)
+    out = []
+    for step in wanted:
+        if evaluated[step].ready or force:
+            out.append(step)
+        else:
+            report.steps.append(StepOutcome(step, "skipped", reason=evaluated[step].reason))
+    return out, {s: evaluated[s].excluded for s in out if evaluated[s].excluded}
+
+
+def _same_inputs(store: Store, aggregate_id: str, plan: StepPlan) -> bool:
+    """Whether the recorded aggregate was computed from the dumps ``plan`` would use."""
+    recorded = store.get_typed(aggregate_id, AggregateManifest, context=f"step {plan.spec.step}")
+    return {(i.peer, i.dump) for i in recorded.inputs} == {
+        (i.peer, i.dump) for i in plan.spec.inputs
+    }
 
 
 def _parse_method(method: str) -> AggregationMethod:
@@ -679,6 +761,9 @@ def _add_commit(report: AggregateReport, result: AggregateCommit) -> None:
         report.logical_bytes += done.logical_bytes
     for failure in result.failures:
         report.steps.append(_failed(failure))
+    for step in result.lost:
+        reason = "claimed by another aggregation, which recorded this step first; nothing written"
+        report.steps.append(StepOutcome(step, "skipped", reason=reason))
 
 
 def _failed(failure: StepFailure) -> StepOutcome:

@@ -31,6 +31,7 @@ COMMAND_GROUPS: Final[tuple[str, ...]] = (
     "store",  # init, ls, verify, gc
     "ingest",
     "aggregate",
+    "rounds",
     "export",
     "snapshots",  # snapshot, restore, log, prune
     "demo",

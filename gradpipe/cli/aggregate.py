@@ -47,7 +47,10 @@ def register(commands: Commands) -> None:
     )
     p.add_argument("--name", help="what the run records the aggregates as (default: the method)")
     p.add_argument(
-        "--steps", metavar="A:B", help="half-open step range, e.g. 0:10 (default: every step)"
+        "--steps",
+        metavar="A:B",
+        help="half-open step range, e.g. 0:10 (default: every step); steps not ready in "
+        "`gradpipe rounds` are skipped, with the reason",
     )
     p.add_argument(
         "--weights",
@@ -113,7 +116,10 @@ def register(commands: Commands) -> None:
         "depend on it",
     )
     p.add_argument(
-        "--force", action="store_true", help="recompute steps already recorded (memoised)"
+        "--force",
+        action="store_true",
+        help="recompute steps already recorded (memoised), and aggregate steps that are not "
+        "ready in `gradpipe rounds` (a step another live aggregation claimed is still skipped)",
     )
     p.add_argument("--scheduler", metavar="ADDR", help="Dask scheduler address (default: local)")
 

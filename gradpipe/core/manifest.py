@@ -47,6 +47,7 @@ MANIFEST_TYPES: Final[dict[str, str]] = {
     "aggregate": "gradpipe.core.aggregate_manifest:AggregateManifest",
     "dump": "gradpipe.core.run_manifest:DumpManifest",
     "ref": "gradpipe.core.ref_entry:RefEntry",
+    "rounds": "gradpipe.core.rounds:RoundsManifest",
     "run": "gradpipe.core.run_manifest:RunManifest",
     "snapshot": "gradpipe.core.snapshot_manifest:SnapshotManifest",
     "tensor": "gradpipe.core.tensor_manifest:TensorManifest",

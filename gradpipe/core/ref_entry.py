@@ -15,7 +15,12 @@ __all__ = ["REF_TARGET_TYPES", "RefEntry", "target_type"]
 #: What the refs of each kind point at (a manifest ``type``); a kind not listed
 #: may point at anything. A ref moved by hand to another kind of object is
 #: damage that verify reports and readers refuse.
-REF_TARGET_TYPES: dict[str, str] = {"runs": "run", "snapshots": "snapshot", "tensors": "tensor"}
+REF_TARGET_TYPES: dict[str, str] = {
+    "rounds": "rounds",
+    "runs": "run",
+    "snapshots": "snapshot",
+    "tensors": "tensor",
+}
 
 
 def target_type(ref: str) -> str | None:

@@ -39,6 +39,7 @@ from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import InvalidInputError
 from gradpipe.graph.aggregate_tasks import (
     ChunkSource,
+    CommitGuard,
     StepSpec,
     combine_norms,
     combine_partials,
@@ -155,12 +156,14 @@ def build_aggregate_graph(
     split_every: int | None = None,
     message: str = "aggregate",
     lease: str | None = None,
+    guard: CommitGuard | None = None,
 ) -> tuple[dict[Hashable, Any], str]:
     """The graph that computes, stores and commits the aggregates of ``plans`` (not computed).
 
     The output key's result is an
     :class:`~gradpipe.graph.aggregate_tasks.AggregateCommit`. ``lease`` is the
-    key of the writer's lease the commit publishes under.
+    key of the writer's lease the commit publishes under; ``guard`` what the
+    commit checks before recording each step (the rounds claim).
     """
     fan = parse_split_every(split_every)
     token = tokenize(
@@ -273,7 +276,7 @@ def build_aggregate_graph(
         step_keys.append(step_key)
     commit_key = f"gradpipe-aggregate-commit-{tokenize(token, uuid.uuid4().hex)}"
     run = plans[0].spec.run if plans else ""
-    graph[commit_key] = (commit_aggregates, store, run, step_keys, message, lease)
+    graph[commit_key] = (commit_aggregates, store, run, step_keys, message, lease, guard)
     return graph, commit_key
 
 

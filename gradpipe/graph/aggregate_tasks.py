@@ -41,13 +41,14 @@ from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import InvalidInputError
 from gradpipe.graph.arrays import load_chunk
 from gradpipe.storage.blocks import WriteStats
-from gradpipe.storage.catalog import read_run_at, run_ref
+from gradpipe.storage.catalog import read_rounds, read_run_at, run_ref
 from gradpipe.storage.store import Store
 from gradpipe.storage.tensors import ChunkRecord, build_tensor_manifest, write_chunks
 
 __all__ = [
     "AggregateCommit",
     "ChunkSource",
+    "CommitGuard",
     "StepFailure",
     "StepResult",
     "StepSpec",
@@ -294,6 +295,38 @@ class AggregateCommit:
     run_id: str | None
     committed: list[StepResult] = field(default_factory=list)
     failures: list[StepFailure] = field(default_factory=list)
+    #: Steps not recorded: another aggregation claimed or recorded them meanwhile.
+    lost: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CommitGuard:
+    """What the commit checks, per step, before it records an aggregate (see gradpipe.rounds).
+
+    The step's claim in the run's rounds must still be ``claim_id``'s, and the
+    run must still record for (step, name) what it did when the step was
+    planned (``seen``: the aggregate id, or None): otherwise another
+    aggregation took the step over, and this one records nothing for it.
+    """
+
+    name: str
+    claim_id: str
+    seen: dict[int, str | None]
+
+    def lost(self, store: Store, run: str, base: RunManifest, steps: list[int]) -> set[int]:
+        _, rounds = read_rounds(store, run)
+        out = set()
+        for step in steps:
+            claim = rounds.claim(step, self.name)
+            entry = base.aggregate_entry(step, self.name)
+            now = entry.aggregate if entry is not None else None
+            if claim is None or claim.claim_id != self.claim_id or now != self.seen.get(step):
+                out.add(step)
+        return out
+
+
+class _NothingLeftError(Exception):
+    """Every step of the commit was taken over by another aggregation."""
 
 
 def commit_aggregates(
@@ -302,21 +335,34 @@ def commit_aggregates(
     results: list[StepResult | StepFailure],
     message: str,
     lease: str | None = None,
+    guard: CommitGuard | None = None,
 ) -> AggregateCommit:
     """Record every stored aggregate in the run with one compare-and-swap.
 
     The run is re-read at the swap: a concurrent ingest's dumps (or another
     aggregate's entries) are kept, and only this call's (step, name) entries change.
+    With a ``guard``, steps another aggregation took over are left out (``lost``).
     """
     failures = [r for r in results if isinstance(r, StepFailure)]
     done = [r for r in results if isinstance(r, StepResult)]
     if not done:
         return AggregateCommit(None, [], failures)
+    kept = list(done)
 
     def decide(current: str | None) -> str | None:
         base = read_run_at(store, current, run) if current else RunManifest(run)
-        return store.put_manifest(record_aggregates(base, [r.entry for r in done]))
+        lost = (
+            set() if guard is None else guard.lost(store, run, base, [r.entry.step for r in done])
+        )
+        kept[:] = [r for r in done if r.entry.step not in lost]
+        if not kept:
+            raise _NothingLeftError
+        return store.put_manifest(record_aggregates(base, [r.entry for r in kept]))
 
     with store.lock.join(lease):
-        entry = store.refs.update(run_ref(run), decide, message=message)
-    return AggregateCommit(entry.target, done, failures)
+        try:
+            entry = store.refs.update(run_ref(run), decide, message=message)
+        except _NothingLeftError:
+            return AggregateCommit(None, [], failures, [r.entry.step for r in done])
+    lost = [r.entry.step for r in done if r not in kept]
+    return AggregateCommit(entry.target, kept, failures, lost)

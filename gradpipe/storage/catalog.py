@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from gradpipe.core.names import parse_name
+from gradpipe.core.rounds import RoundsManifest
 from gradpipe.core.run_manifest import RunManifest
 from gradpipe.errors import NotFoundError
 
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
 
-__all__ = ["list_runs", "read_run", "run_ref"]
+__all__ = ["list_runs", "read_rounds", "read_rounds_at", "read_run", "rounds_ref", "run_ref"]
 
 
 def run_ref(run: str) -> str:
@@ -50,3 +51,21 @@ def read_run(store: Store, run: str, *, missing_ok: bool = False) -> tuple[str |
 def read_run_at(store: Store, run_id: str, run: str) -> RunManifest:
     """The run manifest with id ``run_id`` (a state of run ``run``)."""
     return store.get_typed(run_id, RunManifest, context=f"run {run!r}")
+
+
+def rounds_ref(run: str) -> str:
+    """The ref that holds a run's rounds (roster, policy, failures, claims): ``rounds/<run>``."""
+    return f"rounds/{parse_name(run, what='run name')}"
+
+
+def read_rounds(store: Store, run: str) -> tuple[str | None, RoundsManifest]:
+    """The id and manifest of a run's rounds; ``(None, the defaults)`` if none were set."""
+    entry = store.refs.entry(rounds_ref(run))
+    if entry is None or entry.target is None:
+        return None, RoundsManifest(run)
+    return entry.target, read_rounds_at(store, entry.target, run)
+
+
+def read_rounds_at(store: Store, rounds_id: str, run: str) -> RoundsManifest:
+    """The rounds manifest with id ``rounds_id`` (a state of run ``run``'s rounds)."""
+    return store.get_typed(rounds_id, RoundsManifest, context=f"rounds of run {run!r}")

@@ -29,6 +29,7 @@ COMMANDS = [
     "gc",
     "ingest",
     "aggregate",
+    "rounds",
     "export",
     "snapshot",
     "restore",
