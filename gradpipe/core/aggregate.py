@@ -194,12 +194,14 @@ def partial(chunk: np.ndarray, *, peer: int, weight: float = 1.0, scale: float =
         raise InvalidInputError(f"peer #{peer}: scale {scale!r} must be finite and >= 0")
     if chunk.dtype.kind != "f" and chunk.dtype.name != "bfloat16":
         raise InvalidInputError(f"peer #{peer}: dtype {chunk.dtype} cannot be averaged")
-    term = np.array(chunk, dtype=np.float64)  # a copy: a partial never aliases its input
-    if not np.isfinite(term).all():
+    # One pass over the chunk for the check (a NaN or infinity anywhere makes the
+    # float64 sum non-finite; finite float32 values cannot overflow it) and one
+    # for the term: the float64 cast times the coefficient, a fresh array (a
+    # partial never aliases its input), the same bits as copying then scaling.
+    if not np.isfinite(np.add.reduce(chunk.reshape(-1), dtype=np.float64)):
         raise InvalidInputError(f"peer #{peer}: the update holds NaN or infinity")
     coefficient = w * float(scale)
-    if coefficient != 1.0:
-        term *= coefficient
+    term = np.multiply(chunk, coefficient, dtype=np.float64)
     block = _Block(peer, 1, term, w)
     return Partial(peer, peer + 1, chunk.shape, chunk.dtype, (block,))
 
