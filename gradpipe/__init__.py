@@ -61,6 +61,7 @@ if TYPE_CHECKING:
         list_runs,
         open_run,
     )
+    from gradpipe.server import apply_server_update
     from gradpipe.snapshot import SnapshotInfo, restore, restore_steps, snapshot, snapshot_log
     from gradpipe.snapshot_prune import PruneReport, prune
     from gradpipe.storage import Refs, Store, WriteStats, open_store
@@ -100,6 +101,7 @@ _LAZY: Final[dict[str, str]] = {
     "VerifyReport": "gradpipe.storage.verify",
     "WriteStats": "gradpipe.storage",
     "aggregate": "gradpipe.aggregate",
+    "apply_server_update": "gradpipe.server",
     "export_aggregate": "gradpipe.runs",
     "export_dump": "gradpipe.runs",
     "gc": "gradpipe.storage.gc",
@@ -158,6 +160,7 @@ __all__ = [
     "WriteStats",
     "__version__",
     "aggregate",
+    "apply_server_update",
     "export_aggregate",
     "export_dump",
     "gc",

@@ -55,6 +55,7 @@ PUBLIC = [
     "WriteStats",
     "__version__",
     "aggregate",
+    "apply_server_update",
     "export_aggregate",
     "export_dump",
     "gc",
