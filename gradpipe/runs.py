@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -132,7 +133,7 @@ class Run:
 
 
 @dataclass(frozen=True)
-class _TensorSet:
+class _TensorSet(ABC):
     """What a dump and an aggregate share: named tensors, with their manifests embedded."""
 
     store: Store
@@ -205,8 +206,9 @@ class _TensorSet:
             [infos[n] for n in wanted], contexts=[self._where(n) for n in wanted]
         )
 
+    @abstractmethod
     def _label(self) -> str:
-        raise NotImplementedError
+        """How messages name this set of tensors ("dump of step 3, peer 'a'")."""
 
     def _where(self, name: str) -> str:
         return f"tensor {name!r} of {self._label()}"

@@ -60,6 +60,7 @@ __all__ = [
     "snapshot",
     "snapshot_log",
     "snapshot_ref",
+    "snapshot_versions",
 ]
 
 #: Rebuilds after losing the race for the ref to another writer of the same name.
@@ -353,7 +354,7 @@ def _get(store: Store, snapshot_id: str, name: str) -> SnapshotManifest:
     return store.get_typed(snapshot_id, SnapshotManifest, context=f"snapshot {name!r}")
 
 
-def _versions(store: Store, name: str) -> Iterator[tuple[str, SnapshotManifest]]:
+def snapshot_versions(store: Store, name: str) -> Iterator[tuple[str, SnapshotManifest]]:
     """The versions of ``name``, newest first."""
     snapshot_id = _head(store, name)
     if snapshot_id is None:
@@ -371,13 +372,13 @@ def _versions(store: Store, name: str) -> Iterator[tuple[str, SnapshotManifest]]
 
 def snapshot_log(store: Store, name: str) -> list[SnapshotInfo]:
     """Every version of ``name``, oldest first (what ``gradpipe log`` prints)."""
-    return [SnapshotInfo.of(i, m) for i, m in reversed(list(_versions(store, name)))]
+    return [SnapshotInfo.of(i, m) for i, m in reversed(list(snapshot_versions(store, name)))]
 
 
 def find_snapshot(store: Store, name: str, step: int | None = None) -> tuple[str, SnapshotManifest]:
     """The newest snapshot of ``name`` (at ``step``, if given): its id and manifest."""
     steps = []
-    for snapshot_id, manifest in _versions(store, name):
+    for snapshot_id, manifest in snapshot_versions(store, name):
         if step is None or manifest.step == step:
             return snapshot_id, manifest
         steps.append(manifest.step)
@@ -441,7 +442,7 @@ def restore_steps(
 
     wanted = list(dict.fromkeys(steps))
     found: dict[int, SnapshotManifest] = {}
-    for _, manifest in _versions(store, name):
+    for _, manifest in snapshot_versions(store, name):
         if manifest.step in wanted and manifest.step not in found:
             found[manifest.step] = manifest
     missing = [s for s in wanted if s not in found]

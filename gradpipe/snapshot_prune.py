@@ -18,6 +18,7 @@ and keyframes no kept version uses, are what gc reclaims.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final
 
@@ -25,7 +26,7 @@ from gradpipe.core.ids import block_key
 from gradpipe.core.manifest import manifest_id
 from gradpipe.core.snapshot_manifest import SnapshotManifest
 from gradpipe.errors import ConflictError, InvalidInputError
-from gradpipe.snapshot import find_snapshot, snapshot_ref
+from gradpipe.snapshot import snapshot_ref, snapshot_versions
 from gradpipe.storage.walk import walk_reachable
 
 if TYPE_CHECKING:
@@ -104,9 +105,9 @@ def prune(
     if not dry_run:
         store.check_writable()
     for _ in range(_MAX_ATTEMPTS):
-        with store.writing(f"prune {name}") if not dry_run else _NoLease():
-            head_id, _ = find_snapshot(store, name)
-            chain = _chain(store, name, head_id)
+        with store.writing(f"prune {name}") if not dry_run else nullcontext():
+            chain = list(snapshot_versions(store, name))[::-1]  # oldest first
+            head_id = chain[-1][0]
             kept = chain[-keep_last:]
             if keep_every is not None:
                 every = [v for v in chain[:-keep_last] if v[1].step % keep_every == 0]
@@ -135,27 +136,6 @@ def prune(
                 continue  # a snapshot landed meanwhile: prune the chain it made
             return report
     raise ConflictError(f"snapshot {name!r} kept moving while pruning; retry")
-
-
-class _NoLease:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def _chain(store: Store, name: str, head_id: str) -> list[tuple[str, SnapshotManifest]]:
-    """Every version, oldest first."""
-    out = []
-    snapshot_id: str | None = head_id
-    seen: set[str] = set()
-    while snapshot_id is not None and snapshot_id not in seen:
-        seen.add(snapshot_id)
-        manifest = store.get_typed(snapshot_id, SnapshotManifest, context=f"snapshot {name!r}")
-        out.append((snapshot_id, manifest))
-        snapshot_id = manifest.previous
-    return out[::-1]
 
 
 def _count_freed(

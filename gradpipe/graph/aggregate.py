@@ -62,6 +62,7 @@ __all__ = [
     "DEFAULT_SPLIT_EVERY",
     "StepPlan",
     "TensorPlan",
+    "add_tensor_task",
     "build_aggregate_graph",
     "overlapping",
     "parse_split_every",
@@ -71,6 +72,27 @@ __all__ = [
 
 #: Partials one combine task merges by default.
 DEFAULT_SPLIT_EVERY: Final = 8
+
+
+def add_tensor_task(
+    graph: dict[Hashable, Any],
+    token: str,
+    index: tuple[int, int],
+    spec: StepSpec,
+    tensor: TensorPlan,
+    chunk_keys: Sequence[Hashable],
+) -> Hashable:
+    """Add the task that builds one result tensor's manifest from its written chunks; its key."""
+    key = (f"gradpipe-aggregate-tensor-{token}", *index)
+    graph[key] = (
+        tensor_manifest,
+        spec.step,
+        tensor.dtype,
+        tensor.shape,
+        tensor.chunk_shape,
+        chunk_keys,
+    )
+    return key
 
 
 def parse_split_every(value: int | None) -> int:
@@ -261,16 +283,7 @@ def build_aggregate_graph(
                         context,
                     )
                 chunk_keys.append(write_key)
-            tensor_key = (f"gradpipe-aggregate-tensor-{token}", s, t)
-            graph[tensor_key] = (
-                tensor_manifest,
-                spec.step,
-                tensor.dtype,
-                tensor.shape,
-                tensor.chunk_shape,
-                chunk_keys,
-            )
-            tensor_keys.append(tensor_key)
+            tensor_keys.append(add_tensor_task(graph, token, (s, t), spec, tensor, chunk_keys))
         step_key = (f"gradpipe-aggregate-manifest-{token}", s)
         graph[step_key] = (store_aggregate, spec.step, store, spec, tensor_keys, outcome)
         step_keys.append(step_key)

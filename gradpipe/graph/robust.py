@@ -28,12 +28,17 @@ from typing import Any, Final
 
 from gradpipe.core.aggregate import AggregationMethod
 from gradpipe.core.chunking import chunk_ranges
-from gradpipe.graph.aggregate import StepPlan, overlapping, sources_of, tree
+from gradpipe.graph.aggregate import (
+    StepPlan,
+    add_tensor_task,
+    overlapping,
+    sources_of,
+    tree,
+)
 from gradpipe.graph.aggregate_tasks import (
     StepSpec,
     combine_norms,
     store_aggregate,
-    tensor_manifest,
 )
 from gradpipe.graph.robust_tasks import (
     read_distances,
@@ -149,16 +154,7 @@ def add_robust_step(
                     context,
                 )
             chunk_keys.append(key)
-        tensor_key = (f"gradpipe-aggregate-tensor-{token}", s, t)
-        graph[tensor_key] = (
-            tensor_manifest,
-            spec.step,
-            tensor.dtype,
-            tensor.shape,
-            tensor.chunk_shape,
-            chunk_keys,
-        )
-        tensor_keys.append(tensor_key)
+        tensor_keys.append(add_tensor_task(graph, token, (s, t), spec, tensor, chunk_keys))
     outcome: list[Any] = []
     if selection is not None:
         params_key = (f"gradpipe-aggregate-selection-{token}", s)

@@ -51,14 +51,13 @@ from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import IntegrityError, NotFoundError
 from gradpipe.storage._pools import process_pool, read_threads
 from gradpipe.storage.blocks import BlockToWrite, WriteStats
+from gradpipe.storage.tensors import WRITE_WINDOW, WRITE_WINDOW_BYTES
 
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
 
 __all__ = ["ChainParent", "write_version"]
 
-_WINDOW_BYTES: Final = 64 * 2**20
-_WINDOW_BLOCKS: Final = 64
 #: A delta at most this fraction of the parent's full copy wins without the
 #: full encoding being made (halves the encoding work on parameters).
 _CLEAR_WIN: Final = 0.8
@@ -118,7 +117,7 @@ class _Writes:
     def add(self, item: BlockToWrite) -> None:
         self.items.append(item)
         self.size += len(item.frame or b"")
-        if len(self.items) >= _WINDOW_BLOCKS or self.size >= _WINDOW_BYTES:
+        if len(self.items) >= WRITE_WINDOW or self.size >= WRITE_WINDOW_BYTES:
             self.flush()
 
     def flush(self) -> None:
