@@ -178,6 +178,7 @@ def aggregate(
     name: str | None = None,
     weights: Mapping[str, float] | None = None,
     clip_norm: float | None = None,
+    clip_aggregate: float | None = None,
     trim: float | None = None,
     byzantine: int | None = None,
     keep: int | None = None,
@@ -222,6 +223,11 @@ def aggregate(
         Clip each peer's update (all its tensors) to this L2 norm first
         (sum, mean, weighted mean, FedAvg; DP-FedAvg needs it: its clip norm,
         or the first step's with ``adaptive_clip``).
+    clip_aggregate : float, optional
+        Clip each step's result (all its tensors) to this L2 norm, as the
+        seed's coordinator does, for every method: ``x * min(1, C / ‖x‖)`` in
+        float64, rounded once. The norm before and the factor are recorded in
+        the aggregate's params (``aggregate_norm``, ``aggregate_clip_scale``).
     trim : float, optional
         ``trimmed-mean``: drop ``int(trim * n)`` values at each end per
         coordinate, ``0 <= trim < 0.5`` (default 0.1).
@@ -275,6 +281,7 @@ def aggregate(
     params = _parse_params(
         chosen,
         clip_norm=clip_norm,
+        clip_aggregate=clip_aggregate,
         trim=trim,
         byzantine=byzantine,
         keep=keep,
@@ -427,6 +434,7 @@ def _parse_params(
     method: AggregationMethod,
     *,
     clip_norm: float | None,
+    clip_aggregate: float | None,
     trim: float | None,
     byzantine: int | None,
     keep: int | None,
@@ -469,6 +477,12 @@ def _parse_params(
             + (f"it takes {', '.join(sorted(takes))}" if takes else "it takes no parameters")
         )
     params: dict[str, Any] = {}
+    if clip_aggregate is not None:  # every method: it acts on the result
+        params["clip_aggregate"] = _number("clip_aggregate", clip_aggregate, low=0.0)
+        if params["clip_aggregate"] <= 0:
+            raise InvalidInputError(
+                f"clip_aggregate {clip_aggregate!r} must be a finite number > 0"
+            )
     if clip_norm is not None:
         params["clip_norm"] = _number("clip_norm", clip_norm, low=0.0)
         if params["clip_norm"] <= 0:

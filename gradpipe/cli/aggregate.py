@@ -65,6 +65,12 @@ def register(commands: Commands) -> None:
         "required; with --adaptive-clip, the first step's clip norm)",
     )
     p.add_argument(
+        "--clip-aggregate",
+        type=float,
+        metavar="C",
+        help="clip each step's result (all its tensors) to L2 norm C, for every method",
+    )
+    p.add_argument(
         "--trim",
         type=float,
         metavar="BETA",
@@ -174,6 +180,7 @@ def run_aggregate(args: argparse.Namespace) -> CommandResult:
         "steps": parse_steps(args.steps),
         "weights": parse_weights_arg(args.weights),
         "clip_norm": args.clip_norm,
+        "clip_aggregate": args.clip_aggregate,
         "trim": args.trim,
         "byzantine": args.byzantine,
         "keep": args.keep,

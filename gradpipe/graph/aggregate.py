@@ -207,7 +207,10 @@ def build_aggregate_graph(
         spec = plan.spec
         n = len(spec.inputs)
         if spec.method in ROBUST_METHODS:
-            step_keys.append(add_robust_step(graph, token, store, s, plan, fan))
+            robust_tensors, decided = add_robust_step(graph, token, store, s, plan, fan)
+            step_keys.append(
+                _add_step_manifest(graph, token, store, s, plan, robust_tensors, decided, fan)
+            )
             continue
         scales: list[Any] = [1.0] * n
         outcome: list[Any] = [plan.decided] if plan.decided else []
@@ -284,13 +287,36 @@ def build_aggregate_graph(
                     )
                 chunk_keys.append(write_key)
             tensor_keys.append(add_tensor_task(graph, token, (s, t), spec, tensor, chunk_keys))
-        step_key = (f"gradpipe-aggregate-manifest-{token}", s)
-        graph[step_key] = (store_aggregate, spec.step, store, spec, tensor_keys, outcome)
-        step_keys.append(step_key)
+        step_keys.append(
+            _add_step_manifest(graph, token, store, s, plan, tensor_keys, outcome, fan)
+        )
     commit_key = f"gradpipe-aggregate-commit-{tokenize(token, uuid.uuid4().hex)}"
     run = plans[0].spec.run if plans else ""
     graph[commit_key] = (commit_aggregates, store, run, step_keys, message, lease, guard)
     return graph, commit_key
+
+
+def _add_step_manifest(
+    graph: dict[Hashable, Any],
+    token: str,
+    store: Store,
+    s: int,
+    plan: StepPlan,
+    tensor_keys: list[Hashable],
+    outcome: list[Any],
+    fan: int,
+) -> Hashable:
+    """The step's manifest task, after clipping the result if asked (``clip_aggregate``)."""
+    spec = plan.spec
+    if spec.params.get("clip_aggregate") is not None:
+        # Built by its own module, which builds on this one's helpers.
+        from gradpipe.graph.aggregate_clip import add_aggregate_clip
+
+        tensor_keys, clipped = add_aggregate_clip(graph, token, store, s, plan, tensor_keys, fan)
+        outcome = [*outcome, clipped]
+    key = (f"gradpipe-aggregate-manifest-{token}", s)
+    graph[key] = (store_aggregate, spec.step, store, spec, tensor_keys, outcome)
+    return key
 
 
 def noise_tensor(step: int, tensor: str) -> str:

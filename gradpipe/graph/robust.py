@@ -35,11 +35,7 @@ from gradpipe.graph.aggregate import (
     sources_of,
     tree,
 )
-from gradpipe.graph.aggregate_tasks import (
-    StepSpec,
-    combine_norms,
-    store_aggregate,
-)
+from gradpipe.graph.aggregate_tasks import StepSpec, combine_norms
 from gradpipe.graph.robust_tasks import (
     read_distances,
     robust_chunk,
@@ -68,8 +64,11 @@ def add_robust_step(
     s: int,
     plan: StepPlan,
     fan: int,
-) -> Hashable:
-    """Add the tasks of plan number ``s`` (a robust method) to ``graph``; its manifest key."""
+) -> tuple[list[Hashable], list[Hashable]]:
+    """Add the tasks of plan number ``s`` (a robust method) to ``graph``.
+
+    Returns the keys of its result tensors and of what it decided (the selection).
+    """
     spec = plan.spec
     method = AggregationMethod(spec.method)
     names = [i.peer for i in spec.inputs]
@@ -160,9 +159,7 @@ def add_robust_step(
         params_key = (f"gradpipe-aggregate-selection-{token}", s)
         graph[params_key] = (selection_params, spec.step, selection)
         outcome.append(params_key)
-    step_key = (f"gradpipe-aggregate-manifest-{token}", s)
-    graph[step_key] = (store_aggregate, spec.step, store, spec, tensor_keys, outcome)
-    return step_key
+    return tensor_keys, outcome
 
 
 def _contexts(spec: StepSpec, tensor: str, c: int) -> list[str]:
