@@ -48,6 +48,12 @@ DEFAULTS: Final[dict[str, Any]] = {
             # says: a margin for writes that took no lease (see docs/design/003).
             "grace": "24h",
         },
+        "rounds": {
+            # An aggregation's claim of a step older than this is taken for that
+            # of a dead process and may be replaced: longer than your longest
+            # aggregation of one call, short enough that a crash frees the steps.
+            "claim-ttl": "1h",
+        },
         "lock": {
             # A lock object not refreshed for this long belongs to a dead
             # holder and is ignored (holders refresh every quarter of it).

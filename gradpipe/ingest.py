@@ -32,6 +32,7 @@ from gradpipe.graph.ingest_chains import ChainSettings
 from gradpipe.graph.ingest_plan import plan_chains
 from gradpipe.graph.ingest_tasks import CommitResult, schema_conflict
 from gradpipe.graph.runner import Runner, RunnerOptions, check_runner_options, use_runner
+from gradpipe.rounds import record_ingest_failures
 from gradpipe.storage.blocks import WriteStats
 from gradpipe.storage.catalog import read_run, run_ref
 from gradpipe.storage.store import Store
@@ -342,6 +343,9 @@ def ingest(
     if report.run_id is None:
         report.run_id = recorded_id(store, run)
     report.failures.sort(key=lambda f: (f.step, f.peer))
+    if report.failures and report.run_id is not None:
+        # The run's rounds say why these peers are missing (gradpipe rounds).
+        record_ingest_failures(store, run, report.failures)
     report.seconds = time.perf_counter() - started
     return report
 

@@ -19,8 +19,9 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
+from gradpipe.config import get_seconds
 from gradpipe.core.aggregate_manifest import AggregateManifest
 from gradpipe.core.names import parse_name
 from gradpipe.core.rounds import (
@@ -42,18 +43,16 @@ from gradpipe.storage.store import Store
 
 if TYPE_CHECKING:
     from gradpipe.core.report import Report
+    from gradpipe.graph.discover import Failure
 
 __all__ = [
-    "CLAIM_TTL",
     "RoundsReport",
     "claim_aggregation",
+    "record_ingest_failures",
     "release_aggregation",
     "rounds",
     "step_rounds",
 ]
-
-#: Seconds after which a claim is taken for that of a dead aggregation and may be replaced.
-CLAIM_TTL: Final = 3600.0
 
 
 @dataclass
@@ -326,13 +325,20 @@ def claim_aggregation(
     name: str,
     steps: Sequence[int],
     *,
-    ttl: float = CLAIM_TTL,
+    ttl: float | None = None,
     now: datetime | None = None,
 ) -> tuple[str, dict[int, str]]:
     """Claim (step, name) of ``run`` for a new aggregation: its claim id, and the refused steps.
 
-    A step another live aggregation claimed is refused, with the reason.
+    A step another live aggregation claimed is refused, with the reason. A
+    claim older than ``ttl`` seconds (default: the setting
+    ``gradpipe.rounds.claim-ttl``, 1h) is taken for a dead aggregation's.
     """
+    ttl = get_seconds("rounds.claim-ttl") if ttl is None else float(ttl)
+    if not ttl >= 0:  # 0: every earlier claim is taken for a dead one
+        raise InvalidInputError(
+            f"claim ttl {ttl!r} must be >= 0 seconds (gradpipe.rounds.claim-ttl)"
+        )
     claim_id = uuid.uuid4().hex
     clock = _now(now)
     refused: dict[int, str] = {}
@@ -345,6 +351,43 @@ def claim_aggregation(
 
     _update(store, run, change, message=f"claim {name} of {len(steps)} steps ({claim_id[:12]})")
     return claim_id, refused
+
+
+def record_ingest_failures(
+    store: Store, run: str, failures: Iterable[Failure], *, now: datetime | None = None
+) -> int:
+    """Mark the peers whose dumps failed to ingest as failed at their steps; how many.
+
+    Each becomes a ``source="ingest"`` failure with the file and the reason, so
+    ``gradpipe rounds`` shows why the peer is missing and a quorum or deadline
+    can go on without it. A dump the run records for that (step, peer), from
+    an earlier or a later ingest, wins over such a mark; a mark set by hand is
+    kept. Failures without a usable step and peer (a file the pattern matched
+    but whose peer is not a valid name) are not recorded.
+    """
+    clock = _now(now).isoformat()
+    marks = []
+    for f in failures:
+        try:
+            parse_name(f.peer, what="peer name")
+        except InvalidInputError:
+            continue
+        if f.step >= 0:
+            reason = f"ingest of {f.path} failed: {f.reason}"
+            marks.append(PeerFailure(f.step, f.peer, reason, clock, source="ingest"))
+    if not marks:
+        return 0
+
+    def change(current: RoundsManifest) -> RoundsManifest:
+        new = current
+        for mark in marks:
+            held = new.failure(mark.step, mark.peer)
+            if held is None or held.source == "ingest":
+                new = new.with_failure(mark)
+        return new
+
+    _update(store, run, change, message=f"rounds of run {run}: {len(marks)} failed ingests")
+    return len(marks)
 
 
 def release_aggregation(store: Store, run: str, claim_id: str) -> None:

@@ -204,3 +204,66 @@ def test_gc_keeps_the_rounds_and_their_history(sample: SampleRun, tmp_path: Path
     assert store.get_typed(history[0].target, RoundsManifest).previous == history[1].target  # type: ignore[arg-type]
     assert gp.verify(store).ok
     assert gp.rounds(store, run="r").quorum.describe() == "at least 2"
+
+
+def test_a_failed_ingest_marks_the_peer_failed_until_its_dump_arrives(
+    sample: SampleRun, tmp_path: Path
+) -> None:
+    src = tmp_path / "src"
+    for step in range(TINY.steps):
+        for peer in TINY.peer_names:
+            target = src / f"step={step:04d}" / f"peer={peer}.safetensors"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(Path(sample.dump_path(step, peer)).read_bytes())
+    broken = src / "step=0001" / "peer=peer2.safetensors"
+    good = broken.read_bytes()
+    broken.write_bytes(good[: len(good) // 2])  # truncated on the way
+    pattern = str(src / "step={step}/peer={peer}.safetensors")
+    store = gp.open_store(tmp_path / "store", mode="w")
+    first = gp.ingest(store, pattern, run="r")
+    assert [(f.step, f.peer) for f in first.failures] == [(1, "peer2")]
+    report = gp.rounds(store, run="r")
+    [status] = [p for p in report.step(1).peers if p.peer == "peer2"]
+    assert status.status == "failed"
+    assert "ingest of" in status.reason
+    assert str(broken) in status.reason
+    assert report.step(1).state == "waiting"  # quorum "all": a failed ingest is not a drop
+    assert "failed to ingest: peer2" in report.step(1).reason
+    gp.rounds(store, run="r", quorum="2")
+    assert gp.rounds(store, run="r").step(1).ready
+    done = gp.aggregate(store, run="r", method="mean", steps=[1], name="partial")
+    assert done.computed == 1
+    assert gp.open_run(store, "r").aggregate("partial", step=1).peers == ["peer0", "peer1"]
+    # The file is fixed and ingested again: the dump wins over the ingest's mark.
+    broken.write_bytes(good)
+    assert gp.ingest(store, pattern, run="r").ok
+    again = gp.rounds(store, run="r")
+    assert [p.status for p in again.step(1).peers] == ["aggregated", "aggregated", "received"]
+
+
+def test_a_mark_by_hand_outlives_a_failed_ingest(sample: SampleRun, tmp_path: Path) -> None:
+    store = _store(tmp_path, sample)
+    gp.rounds(store, run="r", fail=["peer1@0"], reason="node lost")
+    bad = tmp_path / "bad" / "step=0000" / "peer=peer1.safetensors"
+    bad.parent.mkdir(parents=True)
+    bad.write_bytes(b"not a safetensors file")
+    report = gp.ingest(store, str(tmp_path / "bad/step={step}/peer={peer}.safetensors"), run="r")
+    assert [(f.step, f.peer) for f in report.failures] == [(0, "peer1")]
+    [status] = [p for p in gp.rounds(store, run="r").step(0).peers if p.peer == "peer1"]
+    assert (status.status, status.reason) == ("failed", "node lost")
+
+
+def test_the_claim_ttl_is_a_setting(sample: SampleRun, tmp_path: Path) -> None:
+    import dask.config
+
+    store = _store(tmp_path, sample)
+    _, refused = claim_aggregation(store, "r", "avg", [0])
+    assert not refused
+    _, refused = claim_aggregation(store, "r", "avg", [0])
+    assert refused  # the first claim is live for an hour
+    with dask.config.set({"gradpipe.rounds.claim-ttl": "1ms"}):
+        threading.Event().wait(0.01)
+        _, refused = claim_aggregation(store, "r", "avg", [0])
+    assert not refused  # taken for a dead aggregation's
+    with pytest.raises(gp.InvalidInputError, match="claim-ttl"):
+        claim_aggregation(store, "r", "avg", [0], ttl=-1)

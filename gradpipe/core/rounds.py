@@ -31,6 +31,7 @@ from gradpipe.core.names import parse_name
 from gradpipe.errors import InvalidInputError
 
 __all__ = [
+    "FAILURE_SOURCES",
     "PEER_STATUSES",
     "STEP_STATES",
     "Claim",
@@ -48,6 +49,8 @@ __all__ = [
 
 #: What a peer can be at one step.
 PEER_STATUSES: Final = ("pending", "received", "aggregated", "failed")
+#: Where a peer failure comes from: marked by hand, or a dump that failed to ingest.
+FAILURE_SOURCES: Final = ("marked", "ingest")
 #: What a step can be: aggregated (an aggregate recorded), ready, waiting, failed.
 STEP_STATES: Final = ("aggregated", "ready", "waiting", "failed")
 
@@ -129,19 +132,41 @@ def parse_quorum(text: str) -> Quorum:
 
 @dataclass(frozen=True, slots=True)
 class PeerFailure:
-    """A peer marked failed at one step, and why."""
+    """A peer failed at one step, and why.
+
+    ``source`` is ``"marked"`` (by hand: the peer is left out even if its dump
+    arrives) or ``"ingest"`` (its dump could not be ingested: a dump the run
+    records for that step and peer, from an earlier or a later ingest, wins).
+    """
 
     step: int
     peer: str
     reason: str
     time: str
+    source: str = "marked"
+
+    def __post_init__(self) -> None:
+        if self.source not in FAILURE_SOURCES:
+            raise InvalidInputError(
+                f"peer failure of {self.peer!r} at step {self.step}: source {self.source!r} "
+                f"is not one of {', '.join(FAILURE_SOURCES)}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "peer": self.peer, "reason": self.reason, "time": self.time}
+        out = {"step": self.step, "peer": self.peer, "reason": self.reason, "time": self.time}
+        if self.source != "marked":  # older rounds manifests keep their ids
+            out["source"] = self.source
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PeerFailure:
-        return cls(int(data["step"]), str(data["peer"]), str(data["reason"]), str(data["time"]))
+        return cls(
+            int(data["step"]),
+            str(data["peer"]),
+            str(data["reason"]),
+            str(data["time"]),
+            str(data.get("source", "marked")),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,9 +382,13 @@ def evaluate_step(
     """
     deadline = manifest.deadline_at()
     passed = deadline is not None and now >= deadline
+    failed: dict[str, PeerFailure] = {}
+    for f in manifest.failures:
+        if f.step == step and not (f.source == "ingest" and f.peer in received):
+            failed[f.peer] = f
     statuses = []
-    for peer in sorted(set(expected) | set(received)):
-        failure = manifest.failure(step, peer)
+    for peer in sorted(set(expected) | set(received) | set(failed)):
+        failure = failed.get(peer)
         on_roster = peer in expected
         if failure is not None:
             statuses.append(PeerStatus(peer, "failed", failure.reason, on_roster))
@@ -373,7 +402,10 @@ def evaluate_step(
         else:
             statuses.append(PeerStatus(peer, "pending", "", on_roster))
     usable = [p for p in statuses if p.status in ("received", "aggregated")]
-    marked = sum(1 for p in statuses if p.expected and manifest.failure(step, p.peer))
+    # A mark by hand drops the peer from an "all" quorum; a failed ingest does not
+    # (as the seed's coordinator: the file may be fixed and ingested again).
+    marked = sum(1 for p, f in failed.items() if p in expected and f.source == "marked")
+    broken = [p for p, f in failed.items() if f.source == "ingest"]
     needed = manifest.quorum.needed(len(expected), marked)
     pending = [p.peer for p in statuses if p.status == "pending"]
     claims = tuple(c.name for c in manifest.claims if c.step == step)
@@ -391,6 +423,7 @@ def evaluate_step(
         reason = (
             f"not ready: quorum {quorum} needs {needed} peers, {len(usable)} delivered"
             + (f"; waiting for {waiting}" if waiting else "")
+            + (f"; failed to ingest: {', '.join(broken)}" if broken else "")
             + (f"; deadline {deadline.isoformat()}" if deadline is not None else "")
         )
     if has_aggregate:
