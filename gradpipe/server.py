@@ -15,8 +15,10 @@ next snapshot of that chain:
      "server_optimizer": {"m": {name: array}, "v": {name: array},  # per the optimizer
                           "t": rounds_applied, "config": ServerOptimizerConfig.to_dict()}}
 
-The first snapshot of the chain may hold only ``{"params": ...}``: the
-optimizer's state is then initialised (:func:`~gradpipe.core.server_opt.init_server_state`).
+The first snapshot of the chain may hold only ``{"params": ...}``, or a flat
+``{name: array}`` (``gradpipe snapshot`` of a safetensors or npz file), taken as
+the parameters: the optimizer's state is then initialised
+(:func:`~gradpipe.core.server_opt.init_server_state`).
 FedAdam and FedYogi follow Reddi et al. and have **no bias correction** unless
 ``bias_correction=True`` is passed (Flower's FedAdam corrects it).
 
@@ -457,11 +459,21 @@ def _check_updates(
             )
 
 
+def _flat(state: Mapping[Any, Any]) -> bool:
+    return bool(state) and all(
+        isinstance(k, str) and isinstance(v, ArraySpec) for k, v in state.items()
+    )
+
+
 def _parse_state(
     state: Any, name: str, config: ServerOptimizerConfig
 ) -> tuple[dict[str, ArraySpec], dict[str, dict[str, ArraySpec]] | None, int]:
     """The parameters, the optimizer's stored state (None: it starts now) and its round."""
     shape = '{"params": {name: array}, "server_optimizer": {...}}'
+    if isinstance(state, Mapping) and _flat(state):
+        # A flat {name: array} (what `gradpipe snapshot` makes of a safetensors or npz
+        # file): the parameters, at the first step.
+        state = {"params": state}
     if not isinstance(state, Mapping) or "params" not in state or set(state) - _STATE_KEYS:
         keys = sorted(map(str, state)) if isinstance(state, Mapping) else type(state).__name__
         raise InvalidInputError(f"snapshot {name!r} holds {keys}, not a server state {shape}")
