@@ -26,6 +26,7 @@ use elementwise numpy and exact integer products, never a BLAS sum of floats.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from typing import Any, ClassVar, Final, Self
 
 import numpy as np
@@ -37,7 +38,7 @@ from gradpipe.core.dtypes import dtype_name, is_float, parse_dtype
 from gradpipe.core.lossy import ErrorBound
 from gradpipe.errors import IntegrityError, InvalidInputError
 
-__all__ = ["LossyCodec", "parse_seed"]
+__all__ = ["LossyCodec", "bind_chain", "check_chain", "parse_seed"]
 
 _PREFIX: Final = struct.Struct("<4sBxxxQQ")
 _VERSION: Final = 1
@@ -184,3 +185,43 @@ class LossyCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
             raise IntegrityError(
                 f"{self.codec_id}: frame body is {body.nbytes} bytes, its header says {expected}"
             )
+
+
+def check_chain(codecs: Sequence[Codec] | None) -> bool:
+    """Whether a codec chain is lossy; raises if its lossy codec is not alone and first."""
+    lossy = [i for i, c in enumerate(codecs or ()) if getattr(c, "lossy", False)]
+    if lossy and lossy != [0]:
+        names = ", ".join(c.codec_id for c in codecs or ())
+        raise InvalidInputError(
+            f"codec chain [{names}]: a lossy codec must come first, and only one; "
+            "for example 'bf16+zstd'"
+        )
+    return bool(lossy)
+
+
+def bind_chain(
+    codecs: Sequence[Codec] | None, dtype: str, shape: tuple[int, ...]
+) -> tuple[list[Codec] | None, LossyCodec | None]:
+    """A codec chain for one tensor, and its lossy codec if it has one that applies.
+
+    A lossy codec must come first (it takes values; what follows it takes its
+    frame) and alone. It is configured for the tensor's dtype and shape
+    (:meth:`LossyCodec.for_tensor`); on a tensor it does not apply to
+    (integers, bools) it is left out, and the rest of the chain, or the
+    lossless policy if nothing is left, stores the tensor exactly.
+
+    >>> from gradpipe.codecs.topk import TopKCodec
+    >>> bind_chain([TopKCodec(0.1)], "float64", (10,))
+    ([TopKCodec(dtype='float64', fraction=0.1)], TopKCodec(dtype='float64', fraction=0.1))
+    >>> bind_chain([TopKCodec(0.1)], "int64", (10,))
+    (None, None)
+    """
+    if codecs is None:
+        return None, None
+    chain = list(codecs)
+    if not check_chain(chain):
+        return chain, None
+    bound = chain[0].for_tensor(dtype, shape)
+    if bound is None:
+        return (chain[1:] or None), None
+    return [bound, *chain[1:]], bound
