@@ -262,6 +262,10 @@ def ingest(
         Show a progress bar (and the dashboard link, when there is one).
     codecs : sequence of numcodecs codecs, optional
         A fixed codec chain; by default the lossless policy picks per chunk.
+        It may start with one lossy codec (``gradpipe.codecs.registry.make_codec("bf16")``):
+        float tensors are then stored lossily, each marked in its manifest with
+        the codec's bound and the error measured (``dump.info(name).lossy``),
+        and the run lists the dump as lossy; integer tensors stay exact.
     storage_options : dict, optional
         fsspec options for reading the dump files.
     replace : bool
@@ -358,6 +362,9 @@ def _chain_settings(
     chunk_bytes: int | None,
 ) -> ChainSettings | None:
     """How a ``delta`` ingest chains, validated before any file is read; None without it."""
+    from gradpipe.codecs._lossy import check_chain
+
+    check_chain(codecs)  # a misplaced lossy codec fails here, not on every dump
     if not delta:
         return None
     if kind not in DELTA_KINDS:
