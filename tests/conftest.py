@@ -42,6 +42,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "slow" in item.keywords:
             item.add_marker(skip)
 
+
 BUCKET = "gradpipe-test"
 
 
