@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from dask.utils import format_bytes
 
+from gradpipe.core.html import ReportHtml
 from gradpipe.storage.blocks import WriteStats
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ class StepOutcome:
 
 
 @dataclass
-class AggregateReport:
+class AggregateReport(ReportHtml):
     """What an aggregate call did, per step, and what it wrote.
 
     With a server optimizer (``method`` one of ``sgd``, ``fedavgm``,

@@ -18,6 +18,7 @@ from numcodecs.abc import Codec
 
 from gradpipe.config import get_bytes
 from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL, ChainTotals, parse_keyframe_interval
+from gradpipe.core.html import ReportHtml
 from gradpipe.core.names import parse_name
 from gradpipe.core.run_manifest import RunManifest, TensorSchema
 from gradpipe.errors import InvalidInputError, NotFoundError
@@ -53,7 +54,7 @@ _DELTAS_PAY = 0.05
 
 
 @dataclass
-class IngestReport:
+class IngestReport(ReportHtml):
     """What an ingest did: counts, bytes, failures, and the run it committed."""
 
     run: str

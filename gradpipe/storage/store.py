@@ -72,6 +72,19 @@ class Store:
     def __repr__(self) -> str:
         return f"<gradpipe.Store {self.url!r} mode={self.mode!r}>"
 
+    def _repr_html_(self) -> str:
+        """The store and its named things (one listing of the refs; no data read)."""
+        from gradpipe.core.html import key_values
+
+        groups: dict[str, list[str]] = {}
+        for name in self.refs.names():
+            kind, _, rest = name.partition("/")
+            groups.setdefault(kind, []).append(rest)
+        shown = {
+            k: ", ".join(sorted(v)[:12]) + (" …" if len(v) > 12 else "") for k, v in groups.items()
+        }
+        return key_values(f"gradpipe store {self.url}", {"mode": self.mode, **shown})
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (reopen_store, (self.url, self.mode, self.storage_options))
 

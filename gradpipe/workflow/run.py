@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from gradpipe.core.html import ReportHtml
 from gradpipe.errors import (
     GradpipeError,
     InvalidInputError,
@@ -88,7 +89,7 @@ class StageOutcome:
 
 
 @dataclass
-class WorkflowReport:
+class WorkflowReport(ReportHtml):
     """What a workflow run did, stage by stage, and the exit status a scheduler acts on."""
 
     path: str
