@@ -114,7 +114,9 @@ class Runner:
     ) -> list[Any]:
         """Compute ``keys`` of ``graph``, in the order of ``keys``.
 
-        ``name`` labels the work on the dashboard (a ``distributed.span``).
+        ``name`` labels the work on the dashboard: the ``distributed.span``
+        it runs in, ``gradpipe-<stage>``, also reported to the scheduler as a
+        stage of the current operation (:mod:`gradpipe.graph.telemetry`).
         """
         if self._closed:
             raise InvalidInputError(
@@ -129,7 +131,10 @@ class Runner:
                 return list(get(dict(graph), list(keys), num_workers=self.workers))  # type: ignore[arg-type]
         from distributed import span
 
-        with span(name):
+        from gradpipe.graph.telemetry import graph_operation
+
+        with span(name) as span_id, graph_operation(self._client, name) as operation:
+            operation.graph(name, span_id, len(graph))
             futures = self._client.get(dict(graph), list(keys), sync=False)
             if self.progress:
                 from distributed import progress

@@ -26,6 +26,7 @@ from gradpipe.core.dtypes import canonical_dtype, check_values, dtype_name, pars
 from gradpipe.core.ids import block_key, hash_bytes
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import NotFoundError
+from gradpipe.meter import RAW, digest_bytes
 from gradpipe.storage.blocks import BlockToWrite, WriteStats
 from gradpipe.storage.reads import READ_WINDOW, ChunkRead, decode_windows
 
@@ -98,12 +99,13 @@ def write_chunks(
     inline_max = get_bytes("inline-bytes")
     records: list[ChunkRecord] = []
     window: list[BlockToWrite] = []
-    window_bytes = 0
+    window_bytes = logical = 0
     for chunk in chunks:
         check_values(chunk, where=where or "tensor")
         nonzero = bit_nonzero(chunk)
         record_stats = chunk_stats(chunk, bits_nonzero=nonzero)
         stats.logical_bytes += chunk.nbytes
+        logical += chunk.nbytes
         if nonzero == 0:
             stats.zero_chunks += 1  # all-zero bytes: no block at all
             records.append(ChunkRecord(None, record_stats))
@@ -125,6 +127,7 @@ def write_chunks(
             window, window_bytes = [], 0
     if window:
         store.write_blocks(window, stats)
+    digest_bytes(RAW, logical)
     return records
 
 
