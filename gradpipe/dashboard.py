@@ -280,7 +280,7 @@ class _Collector:
             "bytes taken in so far by running operations",
             labels=["kind"],
         )
-        counts: dict[str, list[float]] = {}
+        counts: dict[str, list[float]] = {kind: [0, 0.0] for kind in board.totals}
         for record in board.running():
             entry = counts.setdefault(record.kind, [0, 0.0])
             entry[0] += 1

@@ -165,7 +165,7 @@ class Board:
                 str(k): v for k, v in figures.items() if isinstance(v, bool | int | float | str)
             }
         failures = msg.get("failures")
-        if isinstance(failures, list):
+        if isinstance(failures, list | tuple):  # msgpack gives lists back as tuples
             record.failures = [str(line) for line in failures]
         failed = msg.get("failed")
         record.failed = failed if isinstance(failed, int) else len(record.failures)
