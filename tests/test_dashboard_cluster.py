@@ -202,11 +202,16 @@ def test_ingest_and_aggregate_with_scheduler_show_on_the_page(
             cluster.address,
         )  # fmt: skip
         try:
-            running = _until(
-                "the ingest on the page as running",
-                lambda: _operation(cluster.doc(), "ingest", "held", "running"),
-                cluster,
-            )
+
+            def inspected() -> dict[str, Any] | None:
+                """The ingest, once its inspect graph ran (it then waits for its lease)."""
+                op = _operation(cluster.doc(), "ingest", "held", "running")
+                if op is None or not op["stages"]:
+                    return None
+                planned = sum(stage["tasks"] for stage in op["stages"])
+                return op if op["tasks"]["done"] == op["tasks"]["total"] == planned else None
+
+            running = _until("the ingest on the page as running", inspected, cluster)
             assert [s["stage"] for s in running["stages"]] == ["gradpipe-inspect"]
             assert running["store"] == store.url
             page = cluster.get("/gradpipe")
