@@ -32,6 +32,7 @@ from gradpipe.errors import InvalidInputError
 from gradpipe.graph.aggregate import StepPlan, TensorPlan, build_aggregate_graph, parse_split_every
 from gradpipe.graph.aggregate_tasks import AggregateCommit, CommitGuard, StepFailure, StepSpec
 from gradpipe.graph.runner import Runner, use_runner
+from gradpipe.graph.telemetry import reported
 from gradpipe.rounds import claim_aggregation, release_aggregation, step_rounds
 from gradpipe.snapshot import snapshot_head
 from gradpipe.storage.catalog import read_rounds, read_run
@@ -67,6 +68,17 @@ _UNWEIGHTED: Final = frozenset(
 )
 
 
+def _failure_lines(report: AggregateReport) -> list[str]:
+    """The failed steps, a line each (for the dashboard)."""
+    return [f"step {s.step}: {s.reason}" for s in report.steps if s.status == "failed"]
+
+
+def _commit(report: AggregateReport) -> str | None:
+    """The run manifest the call committed, if it computed a step (for the dashboard)."""
+    return report.run_id if report.computed else None
+
+
+@reported("aggregate", _failure_lines, _commit)
 def aggregate(
     store: Store,
     *,

@@ -33,6 +33,7 @@ from gradpipe.graph.ingest_chains import ChainSettings
 from gradpipe.graph.ingest_plan import plan_chains
 from gradpipe.graph.ingest_tasks import CommitResult, schema_conflict
 from gradpipe.graph.runner import Runner, RunnerOptions, check_runner_options, use_runner
+from gradpipe.graph.telemetry import operation
 from gradpipe.rounds import record_ingest_failures
 from gradpipe.storage.blocks import WriteStats
 from gradpipe.storage.catalog import read_run, run_ref
@@ -325,7 +326,10 @@ def ingest(
     broken = _damaged(store, recorded, same) if repair and same else []
     report.skipped += len(same) - len(broken)
     todo += broken
-    with use_runner(runner, **options) as active:
+    with (
+        use_runner(runner, **options) as active,
+        operation(active, "ingest", run=run, store=store.url) as reporting,
+    ):
         report.dashboard = active.dashboard_link
         good = _check_schema(recorded, todo, _inspect(active, fs, todo), report) if todo else []
         if good:
@@ -345,13 +349,18 @@ def ingest(
                 chains=settings,
             )
             _add_commit(report, result, {(d.step, d.peer) for d in broken})
-    if report.run_id is None:
-        report.run_id = recorded_id(store, run)
-    report.failures.sort(key=lambda f: (f.step, f.peer))
-    if report.failures and report.run_id is not None:
-        # The run's rounds say why these peers are missing (gradpipe rounds).
-        record_ingest_failures(store, run, report.failures)
-    report.seconds = time.perf_counter() - started
+        if report.run_id is None:
+            report.run_id = recorded_id(store, run)
+        report.failures.sort(key=lambda f: (f.step, f.peer))
+        if report.failures and report.run_id is not None:
+            # The run's rounds say why these peers are missing (gradpipe rounds).
+            record_ingest_failures(store, run, report.failures)
+        report.seconds = time.perf_counter() - started
+        reporting.finish(
+            report,
+            failures=[f"step {f.step} peer {f.peer}: {f.reason}" for f in report.failures],
+            commit=report.run_id if report.ingested or report.repaired else None,
+        )
     return report
 
 

@@ -268,7 +268,7 @@ def test_restore_on_a_local_cluster_shares_chain_work(tmp_path: Path, small: Non
         _, snap = find_snapshot(store, "run", step)
         manifests += list(snap.embedded.values())
     graph, _ = build_read_graph(store, manifests)
-    chunk_tasks = [k for k in graph if k[0] == "gradpipe-chunk"]
+    chunk_tasks = [k for k in graph if k[0] == "gradpipe-restore-chunk"]
     # Two versions of one chain: the shared keyframes and deltas appear once.
     listed = sum(
         len(m.deltas.get(i, ())) + 1 for m in manifests for i, b in enumerate(m.blocks) if b

@@ -30,11 +30,14 @@ __all__ = [
     "Handler",
     "MissingStoreError",
     "UsageError",
+    "add_report_argument",
     "open_store_arg",
     "parse_duration",
+    "parse_report_path",
     "positive_int",
     "report_result",
     "storage_options",
+    "with_performance_report",
 ]
 
 EXIT_OK: Final = 0
@@ -64,6 +67,15 @@ def report_result(store_url: str, report: Report, *, hints: str = "") -> Command
     text = report.summary() + (f"\n{hints}" if hints else "")
     status = EXIT_OK if report.ok else EXIT_FAILED
     return CommandResult({"store": store_url, **report.to_dict()}, text, status)
+
+
+def with_performance_report(result: CommandResult, path: str) -> CommandResult:
+    """``result`` of a job run with ``--report``: it says where the report went."""
+    return CommandResult(
+        {**result.doc, "performance_report": path},
+        f"{result.text}\nperformance report: {path}",
+        result.status,
+    )
 
 
 class UsageError(Exception):
@@ -145,6 +157,33 @@ def open_store_arg(args: argparse.Namespace, mode: Mode) -> Store:
         return open_store(args.store, mode=mode, storage_options=options)
     except NotFoundError as exc:
         raise MissingStoreError(str(exc)) from None
+
+
+def add_report_argument(p: argparse.ArgumentParser) -> None:
+    """``--report OUT.html``, Dask's performance report of a batch job (ingest, aggregate, ...)."""
+    p.add_argument(
+        "--report",
+        metavar="OUT.html",
+        type=parse_report_path,
+        help="write Dask's performance report of the job to OUT.html (task stream, worker "
+        "profile, bandwidth; readable after the job, unlike an in-process cluster's "
+        "dashboard); without --scheduler the job runs on an in-process Dask cluster",
+    )
+
+
+def parse_report_path(text: str) -> str:
+    """``--report``: a file to write in an existing directory (checked before the job runs)."""
+    from pathlib import Path
+
+    path = Path(text).expanduser().absolute()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; name an HTML file in it")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: directory {str(path.parent)!r} does not exist; create it "
+            "or name a file in an existing one"
+        )
+    return str(path)
 
 
 # --- argument types --------------------------------------------------------------

@@ -7,7 +7,14 @@ import json
 import math
 from typing import Any
 
-from gradpipe.cli._common import CommandResult, Commands, open_store_arg, report_result
+from gradpipe.cli._common import (
+    CommandResult,
+    Commands,
+    add_report_argument,
+    open_store_arg,
+    report_result,
+    with_performance_report,
+)
 from gradpipe.errors import InvalidInputError
 
 #: The methods ``--method`` takes: ``gradpipe.aggregate.METHODS`` (a test checks),
@@ -178,6 +185,7 @@ def register(commands: Commands) -> None:
         "Flower's FedAdam has it)",
     )
     p.add_argument("--scheduler", metavar="ADDR", help="Dask scheduler address (default: local)")
+    add_report_argument(p)
 
 
 def parse_steps(text: str | None) -> range | None:
@@ -222,7 +230,7 @@ def parse_weights_arg(text: str | None) -> dict[str, float] | None:
 
 def run_aggregate(args: argparse.Namespace) -> CommandResult:
     from gradpipe.aggregate import aggregate
-    from gradpipe.graph.runner import runner
+    from gradpipe.graph.runner import job_runner
 
     options: dict[str, Any] = {
         "method": args.method,
@@ -250,6 +258,7 @@ def run_aggregate(args: argparse.Namespace) -> CommandResult:
         "bias_correction": args.bias_correction,
     }
     store = open_store_arg(args, "r+")  # never creates: the run must exist
-    with runner(scheduler=args.scheduler) as active:
+    with job_runner(report=args.report, scheduler=args.scheduler) as active:
         report = aggregate(store, run=args.run, runner=active, **options)
-    return report_result(store.url, report)
+    result = report_result(store.url, report)
+    return result if args.report is None else with_performance_report(result, args.report)

@@ -44,6 +44,10 @@ def run_demo(args: argparse.Namespace) -> CommandResult:
     )
     hints = (
         f"next: gradpipe ls {args.store} demo   |   gradpipe verify {args.store}   |   "
-        f"gradpipe export {args.store} --run demo --step 0 --peer peer0 -o peer0.safetensors"
+        f"gradpipe export {args.store} --run demo --step 0 --peer peer0 -o peer0.safetensors\n"
+        "the dashboard above closed with this command; to watch jobs on one that stays up, run "
+        "`dask scheduler --preload gradpipe.dashboard` and `dask worker tcp://127.0.0.1:8786` "
+        "(two terminals), add --scheduler tcp://127.0.0.1:8786 to gradpipe ingest or aggregate, "
+        "and open http://127.0.0.1:8787/gradpipe"
     )
     return report_result(args.store, report, hints=hints)

@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Any
 from gradpipe.cli._common import (
     CommandResult,
     Commands,
+    add_report_argument,
     open_store_arg,
     positive_int,
     report_result,
+    with_performance_report,
 )
 from gradpipe.errors import InvalidInputError
 
@@ -65,6 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="without --scheduler: run on an in-process Dask cluster and print its dashboard link",
     )
+    add_report_argument(p)
     p.add_argument(
         "--replace",
         action="store_true",
@@ -142,7 +145,14 @@ def run_ingest(args: argparse.Namespace) -> CommandResult:
 
     options = ingest_options(args)
     store = open_store_arg(args, "a")  # ingest creates the store if needed, as documented
-    return report_result(store.url, ingest(store, args.pattern, run=args.run, **options))
+    if args.report is None:
+        return report_result(store.url, ingest(store, args.pattern, run=args.run, **options))
+    from gradpipe.graph.runner import job_runner
+
+    where = {k: options.pop(k) for k in ("scheduler", "workers", "progress", "dashboard")}
+    with job_runner(report=args.report, **where) as active:
+        report = ingest(store, args.pattern, run=args.run, runner=active, **options)
+    return with_performance_report(report_result(store.url, report), args.report)
 
 
 def parse_codecs(spec: str | None) -> list[Codec] | None:

@@ -61,6 +61,7 @@ from gradpipe.core.encoding import reject_duplicate_keys
 from gradpipe.errors import InvalidInputError
 from gradpipe.formats.registry import DUMP_FORMATS, DumpSource, get_reader
 from gradpipe.formats.spec import TensorSpec
+from gradpipe.meter import READ, digest_bytes
 
 if TYPE_CHECKING:
     import fsspec
@@ -402,6 +403,7 @@ def read_byte_range(fs: fsspec.AbstractFileSystem, path: str, start: int, stop: 
             f"{path}: truncated: asked for bytes [{start}, {stop}) but got {len(data)}; "
             "the file is shorter than its header says, copy it again"
         )
+    digest_bytes(READ, len(data))
     array = np.frombuffer(data, dtype=np.uint8)
     array.flags.writeable = False
     return array
@@ -469,4 +471,5 @@ def read_dump_tensors(
                 f"({spec.dtype}{list(spec.shape)}); the file changed, ingest it again"
             )
         out[n] = arr
+    digest_bytes(READ, sum(a.nbytes for a in out.values()))
     return out

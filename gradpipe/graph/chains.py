@@ -32,8 +32,9 @@ if TYPE_CHECKING:
 
 __all__ = ["add_chunk_read", "build_read_graph", "chunk_key", "read_tensors_graph"]
 
-_CHUNK = "gradpipe-chunk"
-_TENSOR = "gradpipe-tensor"
+# What restores (their only user) read: named for the dashboard as restore tasks.
+_CHUNK = "gradpipe-restore-chunk"
+_TENSOR = "gradpipe-restore-tensor"
 
 
 def build_read_graph(
@@ -70,7 +71,7 @@ def read_tensors_graph(
 ) -> list[np.ndarray]:
     """The tensors ``manifests`` describe, computed on ``runner``."""
     graph, keys = build_read_graph(store, manifests, contexts=contexts)
-    return runner.get(graph, keys, name="gradpipe-read")
+    return runner.get(graph, keys, name="gradpipe-restore")
 
 
 def chunk_key(block: str) -> Hashable:

@@ -37,7 +37,9 @@ __all__ = [
     "Runner",
     "RunnerOptions",
     "check_runner_options",
+    "job_runner",
     "parse_workers",
+    "performance_report",
     "runner",
     "use_runner",
 ]
@@ -114,7 +116,9 @@ class Runner:
     ) -> list[Any]:
         """Compute ``keys`` of ``graph``, in the order of ``keys``.
 
-        ``name`` labels the work on the dashboard (a ``distributed.span``).
+        ``name`` labels the work on the dashboard: the ``distributed.span``
+        it runs in, ``gradpipe-<stage>``, also reported to the scheduler as a
+        stage of the current operation (:mod:`gradpipe.graph.telemetry`).
         """
         if self._closed:
             raise InvalidInputError(
@@ -129,7 +133,10 @@ class Runner:
                 return list(get(dict(graph), list(keys), num_workers=self.workers))  # type: ignore[arg-type]
         from distributed import span
 
-        with span(name):
+        from gradpipe.graph.telemetry import graph_operation
+
+        with span(name) as span_id, graph_operation(self._client, name) as operation:
+            operation.graph(name, span_id, len(graph))
             futures = self._client.get(dict(graph), list(keys), sync=False)
             if self.progress:
                 from distributed import progress
@@ -315,3 +322,45 @@ def use_runner(given: Runner | None, **options: Unpack[RunnerOptions]) -> Iterat
         return
     with runner(**options) as temporary:
         yield temporary
+
+
+@contextlib.contextmanager
+def performance_report(active: Runner, path: str | os.PathLike[str]) -> Iterator[None]:
+    """Write Dask's performance report of what ``active`` computes in this block to ``path``.
+
+    ``distributed.performance_report``: one HTML file with the task stream,
+    the worker profile, bandwidths and the scheduler's figures of the block,
+    that outlives the cluster (an in-process cluster's dashboard dies with
+    its command). It needs a runner on a ``distributed`` cluster, and bokeh.
+    The file is written when the block ends, also when it raises.
+    """
+    client = active.client
+    if client is None:
+        raise InvalidInputError(
+            "a performance report needs a Dask cluster: use gradpipe.graph.runner.job_runner("
+            "report=...), or a runner on one (gradpipe.runner(scheduler=...) or dashboard=True)"
+        )
+    from distributed import performance_report as dask_report
+
+    with client.as_current(), dask_report(filename=os.fspath(path)):
+        yield
+
+
+@contextlib.contextmanager
+def job_runner(
+    *, report: str | os.PathLike[str] | None = None, **options: Unpack[RunnerOptions]
+) -> Iterator[Runner]:
+    """The runner of a batch job (a command, a workflow): :func:`runner`, plus ``--report``.
+
+    With ``report``, the job runs on a ``distributed`` cluster (the one the
+    options name, else an in-process one, as ``dashboard=True``) and Dask's
+    performance report of everything computed in the block is written to
+    ``report`` when it ends (:func:`performance_report`). Closed after.
+    """
+    if report is None:
+        with runner(**options) as active:
+            yield active
+        return
+    options["dashboard"] = True
+    with runner(**options) as active, performance_report(active, report):
+        yield active

@@ -51,6 +51,7 @@ from gradpipe.core.dtypes import canonical_dtype, check_values, dtype_name, is_f
 from gradpipe.core.ids import hash_bytes
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import IntegrityError, NotFoundError
+from gradpipe.meter import RAW, digest_bytes
 from gradpipe.storage._pools import process_pool, read_threads
 from gradpipe.storage.blocks import BlockToWrite, WriteStats
 from gradpipe.storage.tensors import WRITE_WINDOW, WRITE_WINDOW_BYTES
@@ -405,6 +406,7 @@ def _age(manifest: TensorManifest, i: int) -> int:
 def account(chunk: VersionChunk, stats: WriteStats) -> None:
     """Count what one chunk's decision did (the block writes count themselves)."""
     stats.logical_bytes += chunk.logical
+    digest_bytes(RAW, chunk.logical)
     if chunk.outcome == "zero":
         stats.zero_chunks += 1
     elif chunk.outcome == "inline":

@@ -41,6 +41,7 @@ from gradpipe.core.chain import DeltaLink
 from gradpipe.core.dtypes import dtype_name
 from gradpipe.core.ids import block_key, hash_bytes
 from gradpipe.errors import IntegrityError, NotFoundError
+from gradpipe.meter import READ, digest_bytes
 from gradpipe.storage._pools import process_pool, read_threads
 from gradpipe.storage.blocks import decode_block
 
@@ -126,7 +127,9 @@ def decode_windows(store: Store, chunks: Sequence[ChunkRead]) -> Iterator[int]:
     try:
         for window in _windows(chunks):
             wanted = [(chunk, key) for chunk in window for key in chunk.keys]
-            fetched = iter(store.backend.read_many([block_key(k) for _, k in wanted]))
+            frames_read = store.backend.read_many([block_key(k) for _, k in wanted])
+            digest_bytes(READ, sum(len(f) for f in frames_read if isinstance(f, bytes)))
+            fetched = iter(frames_read)
             current = []
             for chunk in window:
                 got = [next(fetched) for _ in chunk.keys]
@@ -137,7 +140,7 @@ def decode_windows(store: Store, chunks: Sequence[ChunkRead]) -> Iterator[int]:
                     else [f for f in got if not isinstance(f, BaseException)]
                 )
                 current.append((chunk, failed or submit(_decode, chunk, frames)))
-            del fetched, got, frames  # the pool holds each frame until it is decoded
+            del fetched, frames_read, got, frames  # the pool holds each frame until decoded
             if previous:
                 _finish(previous)
                 done += len(previous)

@@ -25,6 +25,7 @@ from gradpipe.core.manifest import Manifest, decode_manifest, encode_manifest
 from gradpipe.core.names import parse_name
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import IntegrityError, InvalidInputError, NotFoundError, ReadOnlyError
+from gradpipe.meter import READ, WRITE, digest_bytes
 from gradpipe.storage import tensors as _tensors
 from gradpipe.storage.backend import Backend
 from gradpipe.storage.blocks import BlockToWrite, WriteStats, decode_block, encode_block
@@ -185,6 +186,7 @@ class Store:
             if new:
                 stats.blocks_written += 1
                 stats.stored_bytes += len(frame)
+                digest_bytes(WRITE, len(frame))
         if not found:
             return 0
         # A 412 says "exists", not since when: a block older than touch-after
@@ -206,6 +208,7 @@ class Store:
             if new:
                 stats.blocks_written += 1
                 stats.stored_bytes += len(frame)
+                digest_bytes(WRITE, len(frame))
             else:
                 stats.blocks_reused += 1
 
@@ -260,9 +263,11 @@ class Store:
 
     def _read_frame(self, block_id: str, context: str) -> bytes:
         try:
-            return self.backend.read(block_key(block_id))
+            frame = self.backend.read(block_key(block_id))
         except NotFoundError:
             raise self.missing_block(block_id, context) from None
+        digest_bytes(READ, len(frame))
+        return frame
 
     # --- manifests --------------------------------------------------------------
     def put_manifest(self, manifest: Manifest) -> str:

@@ -36,6 +36,7 @@ from gradpipe.core.ids import block_key, hash_bytes
 from gradpipe.core.lossy import ChunkError, LossyInfo, measure_error
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import NotFoundError
+from gradpipe.meter import RAW, digest_bytes
 from gradpipe.storage.blocks import BlockToWrite, WriteStats, encode_lossy_block
 from gradpipe.storage.reads import READ_WINDOW, ChunkRead, decode_windows
 
@@ -126,11 +127,12 @@ def write_chunks(
     inline_max = get_bytes("inline-bytes")
     records: list[ChunkRecord] = []
     window: list[BlockToWrite] = []
-    window_bytes = 0
+    window_bytes = logical = 0
     for n, chunk in enumerate(chunks):
         check_values(chunk, where=where or "tensor")
         chain = codecs if chunk_codecs is None else chunk_codecs[n]
         stats.logical_bytes += chunk.nbytes
+        logical += chunk.nbytes
         if chain and getattr(chain[0], "lossy", False):
             record, item = _lossy_chunk(chunk, chain, inline_max, stats)
             records.append(record)
@@ -160,6 +162,7 @@ def write_chunks(
             window, window_bytes = [], 0
     if window:
         store.write_blocks(window, stats)
+    digest_bytes(RAW, logical)
     return records
 
 

@@ -1,0 +1,1 @@
+"""Private parts of :mod:`gradpipe.dashboard`: its state (``board``) and its page (``page``)."""
