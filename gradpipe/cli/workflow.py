@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from gradpipe.cli._common import CommandResult, Commands
+from gradpipe.cli._common import (
+    CommandResult,
+    Commands,
+    add_report_argument,
+    with_performance_report,
+)
 
 __all__ = ["register"]
 
@@ -27,6 +32,7 @@ def register(commands: Commands) -> None:
     p.add_argument(
         "--dry-run", action="store_true", help="check the file and the store, list the stages"
     )
+    add_report_argument(p)
     p.add_argument(
         "--schema",
         action="store_true",
@@ -46,5 +52,13 @@ def run_workflow_command(args: argparse.Namespace) -> CommandResult:
         raise InvalidInputError("a workflow file is required: gradpipe run WORKFLOW.yaml")
     from gradpipe.workflow.run import run_workflow
 
-    report = run_workflow(args.workflow, scheduler=args.scheduler, dry_run=args.dry_run)
-    return CommandResult(report.to_dict(), report.summary(), report.exit_status)
+    report = run_workflow(
+        args.workflow,
+        scheduler=args.scheduler,
+        dry_run=args.dry_run,
+        performance_report=args.report,
+    )
+    result = CommandResult(report.to_dict(), report.summary(), report.exit_status)
+    if args.report is None or args.dry_run:
+        return result
+    return with_performance_report(result, args.report)

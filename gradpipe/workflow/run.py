@@ -155,6 +155,7 @@ def run_workflow(
     client: Client | None = None,
     dry_run: bool = False,
     only: Collection[int] | None = None,
+    performance_report: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> WorkflowReport:
@@ -173,6 +174,10 @@ def run_workflow(
         Run only these stages (0-based, in file order); the others are
         reported ``not-run``. An orchestrator that runs each stage as a task
         of its own (``workflows/prefect_nightly.py``) uses this.
+    performance_report : path, optional
+        Write Dask's performance report of every stage to this HTML file (the
+        stages then run on a ``distributed`` cluster: the scheduler's, else an
+        in-process one).
     env : mapping, optional
         Where ``${VAR}`` comes from (default: the process environment).
     sleep : callable
@@ -211,7 +216,7 @@ def run_workflow(
         for outcome in report.stages:
             outcome.state = "planned"
         return report
-    from gradpipe.graph.runner import runner as make_runner
+    from gradpipe.graph.runner import job_runner
     from gradpipe.storage.mutex import store_mutex
 
     title = workflow.name or workflow.path
@@ -219,7 +224,7 @@ def run_workflow(
     try:
         with (
             store_mutex(store, _mutex_name(workflow), f"workflow {title}", wait=workflow.wait),
-            make_runner(client, scheduler=scheduler) as active,
+            job_runner(report=performance_report, client=client, scheduler=scheduler) as active,
         ):
             for stage, outcome in zip(workflow.stages, report.stages, strict=True):
                 if stage.index not in wanted:

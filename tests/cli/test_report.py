@@ -56,3 +56,17 @@ def test_a_report_path_that_cannot_be_written_is_a_usage_error(
     assert outcome.status == 2
     assert "--report" in outcome.err
     assert not (tmp_path / "store").exists()  # refused before anything ran
+
+
+def test_a_workflow_writes_one_report_of_all_its_stages(sample: SampleRun, tmp_path: Path) -> None:
+    workflow = tmp_path / "w.yaml"
+    workflow.write_text(
+        "version: 1\nstore: {url: store, create: true}\nstages:\n"
+        f'  - ingest: {{pattern: "{sample.dump_pattern}", run: r}}\n'
+        "  - aggregate: {run: r, method: mean}\n"
+    )
+    out = tmp_path / "nightly.html"
+    status, doc = run_cli_json("run", str(workflow), "--report", str(out))
+    assert status == 0, doc
+    assert doc["performance_report"] == str(out)
+    _check_report(out, "gradpipe-read", "gradpipe-aggregate-read")
