@@ -21,7 +21,6 @@ from gradpipe.core.manifest import Manifest, ManifestSource
 from gradpipe.core.names import parse_name
 from gradpipe.core.run_entries import AggregateEntry, DumpEntry, EntryKey, TensorSchema
 from gradpipe.core.run_shards import (
-    DEFAULT_SHAPE,
     RunShard,
     ShardCache,
     ShardLink,
@@ -372,7 +371,7 @@ def merge_run(
     new: list[DumpEntry],
     schema: dict[str, TensorSchema],
     *,
-    shape: TreeShape = DEFAULT_SHAPE,
+    shape: TreeShape | None = None,
 ) -> RunManifest:
     """``run`` with ``new`` dumps added (a dump already there is replaced); aggregates kept.
 
@@ -400,7 +399,7 @@ def merge_run(
 
 
 def record_aggregates(
-    run: RunManifest, new: list[AggregateEntry], *, shape: TreeShape = DEFAULT_SHAPE
+    run: RunManifest, new: list[AggregateEntry], *, shape: TreeShape | None = None
 ) -> RunManifest:
     """``run`` with ``new`` aggregates recorded (one of the same step and name is replaced)."""
     tree = upsert(

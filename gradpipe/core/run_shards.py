@@ -412,7 +412,7 @@ def upsert(
     load: ShardLoader,
     *,
     where: str,
-    shape: TreeShape = DEFAULT_SHAPE,
+    shape: TreeShape | None = None,
 ) -> Upserted:
     """Add ``new`` entries to a tree (an entry of the same key is replaced).
 
@@ -420,7 +420,9 @@ def upsert(
     ``top`` None) or the shards under ``top``. Only the shards on the paths
     to the new keys are read (one batch per level) and rewritten; a tree that
     outgrows one leaf moves out of the run's manifest into shards.
+    ``shape`` defaults to :data:`DEFAULT_SHAPE`.
     """
+    shape = shape or DEFAULT_SHAPE
     if not new:
         return Upserted(top, tuple(inline))
     builder = _Builder(kind, shape, load, where)
