@@ -124,12 +124,9 @@ class RunShard(Manifest):
                 raise InvalidInputError("a leaf shard holds entries, and only entries")
             if not all(isinstance(e, cls) for e in self.entries):
                 raise InvalidInputError(f"a shard of {self.kind} holds another kind of entry")
-            keys = [e.sort_key for e in self.entries]
-        else:
-            if self.entries or not self.children:
-                raise InvalidInputError("an inner shard holds links, and only links")
-            keys = [c.first for c in self.children]
-        if any(a >= b for a, b in pairwise(keys)):
+        elif self.entries or not self.children:
+            raise InvalidInputError("an inner shard holds links, and only links")
+        if any(a >= b for a, b in pairwise(self.keys)):
             raise InvalidInputError(f"a shard of {self.kind} lists its keys out of order or twice")
 
     @cached_property
