@@ -24,7 +24,7 @@ from gradpipe.core.manifest import decode_manifest
 from gradpipe.core.run_manifest import RunManifest
 from gradpipe.core.run_shards import RunShard, ShardLink, TreeShape
 from gradpipe.storage.blocks import decode_block
-from gradpipe.storage.catalog import read_run
+from gradpipe.storage.catalog import read_run, read_run_at
 from gradpipe.storage.walk import walk_reachable
 from gradpipe.testing.cli import run_cli_json
 from gradpipe.testing.faults import FaultyBackend
@@ -96,8 +96,10 @@ def test_golden_v3_run_reads_and_moves_into_shards_on_the_next_commit(
     assert gp.verify(store, all_blocks=True).ok
 
     # The next commit (an ingest of step 4) moves the dumps into shards.
-    more = {(4, p): {"w": np.full((8, 4), i, np.float32)} for i, p in enumerate("abc")}
-    more = {k: {**v, "b": np.arange(4, dtype=np.float32)} for k, v in more.items()}
+    more: dict[tuple[int, str], dict[str, np.ndarray]] = {
+        (4, p): {"w": np.full((8, 4), i, np.float32), "b": np.arange(4, dtype=np.float32)}
+        for i, p in enumerate("abc")
+    }
     pattern = maker.write_dumps(tmp_path / "more", more)
     assert gp.ingest(store, pattern, run="r").ingested == 3
     new_id, new = read_run(store, "r")
@@ -215,7 +217,7 @@ def test_two_writers_racing_keep_both_and_the_retry_rebuilds_one_path(
     theirs = write_tiny_dumps(store, "r", [(5, "b"), (42, "a")])
 
     # Between this commit's read of the run and its swap, another commit lands.
-    real = ingest_tasks.read_run_at
+    real = read_run_at
     calls: list[str] = []
 
     def racing(store_: gp.Store, run_id: str, run: str) -> RunManifest:
@@ -310,8 +312,8 @@ def test_ls_describes_a_run_in_shards(tmp_path: Path, small_shards: TreeShape) -
     commit_tiny_dumps(store, "r", write_tiny_dumps(store, "r", keys))
     status, doc = run_cli_json("ls", str(tmp_path / "s"))
     assert status == 0
-    [row] = [r for r in doc["refs"] if r["ref"] == "runs/r"]  # type: ignore[attr-defined]
+    [row] = [r for r in doc["refs"] if r["ref"] == "runs/r"]
     assert (row["steps"], row["peers"], row["dumps"]) == (7, 3, 21)
     status, doc = run_cli_json("ls", str(tmp_path / "s"), "r")
     assert status == 0
-    assert [(d["step"], d["peer"]) for d in doc["dumps"]] == keys  # type: ignore[index]
+    assert [(d["step"], d["peer"]) for d in doc["dumps"]] == keys

@@ -77,7 +77,7 @@ def aggregate(step: int, name: str, version: int = 0) -> AggregateEntry:
 def walk(source: MemorySource, run: RunManifest) -> list[tuple[ShardLink, RunShard]]:
     """Every shard under a run, each with the link that names it (checked against it)."""
     out = []
-    todo = [
+    todo: list[tuple[ShardLink, str, int | None]] = [
         (link, kind, None)
         for link, kind in ((run.dump_shards, "dumps"), (run.aggregate_shards, "aggregates"))
         if link is not None
