@@ -27,7 +27,7 @@ from gradpipe.storage.blocks import decode_block
 from gradpipe.storage.catalog import read_run, read_run_at
 from gradpipe.storage.walk import walk_reachable
 from gradpipe.testing.cli import run_cli_json
-from gradpipe.testing.faults import FaultyBackend
+from gradpipe.testing.faults import Fault, FaultyBackend, faulty_store
 from gradpipe.testing.run_commits import commit_tiny_dumps, write_tiny_dumps
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -165,6 +165,35 @@ def test_verify_reports_a_shard_its_link_misdescribes(
     assert "99 entries" in report.problems[0].detail
     with pytest.raises(gp.IntegrityError, match="does not match its link"):
         list(gp.open_run(store, "r"))
+
+
+def test_a_commit_that_dies_before_its_swap_leaves_only_unreferenced_shards(
+    tmp_path: Path, small_shards: TreeShape
+) -> None:
+    store = gp.open_store(tmp_path / "s", mode="w")
+    commit_tiny_dumps(store, "r", write_tiny_dumps(store, "r", [(s, "a") for s in range(20)]))
+    before_id, before = read_run(store, "r")
+    shards_before = _shards(store)
+    # The ref's swap never lands (every request lost): the commit dies after writing its shards.
+    dying, backend = faulty_store(store, Fault("swap", "refs/runs/*", lose="request"))
+    results = write_tiny_dumps(dying, "r", [(20, "a"), (21, "a")])
+    with pytest.raises(gp.StorageError):
+        commit_tiny_dumps(dying, "r", results)
+    assert backend.fired("swap")
+    orphans = _shards(store) - shards_before
+    assert orphans  # the dead commit's path was written first...
+    after_id, after = read_run(store, "r")
+    assert after_id == before_id  # ...and nothing is visible: the run reads as it was
+    assert list(after.dumps) == list(before.dumps)
+    assert gp.verify(store).ok
+    gp.gc(store, grace=0)
+    assert _shards(store) == shards_before  # gc took exactly the dead commit's shards
+    assert len(gp.open_run(store, "r")) == 20
+    # Re-running the job (its dumps, then its commit) finishes the work.
+    results = write_tiny_dumps(store, "r", [(20, "a"), (21, "a")])
+    assert len(commit_tiny_dumps(store, "r", results).committed) == 2
+    assert len(gp.open_run(store, "r")) == 22
+    assert gp.verify(store).ok
 
 
 class _Counting(FaultyBackend):
