@@ -160,8 +160,9 @@ def _select(
 ) -> tuple[list[DumpFile], list[DumpFile]]:
     """Dumps to ingest, and dumps recorded from the same file version (skipped unless damaged)."""
     todo, same = [], []
+    known = recorded.dump_entries((d.step, d.peer) for d in dumps)
     for dump in dumps:
-        entry = recorded.entry(dump.step, dump.peer)
+        entry = known.get((dump.step, dump.peer))
         if entry is None:
             todo.append(dump)
         elif entry.fingerprint == dump.fingerprint:
@@ -184,8 +185,9 @@ def _select(
 def _damaged(store: Store, recorded: RunManifest, dumps: list[DumpFile]) -> list[DumpFile]:
     """The recorded dumps some of whose objects are missing or corrupt (manifests) or absent."""
     roots = []
+    known = recorded.dump_entries((d.step, d.peer) for d in dumps)
     for dump in dumps:
-        entry = recorded.entry(dump.step, dump.peer)
+        entry = known.get((dump.step, dump.peer))
         if entry is None:  # _select only passes recorded dumps
             raise RuntimeError(f"step {dump.step}, peer {dump.peer!r} is not recorded")
         roots.append((entry.dump, f"run {recorded.run!r}, step {dump.step}, peer {dump.peer!r}"))

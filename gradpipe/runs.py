@@ -104,7 +104,7 @@ class Run:
         )
 
     def __len__(self) -> int:
-        return len(self.manifest.dumps)
+        return self.manifest.dump_count
 
     def grid(self) -> dict[int, list[str]]:
         """Step → peers recorded at that step."""

@@ -119,7 +119,7 @@ def _describe_runs(store: Store, rows: list[dict[str, Any]]) -> int:
             row["problem"] = " ".join(str(manifest).split())
             bad += 1
             continue
-        row.update(steps=len(manifest.steps), peers=len(manifest.peers), dumps=len(manifest.dumps))
+        row.update(steps=len(manifest.steps), peers=len(manifest.peers), dumps=manifest.dump_count)
         row["summary"] = f"{row['steps']} steps x {row['peers']} peers"
     return bad
 

@@ -176,7 +176,7 @@ def stale_reason(run: RunManifest, aggregate: AggregateManifest) -> str | None:
     Stale: a peer's dump was replaced (its id differs), a peer it used is no
     longer recorded, or the step has a peer it did not use.
     """
-    current = {d.peer: d.dump for d in run.dumps if d.step == aggregate.step}
+    current = {d.peer: d.dump for d in run.step_dumps(aggregate.step)}
     used = aggregate.dumps
     replaced = sorted(p for p, d in used.items() if p in current and current[p] != d)
     gone = sorted(p for p in used if p not in current)

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from typing import Any, ClassVar, Final, Self
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar, Final, Protocol, Self, TypeVar
 
 from gradpipe.core.encoding import from_json_bytes, to_json_bytes
 from gradpipe.core.ids import hash_bytes
@@ -28,6 +28,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_TYPES",
     "Manifest",
+    "ManifestSource",
     "decode_manifest",
     "encode_manifest",
     "manifest_class",
@@ -37,7 +38,8 @@ __all__ = [
 #: The newest manifest format this version of gradpipe reads and writes.
 #: 2: small chunks inline in tensor manifests, tensor manifests embedded in
 #: dump manifests. 3: delta chains in tensor manifests, snapshots, aggregates. 4: tensors
-#: stored with a lossy codec (and the runs that list their dumps as lossy). A manifest
+#: stored with a lossy codec (and the runs that list their dumps as lossy), and runs whose
+#: entries live in shards (``run-shard`` manifests). A manifest
 #: is written in the oldest format that can hold it (see
 #: :meth:`Manifest.format_needed`), so an older gradpipe still reads every
 #: manifest that uses nothing new, and an id never changes with a version bump.
@@ -50,10 +52,23 @@ MANIFEST_TYPES: Final[dict[str, str]] = {
     "ref": "gradpipe.core.ref_entry:RefEntry",
     "rounds": "gradpipe.core.rounds:RoundsManifest",
     "run": "gradpipe.core.run_manifest:RunManifest",
+    "run-shard": "gradpipe.core.run_shards:RunShard",
     "snapshot": "gradpipe.core.snapshot_manifest:SnapshotManifest",
     "tensor": "gradpipe.core.tensor_manifest:TensorManifest",
 }
 _LOADED: dict[str, type[Manifest]] = {}
+
+M = TypeVar("M", bound="Manifest")
+
+
+class ManifestSource(Protocol):
+    """Where a manifest reads the manifests its content continues in (a store)."""
+
+    def get_typed_many(
+        self, manifest_ids: Sequence[str], cls: type[M], *, context: str = ""
+    ) -> list[M]:
+        """The manifests ``manifest_ids``, each of type ``cls``, in one batched read."""
+        ...
 
 
 class Manifest(ABC):
@@ -90,6 +105,18 @@ class Manifest(ABC):
     def embedded_manifests(self) -> Iterator[tuple[str, Manifest]]:
         """``(id, manifest)`` of the manifests kept inside this one."""
         return iter(())
+
+    def unstored_manifests(self) -> Iterator[Manifest]:
+        """Manifests this one links to that are not stored yet (stored with it, first)."""
+        return iter(())
+
+    def with_source(self, source: ManifestSource) -> Self:
+        """This manifest, reading what it links to through ``source`` when asked.
+
+        A store calls it on every manifest it reads; only a manifest whose
+        content continues in other manifests (a run in shards) keeps it.
+        """
+        return self
 
 
 def manifest_class(kind: str, *, what: str = "manifest") -> type[Manifest]:

@@ -310,10 +310,12 @@ def commit_run(
         schema = dict(base.schema)
         accepted, refused = [], []
         paths = {(d.step, d.peer): d.path for d in dumps}
+        # One batched read per level of the run's shards, of the paths to these keys only.
+        known = base.dump_entries(r.entry.sort_key for r in done)
         for result in done:
             key = (result.entry.step, result.entry.peer)
             why = schema_conflict(schema, result.schema, f"step {key[0]}, peer {key[1]!r}")
-            recorded = base.entry(*key)
+            recorded = known.get(key)
             changed = recorded is not None and recorded.fingerprint != result.entry.fingerprint
             if why is None and changed and not replace:
                 why = (

@@ -278,22 +278,30 @@ class Store:
     def put_manifests(
         self, manifests: Sequence[Manifest], *, stats: WriteStats | None = None
     ) -> list[str]:
-        """Store several manifests in one batched round trip; returns their ids."""
+        """Store several manifests in one batched round trip; returns their ids.
+
+        What a manifest links to that exists only in memory (the new shards of
+        a run, :meth:`Manifest.unstored_manifests`) is stored with it, in the
+        same batch: all of it before any ref can point at it.
+        """
         self.check_writable()
         items = []
+        ids = []
         for manifest in manifests:
-            data = encode_manifest(manifest)
-            codecs = () if len(data) < _COMPRESS_MANIFEST_BYTES else (_manifest_codec(),)
-            items.append(BlockToWrite(hash_bytes(data), data, codecs, None))
+            for part in (*manifest.unstored_manifests(), manifest):
+                data = encode_manifest(part)
+                codecs = () if len(data) < _COMPRESS_MANIFEST_BYTES else (_manifest_codec(),)
+                items.append(BlockToWrite(hash_bytes(data), data, codecs, None))
+            ids.append(items[-1].block_id)
         window = _tensors.WRITE_WINDOW
         for lo in range(0, len(items), window):
             self.write_blocks(items[lo : lo + window], stats or self.write_stats)
-        return [item.block_id for item in items]
+        return ids
 
     def get_manifest(self, manifest_id: str, *, context: str = "") -> Manifest:
         """Read and check a manifest of any type."""
         data = self.get_raw(parse_id(manifest_id), context=context)
-        return decode_manifest(bytes(data), what=_what(manifest_id, context))
+        return decode_manifest(bytes(data), what=_what(manifest_id, context)).with_source(self)
 
     def get_manifests(self, manifest_ids: Sequence[str], *, context: str = "") -> list[Manifest]:
         """Read and check several manifests in one batched round trip."""
@@ -304,7 +312,8 @@ class Store:
                 out.append(self.get_manifest(manifest_id, context=context))  # the precise error
                 continue
             data = decode_block(frame, manifest_id, context=context)
-            out.append(decode_manifest(bytes(data), what=_what(manifest_id, context)))
+            manifest = decode_manifest(bytes(data), what=_what(manifest_id, context))
+            out.append(manifest.with_source(self))
         return out
 
     def get_typed(self, manifest_id: str, cls: type[M], *, context: str = "") -> M:

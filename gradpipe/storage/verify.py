@@ -12,6 +12,8 @@ from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.html import ReportHtml
 from gradpipe.core.ids import block_key, hash_bytes, id_from_block_key, is_id
 from gradpipe.core.manifest import Manifest, encode_manifest
+from gradpipe.core.run_manifest import RunManifest
+from gradpipe.core.run_shards import RunShard, ShardLink, link_mismatch
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import IntegrityError, NotFoundError, UnsupportedFormatError
 from gradpipe.storage.blocks import decode_block
@@ -98,6 +100,26 @@ def verify(store: Store, *, all_blocks: bool = False, delete_corrupt: bool = Fal
     inside: list[Problem] = []
     counts = {"blocks": 0, "bytes": 0}
     chained: list[tuple[str, TensorManifest, str]] = []  # tensors with delta chunks
+    # What each run shard must be, as its parent links it: (link, kind, level or None).
+    links: dict[str, tuple[ShardLink, str, int | None]] = {}
+
+    def check_shard(manifest_id: str, manifest: Manifest, where: str) -> None:
+        """A run's shards agree with the links that name them (the walk reads parents first)."""
+        if isinstance(manifest, RunManifest):
+            tops = [(manifest.dump_shards, "dumps"), (manifest.aggregate_shards, "aggregates")]
+            for top, kind in tops:
+                if top is not None:
+                    links[top.id] = (top, kind, None)
+        if not isinstance(manifest, RunShard):
+            return
+        expected = links.get(manifest_id)
+        if expected is not None:
+            link, kind, level = expected
+            why = link_mismatch(link, manifest, kind, level)
+            if why is not None:
+                inside.append(Problem("bad shard", manifest_id, where, why))
+        for child in manifest.children:
+            links[child.id] = (child, manifest.kind, manifest.level - 1)
 
     def check_inside(manifest_id: str, manifest: Manifest, where: str) -> None:
         """What a manifest keeps inside itself: inline chunks and embedded manifests.
@@ -123,6 +145,7 @@ def verify(store: Store, *, all_blocks: bool = False, delete_corrupt: bool = Fal
                 chained.append((manifest_id, embedded, f"{where}, tensor {embedded_id}"))
         if isinstance(manifest, TensorManifest) and manifest.deltas:
             chained.append((manifest_id, manifest, where))
+        check_shard(manifest_id, manifest, where)
 
     reachable = walk_reachable(store, visit=check_inside)
     report = VerifyReport(

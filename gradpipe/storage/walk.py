@@ -19,7 +19,8 @@ __all__ = ["Problem", "Reachable", "Visitor", "find_missing", "walk_reachable"]
 class Problem:
     """A missing, corrupt or misplaced object, and where it was needed."""
 
-    # "missing" | "corrupt" | "corrupt inline" | "bad delta" | "unreadable" | "wrong kind"
+    # "missing" | "corrupt" | "corrupt inline" | "bad delta" | "bad shard" | "unreadable"
+    # | "wrong kind"
     kind: str
     id: str
     context: str

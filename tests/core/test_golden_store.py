@@ -1,4 +1,4 @@
-"""A store written by gradpipe format 1 stays readable, bit-exact, by this version."""
+"""Stores written by older gradpipe (formats 1 to 3) stay readable, bit-exact, by this one."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import gradpipe as gp
+from gradpipe.core.manifest import encode_manifest
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 
@@ -101,3 +102,43 @@ def test_golden_v2_verifies_clean(golden_v2: gp.Store) -> None:
     report = gp.verify(golden_v2, all_blocks=True)
     assert report.ok, report.problems
     assert report.unreferenced == 0
+
+
+# --- format 3: a run with aggregates in one manifest, written before run shards -----------
+@pytest.fixture
+def golden_v3(tmp_path: Path) -> gp.Store:
+    shutil.copytree(FIXTURES / "store-v3", tmp_path / "store-v3")
+    return gp.open_store(tmp_path / "store-v3", mode="r")
+
+
+def test_golden_v3_run_reads_bit_exact(golden_v3: gp.Store) -> None:
+    spec = importlib.util.spec_from_file_location("make_store_v3", FIXTURES / "make_store_v3.py")
+    assert spec is not None
+    assert spec.loader is not None
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    run = gp.open_run(golden_v3, "r")
+    expected = maker.golden_dumps()
+    assert sorted((e.step, e.peer) for e in run) == sorted(expected)
+    for (step, peer), tensors in expected.items():
+        dump = run.dump(step, peer)
+        assert dump.metadata == {"num_examples": str(maker.num_examples(peer))}
+        for name, array in tensors.items():
+            back = dump.read(name)
+            assert back.tobytes() == array.tobytes(), (step, peer, name)
+    assert [(a.step, a.name) for a in run.aggregates] == [(s, "fedavg") for s in range(4)]
+    assert all(run.aggregate("fedavg", step=s).stale is None for s in range(4))
+
+
+def test_golden_v3_run_manifest_keeps_its_id(golden_v3: gp.Store) -> None:
+    """A run that fits one shard is encoded exactly as before shards: same bytes, same id."""
+    run_id = golden_v3.refs.get("runs/r")
+    manifest = golden_v3.get_manifest(run_id)
+    assert encode_manifest(manifest) == bytes(golden_v3.get_raw(run_id))
+    assert b'"format":3' in encode_manifest(manifest)
+
+
+def test_golden_v3_verifies_clean(golden_v3: gp.Store) -> None:
+    report = gp.verify(golden_v3, all_blocks=True)
+    assert report.ok, report.problems
+    assert report.unreferenced == 1  # the run's manifest before the aggregate was recorded
