@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from gradpipe.server import apply_server_update
     from gradpipe.snapshot import SnapshotInfo, restore, restore_steps, snapshot, snapshot_log
     from gradpipe.snapshot_prune import PruneReport, prune
+    from gradpipe.stats import compression_stats, summarize_stats
     from gradpipe.storage import Refs, Store, WriteStats, open_store
     from gradpipe.storage.gc import GcReport, gc
     from gradpipe.storage.locks import Lease
@@ -102,6 +103,7 @@ _LAZY: Final[dict[str, str]] = {
     "WriteStats": "gradpipe.storage",
     "aggregate": "gradpipe.aggregate",
     "apply_server_update": "gradpipe.server",
+    "compression_stats": "gradpipe.stats",
     "export_aggregate": "gradpipe.runs",
     "export_dump": "gradpipe.runs",
     "gc": "gradpipe.storage.gc",
@@ -116,6 +118,7 @@ _LAZY: Final[dict[str, str]] = {
     "runner": "gradpipe.graph.runner",
     "snapshot": "gradpipe.snapshot",
     "snapshot_log": "gradpipe.snapshot",
+    "summarize_stats": "gradpipe.stats",
     "verify": "gradpipe.storage.verify",
 }
 
@@ -161,6 +164,7 @@ __all__ = [
     "__version__",
     "aggregate",
     "apply_server_update",
+    "compression_stats",
     "export_aggregate",
     "export_dump",
     "gc",
@@ -175,6 +179,7 @@ __all__ = [
     "runner",
     "snapshot",
     "snapshot_log",
+    "summarize_stats",
     "verify",
 ]
 

@@ -56,6 +56,7 @@ PUBLIC = [
     "__version__",
     "aggregate",
     "apply_server_update",
+    "compression_stats",
     "export_aggregate",
     "export_dump",
     "gc",
@@ -70,6 +71,7 @@ PUBLIC = [
     "runner",
     "snapshot",
     "snapshot_log",
+    "summarize_stats",
     "verify",
 ]
 

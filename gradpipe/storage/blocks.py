@@ -27,7 +27,14 @@ from gradpipe.core.encoding import from_json_bytes, to_json_bytes
 from gradpipe.core.ids import hash_bytes
 from gradpipe.errors import GradpipeError, IntegrityError, UnsupportedFormatError
 
-__all__ = ["BLOCK_VERSION", "BlockToWrite", "WriteStats", "decode_block", "encode_block"]
+__all__ = [
+    "BLOCK_VERSION",
+    "BlockToWrite",
+    "WriteStats",
+    "decode_block",
+    "encode_block",
+    "frame_codec_ids",
+]
 
 _MAGIC: Final = b"GPBK"
 #: Version of the block layout this gradpipe writes and the newest it reads.
@@ -89,21 +96,8 @@ def decode_block(
     frame is damaged or its bytes do not hash to ``block_id``.
     """
     where = f"block {block_id}" + (f" ({context})" if context else "")
-    if len(frame) < _PREFIX.size:
-        raise IntegrityError(f"{where} is truncated ({len(frame)} bytes)")
-    magic, version, header_len = _PREFIX.unpack_from(frame)
-    if magic != _MAGIC:
-        raise IntegrityError(f"{where} is not a gradpipe block (bad magic)")
-    if version > BLOCK_VERSION:
-        raise UnsupportedFormatError(
-            f"{where} has layout version {version}, newer than this gradpipe reads "
-            f"({BLOCK_VERSION}); upgrade gradpipe"
-        )
-    start = _PREFIX.size + header_len
-    if start > len(frame):
-        raise IntegrityError(f"{where} is truncated inside its header")
+    header, start = _read_header(frame, where)
     try:
-        header = from_json_bytes(frame[_PREFIX.size : start], what=where)
         size = int(header["size"])
         codecs = [numcodecs.get_codec(dict(c)) for c in header["codecs"]]
     except UnsupportedFormatError:
@@ -128,6 +122,41 @@ def decode_block(
     if hash_bytes(logical) != block_id:
         raise IntegrityError(f"{where} is corrupt: its content does not match its id")
     return logical
+
+
+def frame_codec_ids(frame: bytes, *, where: str = "block") -> list[str]:
+    """The ids of the codec chain a frame's header names, in encoding order; decodes nothing.
+
+    For looking at how a block is stored (an inline frame, kept in its
+    manifest, says so without a read). Raises :class:`IntegrityError` for a
+    damaged header.
+    """
+    header, _ = _read_header(frame, where)
+    try:
+        return [str(config["id"]) for config in header["codecs"]]
+    except (KeyError, TypeError) as exc:
+        raise IntegrityError(f"{where} has a damaged header: {exc!r}") from None
+
+
+def _read_header(frame: bytes, where: str) -> tuple[Any, int]:
+    """The parsed JSON header of a frame and where its payload starts."""
+    if len(frame) < _PREFIX.size:
+        raise IntegrityError(f"{where} is truncated ({len(frame)} bytes)")
+    magic, version, header_len = _PREFIX.unpack_from(frame)
+    if magic != _MAGIC:
+        raise IntegrityError(f"{where} is not a gradpipe block (bad magic)")
+    if version > BLOCK_VERSION:
+        raise UnsupportedFormatError(
+            f"{where} has layout version {version}, newer than this gradpipe reads "
+            f"({BLOCK_VERSION}); upgrade gradpipe"
+        )
+    start = _PREFIX.size + header_len
+    if start > len(frame):
+        raise IntegrityError(f"{where} is truncated inside its header")
+    try:
+        return from_json_bytes(frame[_PREFIX.size : start], what=where), start
+    except GradpipeError as exc:
+        raise IntegrityError(f"{where} has a damaged header: {exc}") from None
 
 
 def _bytes_array(buf: Any) -> np.ndarray:
