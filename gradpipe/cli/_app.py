@@ -34,6 +34,7 @@ COMMAND_GROUPS: Final[tuple[str, ...]] = (
     "rounds",
     "export",
     "snapshots",  # snapshot, restore, log, prune
+    "stats",
     "demo",
 )
 

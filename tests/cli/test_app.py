@@ -35,6 +35,7 @@ COMMANDS = [
     "restore",
     "log",
     "prune",
+    "stats",
     "demo",
 ]
 HEAVY = ("numpy", "dask", "distributed", "xarray", "fsspec", "numcodecs")
