@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from gradpipe.snapshot import SnapshotInfo, restore, restore_steps, snapshot, snapshot_log
     from gradpipe.snapshot_prune import PruneReport, prune
     from gradpipe.stats import compression_stats, summarize_stats
+    from gradpipe.stats_plot import plot_stats
     from gradpipe.storage import Refs, Store, WriteStats, open_store
     from gradpipe.storage.gc import GcReport, gc
     from gradpipe.storage.locks import Lease
@@ -111,6 +112,7 @@ _LAZY: Final[dict[str, str]] = {
     "list_runs": "gradpipe.runs",
     "open_run": "gradpipe.runs",
     "open_store": "gradpipe.storage",
+    "plot_stats": "gradpipe.stats_plot",
     "prune": "gradpipe.snapshot_prune",
     "restore": "gradpipe.snapshot",
     "restore_steps": "gradpipe.snapshot",
@@ -172,6 +174,7 @@ __all__ = [
     "list_runs",
     "open_run",
     "open_store",
+    "plot_stats",
     "prune",
     "restore",
     "restore_steps",

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
@@ -40,12 +41,10 @@ from gradpipe.core.tensor_stats import (
     ADDITIVE,
     MAXIMA,
     RECORD_FIELDS,
+    STORED_FIELDS,
     BlockLedger,
     TensorStats,
-    bits_per_value,
-    fraction,
-    l2_norm,
-    ratio,
+    derived_fields,
     tensor_stats,
 )
 from gradpipe.errors import InvalidInputError, NotFoundError
@@ -342,20 +341,25 @@ def _assemble(
             positions.append((*cell.index, at_tensor[name]))
     shape = (*present.shape, len(names))
     at = tuple(np.array(positions, dtype=np.int64).reshape(-1, len(shape)).T)
-    data_vars: dict[str, Any] = {}
-    for field in RECORD_FIELDS:
-        column = [getattr(r, field) for r in records]
-        values: np.ndarray
+    row = attrgetter(*STORED_FIELDS)
+    rows = [row(r) for r in records]
+    columns = dict(zip(STORED_FIELDS, zip(*rows, strict=True), strict=True)) if rows else {}
+    arrays: dict[str, np.ndarray] = {}
+    for field in STORED_FIELDS:
         if field in _TEXT_FIELDS:
             values = np.full(shape, "", dtype=object)
         elif field == "lossy":
             values = np.zeros(shape, dtype=bool)
         else:
             values = np.full(shape, np.nan)
-        values[at] = column
+        values[at] = columns.get(field, ())
+        arrays[field] = values
+    arrays |= derived_fields(arrays)
+    data_vars: dict[str, Any] = {}
+    for field in RECORD_FIELDS:
         description, units = _DESCRIPTIONS[field]
         var_attrs = {"description": description} | ({"units": units} if units else {})
-        data_vars[field] = ((*dims, "tensor"), values, var_attrs)
+        data_vars[field] = ((*dims, "tensor"), arrays[field], var_attrs)
     data_vars["present"] = (dims, present, {"description": "a manifest exists for this cell"})
     ds = xr.Dataset(data_vars, coords={**coords, "tensor": np.array(names, dtype=object)})
     ds.attrs = {
@@ -410,32 +414,19 @@ def summarize_stats(ds: xr.Dataset, by: str | Sequence[str] | None = None) -> xr
         )
     over = [d for d in dims if d not in keep]
     sums = ds[list(ADDITIVE)].sum(over, min_count=1)
-    out = xr.Dataset(coords=sums.coords)
-    out["raw_bytes"] = sums["raw_bytes"]
-    out["stored_bytes"] = sums["stored_bytes"]
-    known = sums["missing_blocks"] == 0
-    out["ratio"] = xr.apply_ufunc(ratio, sums["raw_bytes"], sums["stored_bytes"]).where(known)
-    out["bits_per_value"] = xr.apply_ufunc(bits_per_value, sums["stored_bytes"], sums["numel"])
-    out["encoding"] = _union(ds["encoding"], over)
-    out["chain_depth"] = ds["chain_depth"].max(over)
-    out["codec"] = _union(ds["codec"], over)
-    out["numel"] = sums["numel"]
-    out["density"] = xr.apply_ufunc(fraction, sums["nonzero_count"], sums["numel"])
-    out["zero_chunk_fraction"] = xr.apply_ufunc(
-        fraction, sums["zero_chunk_count"], sums["chunk_count"]
-    )
-    out["nan_count"] = sums["nan_count"]
-    out["inf_count"] = sums["inf_count"]
-    out["l2_norm"] = xr.apply_ufunc(l2_norm, sums["sum_squares"])
-    out["max_abs"] = ds["max_abs"].max(over)
-    out["lossy"] = ds["lossy"].any(over)
-    out["max_abs_error"] = ds["max_abs_error"].max(over)
-    for field in ADDITIVE:
-        if field not in out:
-            out[field] = sums[field]
+    template = sums["numel"]
+    derived = derived_fields({k: sums[k].values for k in ADDITIVE})
+    parts: dict[str, xr.DataArray] = {
+        **{k: sums[k] for k in ADDITIVE},
+        **{k: template.copy(data=v) for k, v in derived.items()},
+        **{k: ds[k].max(over) for k in MAXIMA},
+        "lossy": ds["lossy"].any(over),
+        "encoding": _union(ds["encoding"], over),
+        "codec": _union(ds["codec"], over),
+    }
+    out = xr.Dataset({k: parts[k] for k in RECORD_FIELDS if k in parts}, coords=sums.coords)
     for name in out.data_vars:
-        if name in ds.data_vars:
-            out[name].attrs = dict(ds[name].attrs)
+        out[name].attrs = dict(ds[name].attrs)
     out.attrs = {**ds.attrs, "summarized_over": over}
     return out
 

@@ -64,6 +64,7 @@ PUBLIC = [
     "list_runs",
     "open_run",
     "open_store",
+    "plot_stats",
     "prune",
     "restore",
     "restore_steps",

@@ -36,12 +36,15 @@ from gradpipe.core.tensor_manifest import TensorManifest
 
 __all__ = [
     "ADDITIVE",
+    "DERIVED",
     "ENCODINGS",
     "MAXIMA",
     "RECORD_FIELDS",
+    "STORED_FIELDS",
     "BlockLedger",
     "TensorStats",
     "bits_per_value",
+    "derived_fields",
     "fraction",
     "l2_norm",
     "ratio",
@@ -122,6 +125,41 @@ def fraction(part: N, whole: N) -> N:
 def l2_norm(sum_squares: N) -> N:
     """The Euclidean norm from a sum of squares (of the finite values)."""
     return np.sqrt(sum_squares)  # type: ignore[no-any-return]
+
+
+#: Fields computed from others: never summed, always recomputed (:func:`derived_fields`).
+DERIVED: Final = ("ratio", "bits_per_value", "density", "zero_chunk_fraction", "l2_norm")
+
+
+_DERIVED_FROM: Final = (
+    "raw_bytes",
+    "stored_bytes",
+    "numel",
+    "nonzero_count",
+    "zero_chunk_count",
+    "chunk_count",
+    "sum_squares",
+    "missing_blocks",
+)
+
+
+def derived_fields(columns: Mapping[str, npt.ArrayLike]) -> dict[str, npt.NDArray[np.float64]]:
+    """The :data:`DERIVED` fields from the additive ones, element by element.
+
+    ``columns`` holds arrays (or scalars) of ``raw_bytes``, ``stored_bytes``,
+    ``numel``, ``nonzero_count``, ``zero_chunk_count``, ``chunk_count``,
+    ``sum_squares`` and ``missing_blocks``: one tensor's, or sums over many
+    (a ratio of sums). ``ratio`` is NaN where a block is missing.
+    """
+    c = {k: np.asarray(columns[k], dtype=np.float64) for k in _DERIVED_FROM}
+    known = c["missing_blocks"] == 0
+    return {
+        "ratio": np.where(known, ratio(c["raw_bytes"], c["stored_bytes"]), np.nan),
+        "bits_per_value": bits_per_value(c["stored_bytes"], c["numel"]),
+        "density": fraction(c["nonzero_count"], c["numel"]),
+        "zero_chunk_fraction": fraction(c["zero_chunk_count"], c["chunk_count"]),
+        "l2_norm": l2_norm(c["sum_squares"]),
+    }
 
 
 class BlockLedger:
@@ -236,6 +274,10 @@ class TensorStats:
         return {name: getattr(self, name) for name in RECORD_FIELDS}
 
 
+#: The fields a :class:`TensorStats` keeps (the others are :data:`DERIVED`).
+STORED_FIELDS: Final = tuple(f for f in RECORD_FIELDS if f not in DERIVED)
+
+
 def tensor_lossy(manifest: TensorManifest) -> tuple[bool, float]:
     """Whether a tensor's stored values differ from those it was given, and by how much at most.
 
@@ -263,7 +305,8 @@ def tensor_stats(
         )
     owned, referenced, missing = ledger.claim(manifest.data_children())
     inline = sum(len(frame) for frame in manifest.inline.values())
-    summary = manifest.summary()
+    # One chunk (most tensors of a dump): its record is the summary, nothing to merge.
+    summary = manifest.stats[0] if len(manifest.stats) == 1 else manifest.summary()
     extremes = [abs(v) for v in (summary.min, summary.max) if v is not None]
     lossy, max_error = tensor_lossy(manifest)
     codecs = sorted({c for c in chunk_codecs if c is not None})
