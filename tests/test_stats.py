@@ -17,7 +17,9 @@ import pytest
 import xarray as xr
 
 import gradpipe as gp
+from gradpipe.core.dtypes import dtype_name
 from gradpipe.core.ids import block_key
+from gradpipe.core.run_manifest import DumpEntry, DumpManifest, RunManifest, TensorSchema
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.formats.safetensors import write_safetensors
 from gradpipe.runs import open_run
@@ -282,6 +284,30 @@ def test_a_missing_block_is_reported_not_guessed(tmp_path: Path, dumps: str) -> 
     assert np.isnan(cell.ratio)
     assert ds.attrs["missing_blocks"] == 1
     assert np.isnan(gp.summarize_stats(ds).ratio)
+
+
+def test_dumps_whose_tensors_are_manifests_of_their_own(tmp_path: Path) -> None:
+    """Format 1 dumps list tensor manifests stored apart: fetched, in one batch per dump."""
+    store = gp.open_store(str(tmp_path / "store"), mode="w")
+    rng = np.random.default_rng(5)
+    arrays = {"w": rng.standard_normal((64, 64)).astype(np.float32), "b": np.zeros(4, np.int8)}
+    tensors = tuple((n, store.put_manifest(store.write_tensor(a))) for n, a in arrays.items())
+    dump_id = store.put_manifest(DumpManifest("old", 0, "a", tensors))
+    schema = {n: TensorSchema(dtype_name(a.dtype), a.shape) for n, a in arrays.items()}
+    run = RunManifest("old", (DumpEntry(0, "a", dump_id, "file"),), schema)
+    store.refs.set("runs/old", store.put_manifest(run))
+    counted, backend = faulty_store(store)
+    ds = gp.compression_stats(counted, run="old")
+    reads = [key for op, key in backend.calls if op == "read"]
+    assert len(reads) == 4  # the run, the dump, its two tensor manifests
+    w = ds.sel(step=0, peer="a", tensor="w")
+    assert w.density == 1.0
+    assert math.isclose(w.l2_norm, float(np.linalg.norm(arrays["w"].astype(np.float64))))
+    [block] = store.tensor_info(tensors[0][1]).blocks
+    assert block is not None
+    assert w.stored_bytes == _object_size(store, block)
+    b = ds.sel(step=0, peer="a", tensor="b")
+    assert (b.stored_bytes, b.density, b.ratio, str(b.codec.values)) == (0, 0.0, math.inf, "none")
 
 
 def test_bad_arguments(filled: gp.Store) -> None:
