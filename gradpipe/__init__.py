@@ -64,6 +64,8 @@ if TYPE_CHECKING:
     from gradpipe.server import apply_server_update
     from gradpipe.snapshot import SnapshotInfo, restore, restore_steps, snapshot, snapshot_log
     from gradpipe.snapshot_prune import PruneReport, prune
+    from gradpipe.stats import compression_stats, summarize_stats
+    from gradpipe.stats_plot import plot_stats
     from gradpipe.storage import Refs, Store, WriteStats, open_store
     from gradpipe.storage.gc import GcReport, gc
     from gradpipe.storage.locks import Lease
@@ -104,6 +106,7 @@ _LAZY: Final[dict[str, str]] = {
     "WriteStats": "gradpipe.storage",
     "aggregate": "gradpipe.aggregate",
     "apply_server_update": "gradpipe.server",
+    "compression_stats": "gradpipe.stats",
     "export_aggregate": "gradpipe.runs",
     "export_dump": "gradpipe.runs",
     "gc": "gradpipe.storage.gc",
@@ -111,6 +114,7 @@ _LAZY: Final[dict[str, str]] = {
     "list_runs": "gradpipe.runs",
     "open_run": "gradpipe.runs",
     "open_store": "gradpipe.storage",
+    "plot_stats": "gradpipe.stats_plot",
     "prune": "gradpipe.snapshot_prune",
     "restore": "gradpipe.snapshot",
     "restore_steps": "gradpipe.snapshot",
@@ -119,6 +123,7 @@ _LAZY: Final[dict[str, str]] = {
     "snapshot": "gradpipe.snapshot",
     "snapshot_log": "gradpipe.snapshot",
     "run_workflow": "gradpipe.workflow",
+    "summarize_stats": "gradpipe.stats",
     "verify": "gradpipe.storage.verify",
 }
 
@@ -165,6 +170,7 @@ __all__ = [
     "__version__",
     "aggregate",
     "apply_server_update",
+    "compression_stats",
     "export_aggregate",
     "export_dump",
     "gc",
@@ -172,6 +178,7 @@ __all__ = [
     "list_runs",
     "open_run",
     "open_store",
+    "plot_stats",
     "prune",
     "restore",
     "restore_steps",
@@ -180,6 +187,7 @@ __all__ = [
     "runner",
     "snapshot",
     "snapshot_log",
+    "summarize_stats",
     "verify",
 ]
 

@@ -57,6 +57,7 @@ PUBLIC = [
     "__version__",
     "aggregate",
     "apply_server_update",
+    "compression_stats",
     "export_aggregate",
     "export_dump",
     "gc",
@@ -64,6 +65,7 @@ PUBLIC = [
     "list_runs",
     "open_run",
     "open_store",
+    "plot_stats",
     "prune",
     "restore",
     "restore_steps",
@@ -72,6 +74,7 @@ PUBLIC = [
     "runner",
     "snapshot",
     "snapshot_log",
+    "summarize_stats",
     "verify",
 ]
 

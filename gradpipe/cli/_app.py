@@ -35,6 +35,7 @@ COMMAND_GROUPS: Final[tuple[str, ...]] = (
     "export",
     "snapshots",  # snapshot, restore, log, prune
     "workflow",  # run
+    "stats",
     "demo",
 )
 

@@ -51,7 +51,7 @@ from gradpipe.codecs.sparse import SparseCodec, nonzero_mask
 from gradpipe.core.dtypes import dtype_name
 from gradpipe.errors import InvalidInputError
 
-__all__ = ["SPARSE_MAX_DENSITY", "choose_codec", "default_codec_config"]
+__all__ = ["SPARSE_MAX_DENSITY", "choose_codec", "default_codec_config", "policy_codec_id"]
 
 #: Largest fraction of nonzero elements for which :func:`choose_codec` picks
 #: :class:`~gradpipe.codecs.sparse.SparseCodec` (see the module docstring).
@@ -97,10 +97,31 @@ def choose_codec(
         raise InvalidInputError(
             f"nonzero must be a count between 0 and the chunk size {count}, not {nonzero!r}"
         )
-    # An empty chunk has no zeros to skip; the dense frame is the shorter one.
-    if count and nonzero <= SPARSE_MAX_DENSITY * count:
+    if _sparse(count, nonzero):
         return SparseCodec(name, level)
     return ByteGroupCodec(name, level)
+
+
+def policy_codec_id(count: int, nonzero: int) -> str:
+    """The id of the codec :func:`choose_codec` picks for a chunk, from its counts alone.
+
+    ``count`` elements, ``nonzero`` of them not zero bit patterns. What a
+    chunk written by the policy is stored with, known without reading it
+    (chunk statistics record the count of non-zero values, in which ``-0.0``
+    is zero; the policy counts it as non-zero, which only matters for a chunk
+    of many ``-0.0`` right at the threshold).
+
+    Examples
+    --------
+    >>> policy_codec_id(1000, 10), policy_codec_id(1000, 900)
+    ('gradpipe_sparse', 'gradpipe_bytegroup')
+    """
+    return SparseCodec.codec_id if _sparse(count, nonzero) else ByteGroupCodec.codec_id
+
+
+def _sparse(count: int, nonzero: int) -> bool:
+    # An empty chunk has no zeros to skip; the dense frame is the shorter one.
+    return bool(count) and nonzero <= SPARSE_MAX_DENSITY * count
 
 
 def default_codec_config(

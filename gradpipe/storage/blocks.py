@@ -12,6 +12,7 @@ codec keeps its id, and dedup works across codec changes.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ __all__ = [
     "decode_block",
     "encode_block",
     "encode_lossy_block",
+    "frame_codec_ids",
 ]
 
 _MAGIC: Final = b"GPBK"
@@ -111,21 +113,8 @@ def decode_block(
     frame is damaged or its bytes do not hash to ``block_id``.
     """
     where = f"block {block_id}" + (f" ({context})" if context else "")
-    if len(frame) < _PREFIX.size:
-        raise IntegrityError(f"{where} is truncated ({len(frame)} bytes)")
-    magic, version, header_len = _PREFIX.unpack_from(frame)
-    if magic != _MAGIC:
-        raise IntegrityError(f"{where} is not a gradpipe block (bad magic)")
-    if version > BLOCK_VERSION:
-        raise UnsupportedFormatError(
-            f"{where} has layout version {version}, newer than this gradpipe reads "
-            f"({BLOCK_VERSION}); upgrade gradpipe"
-        )
-    start = _PREFIX.size + header_len
-    if start > len(frame):
-        raise IntegrityError(f"{where} is truncated inside its header")
+    header, start = _read_header(frame, where)
     try:
-        header = from_json_bytes(frame[_PREFIX.size : start], what=where)
         size = int(header["size"])
         codecs = [numcodecs.get_codec(dict(c)) for c in header["codecs"]]
     except UnsupportedFormatError:
@@ -150,6 +139,55 @@ def decode_block(
     if hash_bytes(logical) != block_id:
         raise IntegrityError(f"{where} is corrupt: its content does not match its id")
     return logical
+
+
+def frame_codec_ids(frame: bytes, *, where: str = "block") -> list[str]:
+    """The ids of the codec chain a frame's header names, in encoding order; decodes nothing.
+
+    For looking at how a block is stored (an inline frame, kept in its
+    manifest, says so without a read). Raises :class:`IntegrityError` for a
+    damaged header.
+    """
+    header, _ = _header_bytes(frame, where)
+    try:
+        return list(_codec_ids(header))
+    except (GradpipeError, KeyError, TypeError) as exc:
+        raise IntegrityError(f"{where} has a damaged header: {exc!r}") from None
+
+
+@functools.lru_cache(maxsize=1024)
+def _codec_ids(header: bytes) -> tuple[str, ...]:
+    # Frames of one dtype, size and codec share their header byte for byte:
+    # statistics over thousands of inline chunks parse each kind once.
+    doc = from_json_bytes(header, what="block header")
+    return tuple(str(config["id"]) for config in doc["codecs"])
+
+
+def _header_bytes(frame: bytes, where: str) -> tuple[bytes, int]:
+    """The JSON header of a frame, checked for layout, and where its payload starts."""
+    if len(frame) < _PREFIX.size:
+        raise IntegrityError(f"{where} is truncated ({len(frame)} bytes)")
+    magic, version, header_len = _PREFIX.unpack_from(frame)
+    if magic != _MAGIC:
+        raise IntegrityError(f"{where} is not a gradpipe block (bad magic)")
+    if version > BLOCK_VERSION:
+        raise UnsupportedFormatError(
+            f"{where} has layout version {version}, newer than this gradpipe reads "
+            f"({BLOCK_VERSION}); upgrade gradpipe"
+        )
+    start = _PREFIX.size + header_len
+    if start > len(frame):
+        raise IntegrityError(f"{where} is truncated inside its header")
+    return bytes(frame[_PREFIX.size : start]), start
+
+
+def _read_header(frame: bytes, where: str) -> tuple[Any, int]:
+    """The parsed JSON header of a frame and where its payload starts."""
+    header, start = _header_bytes(frame, where)
+    try:
+        return from_json_bytes(header, what=where), start
+    except GradpipeError as exc:
+        raise IntegrityError(f"{where} has a damaged header: {exc}") from None
 
 
 def _bytes_array(buf: Any) -> np.ndarray:

@@ -36,6 +36,7 @@ COMMANDS = [
     "log",
     "prune",
     "run",
+    "stats",
     "demo",
 ]
 HEAVY = ("numpy", "dask", "distributed", "xarray", "fsspec", "numcodecs")
