@@ -21,6 +21,8 @@ those sums, which :func:`summarize_stats` does.
 
 from __future__ import annotations
 
+import csv
+import io
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -59,6 +61,7 @@ __all__ = [
     "CODEC_SOURCE",
     "chunk_codecs",
     "compression_stats",
+    "records_csv",
     "stats_records",
     "summarize_stats",
 ]
@@ -475,6 +478,17 @@ def stats_records(ds: xr.Dataset) -> Iterator[dict[str, Any]]:
         columns[field] = [_plain(field, v) for v in picked]
     for i in range(len(where[0])):
         yield {key: column[i] for key, column in columns.items()}
+
+
+def records_csv(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Records (:func:`stats_records`) as CSV text, a header first; missing figures empty."""
+    if not rows:
+        return ""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({k: "" if v is None else v for k, v in row.items()} for row in rows)
+    return out.getvalue()
 
 
 def _plain(field: str, value: Any) -> Any:

@@ -9,8 +9,6 @@ and with ``--by`` the ``summary`` rows.
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 import math
 from collections.abc import Iterable, Sequence
@@ -70,7 +68,7 @@ def run_stats(args: argparse.Namespace) -> CommandResult:
     if args.plot is not None:
         parse_output_path(args.plot, what="--plot")  # before reading anything
     store = open_store_arg(args, "r")
-    from gradpipe.stats import compression_stats, stats_records, summarize_stats
+    from gradpipe.stats import compression_stats, records_csv, stats_records, summarize_stats
 
     ds = compression_stats(store, run=args.run, aggregate=args.aggregate, snapshot=args.snapshot)
     by = _dim(ds, args.by)
@@ -103,7 +101,7 @@ def run_stats(args: argparse.Namespace) -> CommandResult:
         text = json.dumps(doc, indent=2)
     elif args.format == "csv":
         rows = summary if by else records
-        text = _csv(rows).rstrip("\n")
+        text = records_csv(rows).rstrip("\n")
     else:
         text = _table(ds, summary if by else _default_table(ds), totals, by or "tensor")
     if missing:
@@ -139,16 +137,6 @@ def _json_safe(record: dict[str, Any]) -> dict[str, Any]:
     from gradpipe.core.encoding import encode_float
 
     return {k: encode_float(v) if isinstance(v, float) else v for k, v in record.items()}
-
-
-def _csv(rows: Sequence[dict[str, Any]]) -> str:
-    if not rows:
-        return ""
-    out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=list(rows[0]), lineterminator="\n")
-    writer.writeheader()
-    writer.writerows({k: "" if v is None else v for k, v in row.items()} for row in rows)
-    return out.getvalue()
 
 
 # --- the table ------------------------------------------------------------------------

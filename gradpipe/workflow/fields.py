@@ -1,8 +1,9 @@
 """The value types of a workflow file: each parses a node (with its position) and describes
 itself as JSON Schema, so the validator and the shipped schema can never disagree.
 
-``${NAME}`` in a string is replaced by the environment variable ``NAME`` (``$$``
-is a literal ``$``); a variable that is not set is an error at its position.
+``${NAME}`` in a string is replaced by the environment variable ``NAME``, and
+``${NAME:-default}`` by ``default`` when it is not set (``$$`` is a literal
+``$``); a variable that is not set and has no default is an error at its position.
 Values that came from the environment are never printed: the plan and the
 report show the text as written in the file.
 """
@@ -35,7 +36,7 @@ __all__ = [
     "StrList",
 ]
 
-_ENV = re.compile(r"\$(\$|\{([A-Za-z_][A-Za-z0-9_]*)\})")
+_ENV = re.compile(r"\$(\$|\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\})")
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,9 @@ def substitute(node: Node, ctx: Context) -> str:
     def one(match: re.Match[str]) -> str:
         if match.group(1) == "$":
             return "$"
-        name = match.group(2)
+        name, default = match.group(2), match.group(3)
+        if name not in ctx.env and default is not None:
+            return default
         if name not in ctx.env:
             raise node.error(f"environment variable {name} is not set (used as ${{{name}}})")
         return ctx.env[name]

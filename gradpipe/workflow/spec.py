@@ -173,6 +173,18 @@ STAGES: Final[dict[str, StageSpec]] = {
         },
         ("run", "method"),
     ),
+    "stats": StageSpec(
+        "compression statistics of a run (or of one of its aggregates), written as CSV, "
+        "JSON and a plot; reads manifests only",
+        {
+            "run": _RUN,
+            "aggregate": Str("an aggregate of the run instead of its dumps", _NAME),
+            "csv": PathOrUrl("a CSV file of per-(step, peer, tensor) records (local)"),
+            "json": PathOrUrl("a JSON file of the records and totals (local)"),
+            "plot": PathOrUrl("a PNG of ratios, density and norms (local; needs matplotlib)"),
+        },
+        ("run",),
+    ),
     "snapshot": StageSpec(
         "snapshot training-state files matching a pattern with {step}, one version per step, "
         "in step order (steps not newer than the chain's newest are passed over)",

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from gradpipe.graph.runner import Runner
     from gradpipe.storage.store import Store
 
-__all__ = ["RUNNERS", "SampleReport", "SnapshotStageReport", "StageContext"]
+__all__ = ["RUNNERS", "SampleReport", "SnapshotStageReport", "StageContext", "StatsStageReport"]
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,70 @@ def _snapshot(ctx: StageContext, p: dict[str, Any]) -> Report:
     return report
 
 
+@dataclass
+class StatsStageReport(ReportHtml):
+    """What the ``stats`` stage wrote, and the totals (``gradpipe stats``' figures)."""
+
+    totals: dict[str, Any]
+    written: dict[str, str]
+    missing_blocks: int
+
+    @property
+    def ok(self) -> bool:
+        return self.missing_blocks == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "totals": self.totals,
+            "written": self.written,
+            "missing_blocks": self.missing_blocks,
+        }
+
+    def summary(self) -> str:
+        t = self.totals
+        line = (
+            f"{t.get('raw_bytes', 0) / 2**20:.1f} MiB raw -> "
+            f"{t.get('stored_bytes', 0) / 2**20:.1f} MiB stored (ratio {t.get('ratio')})"
+        )
+        files = ", ".join(f"{k} {v}" for k, v in self.written.items())
+        missing = (
+            f"; {self.missing_blocks} block(s) missing: run verify" if self.missing_blocks else ""
+        )
+        return line + (f"; wrote {files}" if files else "") + missing
+
+
+def _stats(ctx: StageContext, p: dict[str, Any]) -> Report:
+    from gradpipe.stats import compression_stats, records_csv, stats_records, summarize_stats
+
+    ds = compression_stats(ctx.store, run=p["run"], aggregate=p.get("aggregate"))
+    records = list(stats_records(ds))
+    [totals] = list(stats_records(summarize_stats(ds))) or [{}]
+    written = {}
+    if "csv" in p:
+        Path(p["csv"]).write_text(records_csv(records))
+        written["csv"] = p["csv"]
+    if "json" in p:
+        from gradpipe.core.encoding import encode_float
+
+        def safe(r: dict[str, Any]) -> dict[str, Any]:  # JSON has no NaN or infinity
+            return {k: encode_float(v) if isinstance(v, float) else v for k, v in r.items()}
+
+        doc = {
+            "totals": safe(totals),
+            "records": [safe(r) for r in records],
+            "attribution": ds.attrs["attribution"],
+        }
+        Path(p["json"]).write_text(json.dumps(doc))
+        written["json"] = p["json"]
+    if "plot" in p:
+        from gradpipe.stats_plot import plot_stats
+
+        plot_stats(ds, p["plot"])
+        written["plot"] = p["plot"]
+    return StatsStageReport(totals, written, int(ds.attrs["missing_blocks"]))
+
+
 def _prune(ctx: StageContext, p: dict[str, Any]) -> Report:
     from gradpipe.snapshot_prune import prune
 
@@ -196,6 +260,7 @@ RUNNERS: Final[dict[str, Callable[[StageContext, dict[str, Any]], Report]]] = {
     "ingest": _ingest,
     "rounds": _rounds,
     "aggregate": _aggregate,
+    "stats": _stats,
     "snapshot": _snapshot,
     "prune": _prune,
     "gc": _gc,

@@ -45,6 +45,7 @@ def _nightly(
         stages:
           - ingest: {{pattern: "{sample.dump_pattern}", run: exp}}
           - aggregate: {{run: exp, method: fedavg}}
+          - stats: {{run: exp, csv: stats.csv, json: stats.json, plot: stats.png}}
           - snapshot: {{name: model, pattern: "{sample.state_pattern}"}}
           - prune: {{snapshot: model, keep_last: 2}}
           - gc: {{grace: 24h}}
@@ -69,8 +70,16 @@ def test_a_workflow_runs_its_stages_and_a_second_run_writes_nothing(
     report = gp.run_workflow(path)
     assert isinstance(report, gp.Report)
     assert report.exit_status == 0, report.summary()
-    assert [s.state for s in report.stages] == ["ok"] * 6
-    ingest, agg, snap, _, _, verify = (s.report or {} for s in report.stages)
+    assert [s.state for s in report.stages] == ["ok"] * 7
+    ingest, agg, stats, snap, _, _, verify = (s.report or {} for s in report.stages)
+    assert stats["totals"]["raw_bytes"] > stats["totals"]["stored_bytes"] > 0
+    rows = (tmp_path / "stats.csv").read_text().splitlines()
+    assert rows[0].startswith("step,peer,tensor,")
+    assert len(rows) == 1 + TINY.steps * TINY.peers * len(
+        gp.open_run(gp.open_store(tmp_path / "archive"), "exp").schema
+    )
+    assert json.loads((tmp_path / "stats.json").read_text())["totals"]["ratio"] > 1
+    assert (tmp_path / "stats.png").read_bytes().startswith(b"\x89PNG")
     assert ingest["ingested"] == TINY.steps * TINY.peers
     assert agg["computed"] == TINY.steps
     assert [t["step"] for t in snap["taken"]] == list(range(TINY.steps))
@@ -82,7 +91,7 @@ def test_a_workflow_runs_its_stages_and_a_second_run_writes_nothing(
     assert again.exit_status == 0, again.summary()
     assert again.stages[0].report["skipped"] == TINY.steps * TINY.peers  # type: ignore[index]
     assert again.stages[1].report["memoised"] == TINY.steps  # type: ignore[index]
-    assert again.stages[2].report["taken"] == []  # type: ignore[index]
+    assert again.stages[3].report["taken"] == []  # type: ignore[index]
     assert _files(tmp_path / "archive") == before  # idempotent: not one object written
 
 
@@ -167,7 +176,7 @@ def test_a_dry_run_lists_the_stages_and_writes_nothing(sample: SampleRun, tmp_pa
     path = _nightly(tmp_path, sample)
     report = gp.run_workflow(path, dry_run=True)
     assert report.exit_status == 0
-    assert [s.state for s in report.stages] == ["planned"] * 6
+    assert [s.state for s in report.stages] == ["planned"] * 7
     assert "ingest" in report.summary()
     assert not (tmp_path / "archive").exists()
 

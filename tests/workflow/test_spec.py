@@ -135,6 +135,12 @@ def test_secrets_are_substituted_but_never_shown() -> None:
     assert stage.shown["storage_options"] == "<hidden>"
 
 
+def test_a_variable_may_have_a_default() -> None:
+    text = 'version: 1\nstore: "${ROOT:-/srv}/archive"\nstages: [gc: {}]'
+    assert _parse(text).store_url == "/srv/archive"
+    assert _parse(text, env={"ROOT": "/data"}).store_url == "/data/archive"
+
+
 def test_every_stage_has_a_runner() -> None:
     assert list(STAGES) == list(RUNNERS)
 
