@@ -69,6 +69,7 @@ if TYPE_CHECKING:
     from gradpipe.storage.locks import Lease
     from gradpipe.storage.verify import VerifyReport, verify
     from gradpipe.storage.walk import Problem
+    from gradpipe.xarray import open_dataset
 
 #: Public name → the module that defines it, imported on first access.
 _LAZY: Final[dict[str, str]] = {
@@ -107,6 +108,7 @@ _LAZY: Final[dict[str, str]] = {
     "gc": "gradpipe.storage.gc",
     "ingest": "gradpipe.ingest",
     "list_runs": "gradpipe.runs",
+    "open_dataset": "gradpipe.xarray",
     "open_run": "gradpipe.runs",
     "open_store": "gradpipe.storage",
     "prune": "gradpipe.snapshot_prune",
@@ -166,6 +168,7 @@ __all__ = [
     "gc",
     "ingest",
     "list_runs",
+    "open_dataset",
     "open_run",
     "open_store",
     "prune",

@@ -61,6 +61,7 @@ PUBLIC = [
     "gc",
     "ingest",
     "list_runs",
+    "open_dataset",
     "open_run",
     "open_store",
     "prune",
