@@ -24,12 +24,14 @@ where every value is a number, else strings ("" where missing).
 
 from __future__ import annotations
 
+import functools
+import gc
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, ParamSpec, TypeVar
 
 import numpy as np
 import xarray as xr
@@ -52,10 +54,37 @@ __all__ = ["aggregate_dataset", "run_dataset", "snapshot_dataset"]
 #: Manifests asked for per batched read: a few MiB of JSON at most per batch.
 MANIFEST_BATCH: Final = 256
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _gc_paused(build: Callable[P, R]) -> Callable[P, R]:
+    """Run ``build`` without cyclic garbage collection.
+
+    Decoding the manifests of a large run creates millions of small objects
+    that all stay alive; every collection would walk them all again (measured:
+    2.5x the CPU time of opening a run of 2,000 dumps x 105 tensors). They
+    hold no cycles, so nothing is lost by collecting afterwards.
+    """
+
+    @functools.wraps(build)
+    def paused(*args: P.args, **kwargs: P.kwargs) -> R:
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return build(*args, **kwargs)
+        finally:
+            if enabled:
+                gc.enable()
+
+    return paused
+
+
 _INT = re.compile(r"[+-]?[0-9]+")
 _FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*([eE][+-]?[0-9]+)?|\.[0-9]+([eE][+-]?[0-9]+)?|nan|inf)")
 
 
+@_gc_paused
 def run_dataset(store: Store, run: Run, *, drop: Iterable[str] = ()) -> xr.Dataset:
     """The dataset of a run: one variable per tensor name over ``(step, peer)``."""
     steps, peers = run.steps, run.peers
@@ -97,6 +126,7 @@ def run_dataset(store: Store, run: Run, *, drop: Iterable[str] = ()) -> xr.Datas
     return xr.Dataset(data, coords=_without(coords, drop), attrs=attrs)
 
 
+@_gc_paused
 def aggregate_dataset(store: Store, run: Run, name: str, *, drop: Iterable[str] = ()) -> xr.Dataset:
     """The dataset of aggregate ``name`` of a run: one variable per tensor over ``(step,)``."""
     entries = [a for a in run.aggregates if a.name == name]
@@ -145,6 +175,7 @@ def aggregate_dataset(store: Store, run: Run, name: str, *, drop: Iterable[str] 
     return xr.Dataset(variables, coords=_without(coords, drop), attrs=attrs)
 
 
+@_gc_paused
 def snapshot_dataset(
     store: Store,
     name: str,
