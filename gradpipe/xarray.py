@@ -50,7 +50,6 @@ class GradpipeBackendEntrypoint(BackendEntrypoint):
     """
 
     description = "Runs, aggregates and snapshots of a gradpipe store"
-    url = "https://github.com/gradpipe/gradpipe#xarray"
     supports_groups = True
 
     def open_dataset(

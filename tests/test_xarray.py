@@ -623,3 +623,32 @@ def test_open_datatree_gives_the_whole_store(
         xr.testing.assert_identical(
             snap.compute(), gp.open_dataset(store, kind="snapshot", name="train").load()
         )
+
+
+def test_a_tree_node_is_one_function(
+    sample: tuple[gp.Store, Dumps], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new kind of group (the compression statistics, say) is one builder in TREE_NODES."""
+    import gradpipe.xarray as gx
+
+    def stats_nodes(store: gp.Store, drop: set[str]) -> dict[str, xr.Dataset]:
+        return {f"stats/{run}": xr.Dataset(attrs={"run": run}) for run in gp.list_runs(store)}
+
+    monkeypatch.setattr(gx, "TREE_NODES", (*gx.TREE_NODES, stats_nodes))
+    store, _ = sample
+    tree = xr.open_datatree(store, engine=GradpipeBackendEntrypoint)
+    assert tree["stats/r"].attrs == {"run": "r"}
+    assert "wide" in tree["runs/r"].data_vars
+
+
+@pytest.mark.parametrize("store_url", ["local"], indirect=True)
+def test_xarray_guesses_the_engine_of_a_local_store(
+    sample: tuple[gp.Store, Dumps], gradpipe_engine: None, tmp_path: Path
+) -> None:
+    store, dumps = sample
+    entry = GradpipeBackendEntrypoint()
+    assert entry.guess_can_open(store.url)
+    assert not entry.guess_can_open(str(tmp_path))  # a directory, no store marker
+    assert not entry.guess_can_open("s3://bucket/archive")  # never a request to guess
+    ds = xr.open_dataset(store.url, run="r")  # no engine given
+    assert_same_bits(ds["big"].values, expected(dumps, "big"))
