@@ -99,7 +99,8 @@ def write_zarr(store: Any, path: Path) -> None:
     infos = first.infos()
     group = zarr.open_group(LocalStore(path), mode="w", zarr_format=3)
     group.create_array("step", data=np.array(run.steps, dtype=np.int64), dimension_names=["step"])
-    group.create_array("peer", data=np.array(run.peers, dtype=str), dimension_names=["peer"])
+    peers = np.array(run.peers, dtype=np.dtypes.StringDType())  # zarr v3's variable-length text
+    group.create_array("peer", data=peers, dimension_names=["peer"])
     arrays = {}
     for name, info in infos.items():
         dims = ["step", "peer", *(f"{name}_dim{i}" for i in range(len(info.shape)))]

@@ -123,18 +123,23 @@ class TensorStack(BackendArray):
         picks = [_positions(k, n) for k, n in zip(key, self.shape, strict=True)]
         dropped = tuple(i for i, k in enumerate(key) if isinstance(k, int | np.integer))
         nlead = len(self.lead)
-        out = np.full([len(p) for p in picks], fill_value(self.tensor_dtype), dtype=self.dtype)
+        # Every selected element of a position with a tensor is written by one
+        # of its chunk parts (zeros for an all-zero chunk): only positions
+        # without one are filled, so the output is not written twice.
+        out = np.empty([len(p) for p in picks], dtype=self.dtype)
+        fill = fill_value(self.tensor_dtype)
         tensor_out = out.shape[nlead:]
         reads: list[ChunkRead] = []
         places: list[tuple[np.ndarray, ChunkPart, np.ndarray | None]] = []
         parts_by_grid: dict[tuple[int, ...], list[ChunkPart]] = {}
         for out_lead, lead in _lead_positions(picks[:nlead]):
             manifest = self.manifests[int(np.ravel_multi_index(lead, self.lead)) if nlead else 0]
-            if manifest is None:
-                continue
             # A C-contiguous view (0-d for a scalar tensor): the lead axes come first.
             index: tuple[Any, ...] = (*out_lead, Ellipsis)
             target = out[index]
+            if manifest is None:
+                target[...] = fill
+                continue
             parts = parts_by_grid.get(manifest.chunk_shape)
             if parts is None:
                 parts = select_chunks(self.tensor_shape, manifest.chunk_shape, picks[nlead:])
