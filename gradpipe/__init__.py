@@ -72,6 +72,7 @@ if TYPE_CHECKING:
     from gradpipe.storage.verify import VerifyReport, verify
     from gradpipe.storage.walk import Problem
     from gradpipe.workflow import WorkflowReport, run_workflow
+    from gradpipe.xarray import open_dataset
 
 #: Public name → the module that defines it, imported on first access.
 _LAZY: Final[dict[str, str]] = {
@@ -112,6 +113,7 @@ _LAZY: Final[dict[str, str]] = {
     "gc": "gradpipe.storage.gc",
     "ingest": "gradpipe.ingest",
     "list_runs": "gradpipe.runs",
+    "open_dataset": "gradpipe.xarray",
     "open_run": "gradpipe.runs",
     "open_store": "gradpipe.storage",
     "plot_stats": "gradpipe.stats_plot",
@@ -176,6 +178,7 @@ __all__ = [
     "gc",
     "ingest",
     "list_runs",
+    "open_dataset",
     "open_run",
     "open_store",
     "plot_stats",

@@ -398,9 +398,15 @@ def _get(store: Store, snapshot_id: str, name: str) -> SnapshotManifest:
     return store.get_typed(snapshot_id, SnapshotManifest, context=f"snapshot {name!r}")
 
 
-def snapshot_versions(store: Store, name: str) -> Iterator[tuple[str, SnapshotManifest]]:
-    """The versions of ``name``, newest first."""
-    snapshot_id = _head(store, name)
+def snapshot_versions(
+    store: Store, name: str, *, head: str | None = None
+) -> Iterator[tuple[str, SnapshotManifest]]:
+    """The versions of ``name``, newest first.
+
+    ``head`` starts the walk at that version (an id the ref pointed at once)
+    instead of the newest, so a reader can pin the chain as it was.
+    """
+    snapshot_id = head if head is not None else _head(store, name)
     if snapshot_id is None:
         known = ", ".join(n.split("/", 1)[1] for n in store.refs.list("snapshots")) or "none"
         raise NotFoundError(f"no snapshot {name!r} in store {store.url} (snapshots: {known})")

@@ -63,6 +63,7 @@ PUBLIC = [
     "gc",
     "ingest",
     "list_runs",
+    "open_dataset",
     "open_run",
     "open_store",
     "plot_stats",

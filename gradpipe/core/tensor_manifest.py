@@ -23,6 +23,7 @@ import binascii
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, ClassVar
 
 from gradpipe.core.chain import ChainInfo, DeltaLink
@@ -62,9 +63,7 @@ class TensorManifest(Manifest):
     lossy: LossyInfo | None = None
 
     def __post_init__(self) -> None:
-        parse_shape(self.shape, parse_dtype(self.dtype).itemsize, where=f"{self.dtype} tensor")
-        parse_chunk_shape(self.shape, self.chunk_shape)
-        n = chunk_count(self.shape, self.chunk_shape)
+        n = _grid_size(self.dtype, self.shape, self.chunk_shape)
         if len(self.blocks) != n or len(self.stats) != n:
             raise InvalidInputError(
                 f"tensor of shape {self.shape} in chunks {self.chunk_shape} has {n} chunks, "
@@ -195,7 +194,7 @@ class TensorManifest(Manifest):
         chunk_shape = tuple(int(n) for n in data["chunk_shape"])
         columns = data["chunks"]
         blocks = tuple(None if b is None else parse_id(b) for b in columns["block"])
-        counts = [stop - start for start, stop in chunk_ranges(shape, chunk_shape)]
+        counts = _chunk_counts(shape, chunk_shape)
         keys = [k for k in columns if k not in ("block", "delta")]
         stats = tuple(
             ChunkStats.from_dict({k: columns[k][i] for k in keys}, count=count)
@@ -217,6 +216,23 @@ class TensorManifest(Manifest):
         chain = ChainInfo.from_dict(data["chain"]) if "chain" in data else None
         lossy = LossyInfo.from_dict(data["lossy"]) if "lossy" in data else None
         return cls(data["dtype"], shape, chunk_shape, blocks, stats, inline, deltas, chain, lossy)
+
+
+# A run holds thousands of tensors of a few dozen (dtype, shape, chunk shape)
+# grids: validating and measuring each grid once makes reading manifests
+# (opening a run as a dataset reads every dump's) several times faster.
+@lru_cache(maxsize=4096)
+def _grid_size(dtype: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> int:
+    """The number of chunks of a valid grid (raises for an invalid one)."""
+    parse_shape(shape, parse_dtype(dtype).itemsize, where=f"{dtype} tensor")
+    parse_chunk_shape(shape, chunk_shape)
+    return chunk_count(shape, chunk_shape)
+
+
+@lru_cache(maxsize=4096)
+def _chunk_counts(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Elements per chunk, in chunk order."""
+    return tuple(stop - start for start, stop in chunk_ranges(shape, chunk_shape))
 
 
 class EmbeddedTensors:

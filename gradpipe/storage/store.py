@@ -89,6 +89,12 @@ class Store:
     def __reduce__(self) -> tuple[Any, ...]:
         return (reopen_store, (self.url, self.mode, self.storage_options))
 
+    def __dask_tokenize__(self) -> object:
+        # Where the data is, not how this handle was opened: a read-only and a
+        # writable handle on one store name the same content (xarray puts the
+        # store in the keys of the datasets it opens from it).
+        return ("gradpipe.Store", self.url, self.storage_options)
+
     @property
     def writable(self) -> bool:
         """True unless opened with ``mode="r"``."""
