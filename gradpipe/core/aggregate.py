@@ -60,6 +60,7 @@ __all__ = [
     "Partial",
     "combine",
     "finish",
+    "finish_peers",
     "partial",
     "partial_of",
     "reduce_peers",
@@ -204,17 +205,10 @@ def partial_of(
     """
     if isinstance(first, bool) or not isinstance(first, int) or first < 0:
         raise InvalidInputError(f"peer index {first!r} must be an integer >= 0")
-    if not chunks:
-        raise InvalidInputError("nothing to reduce: no chunks")
+    _check_group(chunks, first)
     values = parse_weights([1.0] * len(chunks) if weights is None else weights)
     factors = [1.0] * len(chunks) if scales is None else list(scales)
     head = chunks[0]
-    for i, chunk in enumerate(chunks[1:], start=1):
-        if chunk.shape != head.shape or chunk.dtype != head.dtype:
-            raise InvalidInputError(
-                f"peer #{first + i}: {chunk.dtype}{list(chunk.shape)} differs from peer "
-                f"#{first}'s {head.dtype}{list(head.shape)}"
-            )
     program = Program(_peer_items(chunks, first, values, factors))
     try:
         arrays = program.partials()
@@ -225,6 +219,18 @@ def partial_of(
         for (lo, size, weight), total in zip(program.outputs, arrays, strict=True)
     )
     return Partial(first, first + len(chunks), head.shape, head.dtype, blocks)
+
+
+def _check_group(chunks: Sequence[np.ndarray], first: int) -> None:
+    if not chunks:
+        raise InvalidInputError("nothing to reduce: no chunks")
+    head = chunks[0]
+    for i, chunk in enumerate(chunks[1:], start=1):
+        if chunk.shape != head.shape or chunk.dtype != head.dtype:
+            raise InvalidInputError(
+                f"peer #{first + i}: {chunk.dtype}{list(chunk.shape)} differs from peer "
+                f"#{first}'s {head.dtype}{list(head.shape)}"
+            )
 
 
 def partial(chunk: np.ndarray, *, peer: int, weight: float = 1.0, scale: float = 1.0) -> Partial:
@@ -348,12 +354,48 @@ def reduce_peers(
     names = list(peers) if peers is not None else [f"#{i}" for i in range(len(chunks))]
     values = parse_weights(weights, step=step, peers=names)
     factors = [1.0] * len(chunks) if scales is None else list(scales)
-    # Every peer's terms and the whole fold in cache-sized blocks: no float64 array of the chunk.
-    program = Program(_peer_items(chunks, 0, values, factors))
-    out = np.empty(chunks[0].shape, dtype=chunks[0].dtype if dtype is None else np.dtype(dtype))
     try:
-        program.finish(out.reshape(-1), divisor=program.weight if chosen.divides else None)
+        return _finish_terms(chunks, values, factors, chosen, dtype)
     except NotFiniteError:
         check_peer_chunks(chunks, step=step, peers=peers, tensor=tensor)  # names the peer
+        raise _not_finite(chunks, 0, peers) from None
+
+
+def finish_peers(
+    chunks: Sequence[np.ndarray],
+    *,
+    method: AggregationMethod | str = AggregationMethod.FEDAVG,
+    weights: Sequence[float] | None = None,
+    scales: Sequence[float] | None = None,
+    dtype: np.dtype | str | None = None,
+    names: Sequence[str] | None = None,
+) -> np.ndarray:
+    """``finish(partial_of(chunks, ...))`` of all ``n`` peers, without the float64 partial.
+
+    The same bits; the weights are used as given (default 1), whatever the
+    method. ``names`` name the peers in errors.
+    """
+    chosen = AggregationMethod(method)
+    if not chosen.reducible:
+        raise InvalidInputError(f"{chosen.value!r} is not a reducible method")
+    _check_group(chunks, 0)
+    values = parse_weights([1.0] * len(chunks) if weights is None else weights)
+    factors = [1.0] * len(chunks) if scales is None else list(scales)
+    try:
+        return _finish_terms(chunks, values, factors, chosen, dtype)
+    except NotFiniteError:
         raise _not_finite(chunks, 0, names) from None
+
+
+def _finish_terms(
+    chunks: Sequence[np.ndarray],
+    weights: Sequence[float],
+    scales: Sequence[float],
+    method: AggregationMethod,
+    dtype: np.dtype | str | None,
+) -> np.ndarray:
+    # Every peer's terms and the whole fold in cache-sized blocks: no float64 array of the chunk.
+    program = Program(_peer_items(chunks, 0, weights, scales))
+    out = np.empty(chunks[0].shape, dtype=chunks[0].dtype if dtype is None else np.dtype(dtype))
+    program.finish(out.reshape(-1), divisor=program.weight if method.divides else None)
     return out

@@ -201,6 +201,16 @@ class Program:
         final: tuple[np.ndarray, float | None, np.ndarray | None] | None,
         check: bool,
     ) -> None:
+        # A NaN or an infinity in an input is reported by the check, not as a warning.
+        with np.errstate(over="ignore", invalid="ignore"):
+            self._run_blocks(arrays, final, check)
+
+    def _run_blocks(
+        self,
+        arrays: list[np.ndarray] | None,
+        final: tuple[np.ndarray, float | None, np.ndarray | None] | None,
+        check: bool,
+    ) -> None:
         step = min(BLOCK, max(self.size, 1))
         owned = 0 if arrays is None else len(arrays)
         scratch = [np.empty(step, dtype=np.float64) for _ in range(owned, self._buffers + 1)]
