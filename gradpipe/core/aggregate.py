@@ -25,13 +25,17 @@ bounds the float64 error by ``ceil(log2 n)·ε₆₄·Σ|c_i x_i|``, against
 ``(n-1)·ε₆₄·...`` for a running sum.)
 
 Cost: the same ``n`` multiplies and ``n - 1`` float64 additions per element as
-a naive weighted sum; a partial of an unaligned range holds up to ``2·log2(n)``
-float64 arrays of the chunk (a ``split_every`` that is a power of two keeps
-every intermediate partial to one array), and :func:`reduce_peers` keeps at
-most ``log2(n) + 1``. Measured on a shared 2-core machine, 8 peers x 4 M
-float32: :func:`reduce_peers` 0.14-0.35 s against 0.06 s for a naive float64
-running sum in memory; the difference is the leaf copies and the NaN checks,
-not the tree. Exact summation (an integer superaccumulator per element, some
+a naive weighted sum. :func:`partial_of` (a contiguous group of peers),
+:func:`combine`, :func:`finish` and :func:`reduce_peers` run the tree in
+cache-sized blocks of elements (:mod:`gradpipe.core.aggregate_kernel`), so
+the float64 terms and sibling sums never make whole-chunk arrays: a partial
+holds one array per block of its canonical forest (one when its range is an
+aligned power of two), and a reduction finished in the same call holds none.
+Measured on a shared 2-core machine, 8 peers x 1 M float32 in memory:
+:func:`reduce_peers` 0.66x the time of the whole-array version, and
+:func:`partial_of` of the 8 peers a third of the time of :func:`combine` of
+the leaf :func:`partial` of each (which allocated a float64 array per peer and per
+merge). Exact summation (an integer superaccumulator per element, some
 ten int64 limbs per float32 product and three scattered adds per term) would
 also free the result from the peer order, but was estimated at tens of times
 the cost of a float64 add and not built: FedAvg must run near memory
