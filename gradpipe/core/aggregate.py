@@ -25,13 +25,17 @@ bounds the float64 error by ``ceil(log2 n)·ε₆₄·Σ|c_i x_i|``, against
 ``(n-1)·ε₆₄·...`` for a running sum.)
 
 Cost: the same ``n`` multiplies and ``n - 1`` float64 additions per element as
-a naive weighted sum; a partial of an unaligned range holds up to ``2·log2(n)``
-float64 arrays of the chunk (a ``split_every`` that is a power of two keeps
-every intermediate partial to one array), and :func:`reduce_peers` keeps at
-most ``log2(n) + 1``. Measured on a shared 2-core machine, 8 peers x 4 M
-float32: :func:`reduce_peers` 0.14-0.35 s against 0.06 s for a naive float64
-running sum in memory; the difference is the leaf copies and the NaN checks,
-not the tree. Exact summation (an integer superaccumulator per element, some
+a naive weighted sum. :func:`partial_of` (a contiguous group of peers),
+:func:`combine`, :func:`finish` and :func:`reduce_peers` run the tree in
+cache-sized blocks of elements (:mod:`gradpipe.core.aggregate_kernel`), so
+the float64 terms and sibling sums never make whole-chunk arrays: a partial
+holds one array per block of its canonical forest (one when its range is an
+aligned power of two), and a reduction finished in the same call holds none.
+Measured on a shared 2-core machine, 8 peers x 1 M float32 in memory:
+:func:`reduce_peers` 0.66x the time of the whole-array version, and
+:func:`partial_of` of the 8 peers a third of the time of :func:`combine` of
+the leaf :func:`partial` of each (which allocated a float64 array per peer and per
+merge). Exact summation (an integer superaccumulator per element, some
 ten int64 limbs per float32 product and three scattered adds per term) would
 also free the result from the peer order, but was estimated at tens of times
 the cost of a float64 add and not built: FedAvg must run near memory
@@ -52,6 +56,7 @@ from enum import StrEnum
 import numpy as np
 
 from gradpipe.core.aggregate_input import check_peer_chunks, parse_weights
+from gradpipe.core.aggregate_kernel import Item, NotFiniteError, Program
 from gradpipe.errors import InvalidInputError
 
 __all__ = [
@@ -59,7 +64,9 @@ __all__ = [
     "Partial",
     "combine",
     "finish",
+    "finish_peers",
     "partial",
+    "partial_of",
     "reduce_peers",
 ]
 
@@ -152,32 +159,82 @@ class Partial:
         return sum(b.total.nbytes for b in self.blocks)
 
 
-class _Forest:
-    """A stack of blocks left to right, merging siblings as they meet.
+def _peer_items(
+    chunks: Sequence[np.ndarray],
+    first: int,
+    weights: Sequence[float],
+    scales: Sequence[float],
+) -> list[Item]:
+    """The kernel's leaf items: peer ``first + i``'s chunk, weight and coefficient."""
+    items = []
+    for i, (chunk, weight, scale) in enumerate(zip(chunks, weights, scales, strict=True)):
+        peer = first + i
+        if not np.isfinite(scale) or scale < 0:
+            raise InvalidInputError(f"peer #{peer}: scale {scale!r} must be finite and >= 0")
+        if chunk.dtype.kind != "f" and chunk.dtype.name != "bfloat16":
+            raise InvalidInputError(f"peer #{peer}: dtype {chunk.dtype} cannot be averaged")
+        # c_i = weight_i * scale_i: the term is fl64(c_i * x_i), one rounding at most.
+        items.append(Item(peer, 1, weight, chunk.reshape(-1), weight * float(scale)))
+    return items
 
-    Sums this forest allocated (or was handed with ``owned=True``) are updated in
-    place: the same bits as a fresh sum, fewer allocations. Arrays of blocks it
-    was given are never written: a task's inputs are not its own.
+
+def _not_finite(
+    chunks: Sequence[np.ndarray], first: int, names: Sequence[str] | None
+) -> InvalidInputError:
+    """The error for a reduction whose sum is not finite: the first peer holding NaN or inf."""
+    for i, chunk in enumerate(chunks):
+        if not np.isfinite(chunk).all():
+            name = repr(names[i]) if names is not None else f"#{first + i}"
+            return InvalidInputError(f"peer {name}: the update holds NaN or infinity")
+    # Every value finite, the float64 sum not: float64 updates near the overflow.
+    return InvalidInputError(
+        f"peers #{first} to #{first + len(chunks) - 1}: the weighted sum overflows float64"
+    )
+
+
+def partial_of(
+    chunks: Sequence[np.ndarray],
+    *,
+    first: int = 0,
+    weights: Sequence[float] | None = None,
+    scales: Sequence[float] | None = None,
+    names: Sequence[str] | None = None,
+) -> Partial:
+    """The partial of the contiguous peers ``first .. first + len(chunks) - 1``, in one pass.
+
+    The same bits as :func:`combine` of each peer's :func:`partial`, without
+    a float64 array per peer: the terms and sibling sums are computed in
+    cache-sized blocks (:mod:`gradpipe.core.aggregate_kernel`). ``names``
+    name the peers in errors (default ``#index``).
     """
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise InvalidInputError(f"peer index {first!r} must be an integer >= 0")
+    _check_group(chunks, first)
+    values = parse_weights([1.0] * len(chunks) if weights is None else weights)
+    factors = [1.0] * len(chunks) if scales is None else list(scales)
+    head = chunks[0]
+    program = Program(_peer_items(chunks, first, values, factors))
+    try:
+        arrays = program.partials()
+    except NotFiniteError:
+        raise _not_finite(chunks, first, names) from None
+    blocks = tuple(
+        _Block(lo, size, total.reshape(head.shape), weight)
+        for (lo, size, weight), total in zip(program.outputs, arrays, strict=True)
+    )
+    return Partial(first, first + len(chunks), head.shape, head.dtype, blocks)
 
-    def __init__(self) -> None:
-        self.blocks: list[_Block] = []
-        self._owned: set[int] = set()
 
-    def push(self, block: _Block, *, owned: bool = False) -> None:
-        if owned:
-            self._owned.add(id(block.total))
-        self.blocks.append(block)
-        while len(self.blocks) >= 2 and self.blocks[-2].is_left_sibling_of(self.blocks[-1]):
-            right = self.blocks.pop()
-            left = self.blocks.pop()
-            if id(left.total) in self._owned:
-                total = np.add(left.total, right.total, out=left.total)
-            else:
-                total = left.total + right.total
-                self._owned.add(id(total))
-            self._owned.discard(id(right.total))
-            self.blocks.append(_Block(left.lo, 2 * left.size, total, left.weight + right.weight))
+def _check_group(chunks: Sequence[np.ndarray], first: int) -> None:
+    if not chunks:
+        raise InvalidInputError("nothing to reduce: no chunks")
+    head = chunks[0]
+    for i, chunk in enumerate(chunks[1:], start=1):
+        if chunk.shape != head.shape or chunk.dtype != head.dtype:
+            raise InvalidInputError(
+                f"peer #{first + i}: {chunk.dtype}{list(chunk.shape)} differs from peer "
+                f"#{first}'s {head.dtype}{list(head.shape)}"
+            )
 
 
 def partial(chunk: np.ndarray, *, peer: int, weight: float = 1.0, scale: float = 1.0) -> Partial:
@@ -185,34 +242,15 @@ def partial(chunk: np.ndarray, *, peer: int, weight: float = 1.0, scale: float =
 
     ``weight`` weights the peer in a weighted mean (FedAvg: its ``num_examples``),
     ``scale`` multiplies its update without counting in the total weight (the
-    clipping factor ``min(1, C / norm)``).
+    clipping factor ``min(1, C / norm)``). The term is a fresh array: a
+    partial never aliases its input.
     """
     if isinstance(peer, bool) or not isinstance(peer, int) or peer < 0:
         raise InvalidInputError(f"peer index {peer!r} must be an integer >= 0")
-    (w,) = parse_weights([weight])
-    if not np.isfinite(scale) or scale < 0:
-        raise InvalidInputError(f"peer #{peer}: scale {scale!r} must be finite and >= 0")
-    if chunk.dtype.kind != "f" and chunk.dtype.name != "bfloat16":
-        raise InvalidInputError(f"peer #{peer}: dtype {chunk.dtype} cannot be averaged")
-    # One pass over the chunk for the check (a NaN or infinity anywhere makes the
-    # float64 sum non-finite; finite float32 values cannot overflow it) and one
-    # for the term: the float64 cast times the coefficient, a fresh array (a
-    # partial never aliases its input), the same bits as copying then scaling.
-    if not np.isfinite(np.add.reduce(chunk.reshape(-1), dtype=np.float64)):
-        raise InvalidInputError(f"peer #{peer}: the update holds NaN or infinity")
-    coefficient = w * float(scale)
-    term = np.multiply(chunk, coefficient, dtype=np.float64)
-    block = _Block(peer, 1, term, w)
-    return Partial(peer, peer + 1, chunk.shape, chunk.dtype, (block,))
+    return partial_of([chunk], first=peer, weights=[weight], scales=[scale])
 
 
-def combine(partials: Iterable[Partial]) -> Partial:
-    """Merge partials of adjacent peer ranges (given in any order) into one.
-
-    Only sibling blocks are added, so the result is the same for every way of
-    splitting the range into contiguous runs.
-    """
-    parts = sorted(partials, key=lambda p: p.lo)
+def _check_adjacent(parts: Sequence[Partial]) -> None:
     if not parts:
         raise InvalidInputError("nothing to combine: no partials")
     first = parts[0]
@@ -227,15 +265,32 @@ def combine(partials: Iterable[Partial]) -> Partial:
                 f"partials of peers [{right.lo}, {right.hi}) hold {right.dtype}"
                 f"{list(right.shape)}, not {first.dtype}{list(first.shape)}"
             )
-    forest = _Forest()
-    for part in parts:
-        for block in part.blocks:
-            forest.push(block)
-    return Partial(first.lo, parts[-1].hi, first.shape, first.dtype, tuple(forest.blocks))
+
+
+def _block_items(parts: Sequence[Partial]) -> list[Item]:
+    return [Item(b.lo, b.size, b.weight, b.total.reshape(-1)) for p in parts for b in p.blocks]
+
+
+def combine(partials: Iterable[Partial]) -> Partial:
+    """Merge partials of adjacent peer ranges (given in any order) into one.
+
+    Only sibling blocks are added, so the result is the same for every way of
+    splitting the range into contiguous runs. The inputs are never written.
+    """
+    parts = sorted(partials, key=lambda p: p.lo)
+    _check_adjacent(parts)
+    first = parts[0]
+    program = Program(_block_items(parts))
+    arrays = program.partials(check=False)
+    blocks = tuple(
+        _Block(lo, size, total.reshape(first.shape), weight)
+        for (lo, size, weight), total in zip(program.outputs, arrays, strict=True)
+    )
+    return Partial(first.lo, parts[-1].hi, first.shape, first.dtype, blocks)
 
 
 def finish(
-    state: Partial,
+    state: Partial | Sequence[Partial],
     *,
     method: AggregationMethod | str = AggregationMethod.FEDAVG,
     peers: int | None = None,
@@ -244,29 +299,33 @@ def finish(
 ) -> np.ndarray:
     """The aggregate of a partial covering all peers, rounded once to ``dtype``.
 
-    ``sum`` returns the weighted sum; the other reducible methods divide it by
-    the total weight (``mean``: give every peer weight 1). ``noise`` (float64,
-    the chunk's shape) is added before the rounding: the DP-FedAvg noise.
-    ``dtype`` defaults to the peers' dtype.
+    ``state`` may also be the partials of adjacent peer ranges covering all
+    peers (in any order): the same bits as finishing their :func:`combine`,
+    without building it. ``sum`` returns the weighted sum; the other
+    reducible methods divide it by the total weight (``mean``: give every
+    peer weight 1). ``noise`` (float64, the chunk's shape) is added before
+    the rounding: the DP-FedAvg noise. ``dtype`` defaults to the peers' dtype.
     """
     chosen = AggregationMethod(method)
     if not chosen.reducible:
         raise InvalidInputError(f"{chosen.value!r} is not a reducible method")
-    if state.lo != 0 or (peers is not None and state.hi != peers):
+    parts = [state] if isinstance(state, Partial) else sorted(state, key=lambda p: p.lo)
+    _check_adjacent(parts)
+    lo, hi = parts[0].lo, parts[-1].hi
+    if lo != 0 or (peers is not None and hi != peers):
         expected = "all peers" if peers is None else f"peers [0, {peers})"
-        raise InvalidInputError(
-            f"finish needs a partial of {expected}, got peers [{state.lo}, {state.hi})"
-        )
-    total = state.blocks[0].total
-    for block in state.blocks[1:]:
-        total = total + block.total
-    if chosen.divides:
-        total = total / state.weight
-    if noise is not None:
-        if noise.shape != state.shape:
-            raise InvalidInputError(f"noise of shape {noise.shape} for a chunk of {state.shape}")
-        total = total + noise.astype(np.float64, copy=False)
-    out: np.ndarray = total.astype(state.dtype if dtype is None else np.dtype(dtype))
+        raise InvalidInputError(f"finish needs a partial of {expected}, got peers [{lo}, {hi})")
+    shape = parts[0].shape
+    if noise is not None and noise.shape != shape:
+        raise InvalidInputError(f"noise of shape {noise.shape} for a chunk of {shape}")
+    program = Program(_block_items(parts))
+    out = np.empty(shape, dtype=parts[0].dtype if dtype is None else np.dtype(dtype))
+    program.finish(
+        out.reshape(-1),
+        divisor=program.weight if chosen.divides else None,
+        noise=None if noise is None else noise.reshape(-1),
+        check=False,
+    )
     return out
 
 
@@ -291,7 +350,7 @@ def reduce_peers(
     [2.5, 5.0]
     """
     chosen = AggregationMethod(method)
-    check_peer_chunks(chunks, step=step, peers=peers, tensor=tensor)
+    check_peer_chunks(chunks, step=step, peers=peers, tensor=tensor, allow_nan=True)
     if weights is None or chosen in (AggregationMethod.MEAN, AggregationMethod.SUM):
         if weights is not None and chosen is AggregationMethod.MEAN:
             raise InvalidInputError("mean is unweighted; use weighted-mean or fedavg")
@@ -299,10 +358,48 @@ def reduce_peers(
     names = list(peers) if peers is not None else [f"#{i}" for i in range(len(chunks))]
     values = parse_weights(weights, step=step, peers=names)
     factors = [1.0] * len(chunks) if scales is None else list(scales)
-    forest = _Forest()
-    for i, (c, w, s) in enumerate(zip(chunks, values, factors, strict=True)):
-        # one leaf at a time: at most log2(n) + 1 float64 arrays of the chunk alive
-        leaf = partial(c, peer=i, weight=w, scale=s)
-        forest.push(leaf.blocks[0], owned=True)
-    state = Partial(0, len(chunks), chunks[0].shape, chunks[0].dtype, tuple(forest.blocks))
-    return finish(state, method=chosen, peers=len(chunks), dtype=dtype)
+    try:
+        return _finish_terms(chunks, values, factors, chosen, dtype)
+    except NotFiniteError:
+        check_peer_chunks(chunks, step=step, peers=peers, tensor=tensor)  # names the peer
+        raise _not_finite(chunks, 0, peers) from None
+
+
+def finish_peers(
+    chunks: Sequence[np.ndarray],
+    *,
+    method: AggregationMethod | str = AggregationMethod.FEDAVG,
+    weights: Sequence[float] | None = None,
+    scales: Sequence[float] | None = None,
+    dtype: np.dtype | str | None = None,
+    names: Sequence[str] | None = None,
+) -> np.ndarray:
+    """``finish(partial_of(chunks, ...))`` of all ``n`` peers, without the float64 partial.
+
+    The same bits; the weights are used as given (default 1), whatever the
+    method. ``names`` name the peers in errors.
+    """
+    chosen = AggregationMethod(method)
+    if not chosen.reducible:
+        raise InvalidInputError(f"{chosen.value!r} is not a reducible method")
+    _check_group(chunks, 0)
+    values = parse_weights([1.0] * len(chunks) if weights is None else weights)
+    factors = [1.0] * len(chunks) if scales is None else list(scales)
+    try:
+        return _finish_terms(chunks, values, factors, chosen, dtype)
+    except NotFiniteError:
+        raise _not_finite(chunks, 0, names) from None
+
+
+def _finish_terms(
+    chunks: Sequence[np.ndarray],
+    weights: Sequence[float],
+    scales: Sequence[float],
+    method: AggregationMethod,
+    dtype: np.dtype | str | None,
+) -> np.ndarray:
+    # Every peer's terms and the whole fold in cache-sized blocks: no float64 array of the chunk.
+    program = Program(_peer_items(chunks, 0, weights, scales))
+    out = np.empty(chunks[0].shape, dtype=chunks[0].dtype if dtype is None else np.dtype(dtype))
+    program.finish(out.reshape(-1), divisor=program.weight if method.divides else None)
+    return out

@@ -2,11 +2,17 @@
 
 For every step, tensor and chunk of the output grid (the first peer's grid)::
 
-    read(peer 0) read(peer 1) ... read(peer n-1)      one task per (peer, chunk)
-         └── combine ──┘ ... └── combine ──┘           ≤ split_every each, peer order
-                    └──── ... ────┘                    up to the root
-                        write                          finish, encode, write a block
+    read(peers 0..7)  read(peers 8..15) ...           one task per (group, chunk):
+                                                      ≤ split_every peers' chunks
+         └── combine ──┘ ... └── combine ──┘          ≤ split_every each, peer order,
+                    └──── ... ────┘                   while more than split_every remain
+                        write                         finish ≤ split_every partials,
+                                                      encode, write a block
     tensor (per tensor) → manifest (per step) → commit (one per call)
+
+With at most ``split_every`` peers (and no DP noise), one ``reduce`` task per
+chunk reads every peer's chunk, reduces, rounds and writes: no float64
+partial of the chunk is ever built, stored or passed between tasks.
 
 With ``clip_norm``, each peer's leaves wait for its clipping factor: one
 ``norm`` task per stored chunk of the peer, combined exactly
@@ -17,7 +23,7 @@ keeping every chunk in memory until the norm is known would not be out of core.
 
 The tree groups contiguous peer ranges, so by :mod:`gradpipe.core.aggregate`
 the result is the same bits for every ``split_every``, scheduler and worker
-count. Tasks hold at most ``split_every`` partials of one chunk.
+count. Tasks hold at most ``split_every`` peers' chunks or partials of one chunk.
 
 Keys are tokenised from everything that defines the work (the store, the
 inputs' dump ids and weights, the method and parameters, the grid), so equal
@@ -46,6 +52,7 @@ from gradpipe.graph.aggregate_tasks import (
     commit_aggregates,
     read_partial,
     read_sq_norm,
+    reduce_chunk,
     store_aggregate,
     tensor_manifest,
     write_chunk,
@@ -68,6 +75,7 @@ __all__ = [
     "parse_split_every",
     "sources_of",
     "tree",
+    "tree_levels",
 ]
 
 #: Partials one combine task merges by default.
@@ -159,15 +167,33 @@ def tree(
     split_every: int,
 ) -> Hashable:
     """A bounded tree of ``func`` over ``leaves`` in order (contiguous groups); its root key."""
+    return tree_levels(graph, name, where, leaves, func, step, split_every, until=1)[0]
+
+
+def tree_levels(
+    graph: dict[Hashable, Any],
+    name: str,
+    where: tuple[Any, ...],
+    leaves: list[Hashable],
+    func: Any,
+    step: int,
+    split_every: int,
+    *,
+    until: int | None = None,
+) -> list[Hashable]:
+    """The levels of :func:`tree` until at most ``until`` (default ``split_every``) keys remain.
+
+    Returns those keys, in order: what the task above the tree takes.
+    """
     level, depth = leaves, 0
-    while len(level) > 1:
+    while len(level) > (split_every if until is None else until):
         nxt: list[Hashable] = []
         for g, lo in enumerate(range(0, len(level), split_every)):
             key = (name, *where, depth, g)
             graph[key] = (func, step, list(level[lo : lo + split_every]))
             nxt.append(key)
         level, depth = nxt, depth + 1
-    return level[0]
+    return level
 
 
 def build_aggregate_graph(
@@ -227,30 +253,63 @@ def build_aggregate_graph(
             scales = [
                 _scale_graph(graph, token, store, s, plan, p, clip_norm, fan) for p in range(n)
             ]
+        names = [i.peer for i in spec.inputs]
+        weights = [i.weight for i in spec.inputs]
+        groups = [(lo, min(n, lo + fan)) for lo in range(0, n, fan)]
         tensor_keys = []
         for t, tensor in enumerate(plan.tensors):
             sources = [sources_of(m) for m in tensor.peers]
             chunk_keys = []
             for c, (start, stop) in enumerate(chunk_ranges(tensor.shape, tensor.chunk_shape)):
-                where = f"tensor {tensor.name!r} of step {spec.step}"
+                where = f"tensor {tensor.name!r} of step {spec.step}, chunk {c}"
+                peer_sources = [overlapping(sources[p], start, stop) for p in range(n)]
+                contexts = [
+                    f"tensor {tensor.name!r} of step {spec.step}, peer {name!r}, chunk {c}"
+                    for name in names
+                ]
+                write_key = (f"gradpipe-aggregate-write-{token}", s, t, c)
+                context = f"aggregate {spec.name!r} of {where}"
+                if len(groups) == 1 and not private:
+                    # Every peer fits one task: read, reduce and write it there.
+                    write_key = (f"gradpipe-aggregate-reduce-{token}", s, t, c)
+                    graph[write_key] = (
+                        reduce_chunk,
+                        spec.step,
+                        store,
+                        peer_sources,
+                        start,
+                        stop,
+                        tensor.dtype,
+                        contexts,
+                        context,
+                        names,
+                        weights,
+                        scales,
+                        spec.method,
+                    )
+                    chunk_keys.append(write_key)
+                    continue
                 leaves: list[Hashable] = []
-                for p, aggregate_input in enumerate(spec.inputs):
-                    key = (f"gradpipe-aggregate-read-{token}", s, t, c, p)
+                for g, (lo, hi) in enumerate(groups):
+                    key = (f"gradpipe-aggregate-read-{token}", s, t, c, g)
                     graph[key] = (
                         read_partial,
                         spec.step,
                         store,
-                        overlapping(sources[p], start, stop),
+                        peer_sources[lo:hi],
                         start,
                         stop,
                         tensor.dtype,
-                        f"{where}, peer {aggregate_input.peer!r}, chunk {c}",
-                        p,
-                        aggregate_input.weight,
-                        scales[p],
+                        contexts[lo:hi],
+                        where,
+                        names[lo:hi],
+                        lo,
+                        weights[lo:hi],
+                        scales[lo:hi],
                     )
                     leaves.append(key)
-                root = tree(
+                # The last level of the tree is the write task's: finish takes the partials.
+                roots = tree_levels(
                     graph,
                     f"gradpipe-aggregate-combine-{token}",
                     (s, t, c),
@@ -259,14 +318,12 @@ def build_aggregate_graph(
                     spec.step,
                     fan,
                 )
-                write_key = (f"gradpipe-aggregate-write-{token}", s, t, c)
-                context = f"aggregate {spec.name!r} of {where}, chunk {c}"
                 if private:
                     graph[write_key] = (
                         write_noised_chunk,
                         spec.step,
                         store,
-                        root,
+                        roots,
                         n,
                         context,
                         int(plan.decided.get("seed", spec.params.get("seed", 0))),
@@ -280,7 +337,7 @@ def build_aggregate_graph(
                         write_chunk,
                         spec.step,
                         store,
-                        root,
+                        roots,
                         spec.method,
                         n,
                         context,

@@ -5,9 +5,13 @@ The graph is built by :mod:`gradpipe.graph.aggregate`; its task keys are::
     gradpipe-aggregate-norm      one stored chunk's squared norm     ┐ with clip_norm:
     gradpipe-aggregate-normsum   exact sums of norms (bounded tree)  │ per peer, before
     gradpipe-aggregate-scale     min(1, C / norm)                    ┘ the leaves
-    gradpipe-aggregate-read      one chunk of one peer → its Partial  per (peer, chunk)
+    gradpipe-aggregate-read      one chunk of ≤ split_every peers →   per (peer group, chunk)
+                                 their Partial
     gradpipe-aggregate-combine   ≤ split_every partials, peer order   a tree per chunk
-    gradpipe-aggregate-write     finish, encode, write the block      per chunk
+    gradpipe-aggregate-write     finish ≤ split_every partials,       per chunk
+                                 encode, write the block
+    gradpipe-aggregate-reduce    read ≤ split_every peers, reduce,    per chunk, instead of
+                                 finish, write                        the three above
     gradpipe-aggregate-tensor    the tensor's manifest                per tensor
     gradpipe-aggregate-manifest  the aggregate's manifest             per step
     gradpipe-aggregate-commit    one compare-and-swap of the run      per call
@@ -28,7 +32,14 @@ from typing import Any, ParamSpec, TypeVar
 import numpy as np
 
 from gradpipe._version import __version__
-from gradpipe.core.aggregate import AggregationMethod, Partial, combine, finish, partial
+from gradpipe.core.aggregate import (
+    AggregationMethod,
+    Partial,
+    combine,
+    finish,
+    finish_peers,
+    partial_of,
+)
 from gradpipe.core.aggregate_manifest import AggregateInput, AggregateManifest
 from gradpipe.core.chain import DeltaLink
 from gradpipe.core.dtypes import parse_dtype
@@ -42,6 +53,7 @@ from gradpipe.errors import InvalidInputError
 from gradpipe.graph.arrays import load_chunk
 from gradpipe.storage.blocks import WriteStats
 from gradpipe.storage.catalog import read_rounds, read_run_at, run_ref
+from gradpipe.storage.reads import ChunkRead, decode_chunks
 from gradpipe.storage.store import Store
 from gradpipe.storage.tensors import ChunkRecord, build_tensor_manifest, write_chunks
 
@@ -56,11 +68,14 @@ __all__ = [
     "combine_partials",
     "commit_aggregates",
     "peer_scale",
+    "read_group",
     "read_partial",
     "read_sq_norm",
+    "reduce_chunk",
     "store_aggregate",
     "tensor_manifest",
     "write_chunk",
+    "write_result",
 ]
 
 P = ParamSpec("P")
@@ -152,25 +167,58 @@ def peer_scale(step: int, total: ExactSum, clip_norm: float) -> float:
 
 
 # --- the reduction ----------------------------------------------------------------
+def read_group(
+    store: Store,
+    sources: Sequence[Sequence[ChunkSource]],
+    start: int,
+    stop: int,
+    dtype: str,
+    contexts: Sequence[str],
+) -> list[np.ndarray]:
+    """The flat elements ``[start, stop)`` of several peers' tensor, in peer order.
+
+    The peers' blocks are fetched together (one batched read: concurrent
+    requests on S3) and decoded straight into one array, a row per peer.
+    """
+    rows = np.empty((len(sources), stop - start), dtype=parse_dtype(dtype))
+    reads = []
+    for row, peer_sources, context in zip(rows, sources, contexts, strict=True):
+        if len(peer_sources) != 1 or (peer_sources[0].start, peer_sources[0].stop) != (start, stop):
+            row[...] = _read(store, peer_sources, start, stop, dtype, context)  # another grid
+            continue
+        s = peer_sources[0]
+        if s.block is None:
+            row[...] = 0
+        else:
+            reads.append(ChunkRead(s.block, row, context, s.frame, s.links))
+    decode_chunks(store, reads)
+    return list(rows)
+
+
 @_isolated
 def read_partial(
     step: int,
     store: Store,
-    sources: list[ChunkSource],
+    sources: list[list[ChunkSource]],
     start: int,
     stop: int,
     dtype: str,
-    context: str,
-    peer: int,
-    weight: float,
-    scale: float,
+    contexts: list[str],
+    where: str,
+    names: list[str],
+    first: int,
+    weights: list[float],
+    scales: list[float],
 ) -> Partial:
-    """One chunk of one peer, read and turned into its leaf :class:`Partial`."""
-    chunk = _read(store, sources, start, stop, dtype, context)
+    """One chunk of the contiguous peers ``first ..``, read and reduced to their :class:`Partial`.
+
+    ``contexts`` name each peer's chunk in read errors, ``where`` the chunk in others.
+    """
+    chunks = read_group(store, sources, start, stop, dtype, contexts)
     try:
-        return partial(chunk, peer=peer, weight=weight, scale=scale)
+        return partial_of(chunks, first=first, weights=weights, scales=scales, names=names)
     except InvalidInputError as exc:
-        raise InvalidInputError(f"{context}: {exc}") from None
+        raise InvalidInputError(f"{where}: {exc}") from None
 
 
 @_isolated
@@ -187,15 +235,50 @@ class ChunkOut:
     stats: WriteStats
 
 
-@_isolated
-def write_chunk(
-    step: int, store: Store, state: Partial, method: str, peers: int, context: str
-) -> ChunkOut:
-    """Finish a chunk's reduction (one rounding), then encode and write its block."""
-    result = finish(state, method=AggregationMethod(method), peers=peers)
+def write_result(store: Store, result: np.ndarray, context: str) -> ChunkOut:
+    """Encode and write one chunk of an aggregate."""
     stats = WriteStats()
     [record] = write_chunks(store, [result.reshape(-1)], stats=stats, where=context)
     return ChunkOut(record, stats)
+
+
+@_isolated
+def write_chunk(
+    step: int, store: Store, parts: list[Partial], method: str, peers: int, context: str
+) -> ChunkOut:
+    """Finish a chunk's reduction from the partials covering every peer (one rounding), write it."""
+    result = finish(parts, method=AggregationMethod(method), peers=peers)
+    return write_result(store, result, context)
+
+
+@_isolated
+def reduce_chunk(
+    step: int,
+    store: Store,
+    sources: list[list[ChunkSource]],
+    start: int,
+    stop: int,
+    dtype: str,
+    contexts: list[str],
+    where: str,
+    names: list[str],
+    weights: list[float],
+    scales: list[float],
+    method: str,
+) -> ChunkOut:
+    """One chunk of every peer (at most ``split_every``), reduced, rounded and written in one task.
+
+    The same bits as the leaves, combines and finish of a tree, with no float64
+    array of the chunk at all.
+    """
+    chunks = read_group(store, sources, start, stop, dtype, contexts)
+    try:
+        result = finish_peers(
+            chunks, method=AggregationMethod(method), weights=weights, scales=scales, names=names
+        )
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"{where}: {exc}") from None
+    return write_result(store, result, where)
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,10 @@ def load_chunk(
     KiB at most, so it travels in the task instead of a read); ``links`` its
     delta chain, if it has one.
     """
-    out = np.zeros(shape, dtype=parse_dtype(dtype))
-    if block_id is not None:
-        decode_chunks(store, [ChunkRead(block_id, out.reshape(-1), context, frame, links)])
+    if block_id is None:
+        return np.zeros(shape, dtype=parse_dtype(dtype))
+    out = np.empty(shape, dtype=parse_dtype(dtype))  # every byte is decoded into
+    decode_chunks(store, [ChunkRead(block_id, out.reshape(-1), context, frame, links)])
     return out
 
 

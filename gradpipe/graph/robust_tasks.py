@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from gradpipe.core.aggregate import AggregationMethod, combine, finish, partial
+from gradpipe.core.aggregate import AggregationMethod, Partial, combine, finish, partial
 from gradpipe.core.exact import ExactSum
 from gradpipe.core.privacy import clip_scale, gaussian_noise, update_clip_norm
 from gradpipe.core.robust import (
@@ -36,10 +36,15 @@ from gradpipe.core.robust import (
     trimmed_mean,
 )
 from gradpipe.errors import InvalidInputError
-from gradpipe.graph.aggregate_tasks import ChunkOut, ChunkSource, _isolated, _read
-from gradpipe.storage.blocks import WriteStats
+from gradpipe.graph.aggregate_tasks import (
+    ChunkOut,
+    ChunkSource,
+    _isolated,
+    _read,
+    read_group,
+    write_result,
+)
 from gradpipe.storage.store import Store
-from gradpipe.storage.tensors import write_chunks
 
 __all__ = [
     "ClipRound",
@@ -64,13 +69,7 @@ def _read_peers(
     dtype: str,
     contexts: Sequence[str],
 ) -> list[np.ndarray]:
-    return [_read(store, s, start, stop, dtype, c) for s, c in zip(sources, contexts, strict=True)]
-
-
-def _write(store: Store, result: np.ndarray, context: str) -> ChunkOut:
-    stats = WriteStats()
-    [record] = write_chunks(store, [result.reshape(-1)], stats=stats, where=context)
-    return ChunkOut(record, stats)
+    return read_group(store, sources, start, stop, dtype, contexts)
 
 
 # --- coordinate-wise: median, trimmed mean -------------------------------------------
@@ -93,7 +92,7 @@ def robust_chunk(
         result = median(chunks, tensor=context)
     else:
         result = trimmed_mean(chunks, trim, tensor=context)
-    return _write(store, result, context)
+    return write_result(store, result, context)
 
 
 # --- Krum, Multi-Krum, Bulyan ---------------------------------------------------------
@@ -171,7 +170,9 @@ def selected_chunk(
     chosen = selection.peers
     if method == AggregationMethod.KRUM:
         [p] = chosen
-        return _write(store, _read(store, sources[p], start, stop, dtype, contexts[p]), context)
+        return write_result(
+            store, _read(store, sources[p], start, stop, dtype, contexts[p]), context
+        )
     if method == AggregationMethod.MULTI_KRUM:
         state = None
         for i, p in enumerate(chosen):  # one peer's chunk in memory at a time
@@ -181,9 +182,9 @@ def selected_chunk(
         if state is None:  # krum_select keeps 1 <= m peers
             raise InvalidInputError(f"{context}: no peer selected")
         result = finish(state, method=AggregationMethod.FEDAVG, peers=len(chosen))
-        return _write(store, result, context)
+        return write_result(store, result, context)
     chunks = [_read(store, sources[p], start, stop, dtype, contexts[p]) for p in chosen]
-    return _write(store, bulyan_combine(chunks, byzantine, tensor=context), context)
+    return write_result(store, bulyan_combine(chunks, byzantine, tensor=context), context)
 
 
 # --- DP-FedAvg --------------------------------------------------------------------
@@ -253,7 +254,7 @@ def round_scale(step: int, total: ExactSum | float, state: float | ClipRound) ->
 def write_noised_chunk(
     step: int,
     store: Store,
-    state: Any,
+    parts: list[Partial],
     peers: int,
     context: str,
     seed: int,
@@ -269,9 +270,9 @@ def write_noised_chunk(
     """
     clip_norm = clip.used if isinstance(clip, ClipRound) else float(clip)
     std = noise_multiplier * clip_norm / peers
-    count = math.prod(state.shape)
-    noise = gaussian_noise(seed, tensor=noise_tensor, offset=start, count=count, std=std)
+    shape = parts[0].shape
+    noise = gaussian_noise(seed, tensor=noise_tensor, offset=start, count=math.prod(shape), std=std)
     result = finish(
-        state, method=AggregationMethod.DP_FEDAVG, peers=peers, noise=noise.reshape(state.shape)
+        parts, method=AggregationMethod.DP_FEDAVG, peers=peers, noise=noise.reshape(shape)
     )
-    return _write(store, result, context)
+    return write_result(store, result, context)

@@ -18,8 +18,10 @@ from gradpipe.core.aggregate import (
     combine,
     finish,
     partial,
+    partial_of,
     reduce_peers,
 )
+from gradpipe.core.aggregate_kernel import BLOCK
 from gradpipe.errors import InvalidInputError
 from gradpipe.testing.transformer import TransformerConfig, train_transformer
 
@@ -233,3 +235,94 @@ def test_combine_refuses_gaps_overlaps_and_partial_finish() -> None:
         finish(combine(leaves[1:]))
     with pytest.raises(InvalidInputError, match="not a reducible"):
         finish(combine(leaves), method="median")
+
+
+def _whole_array_tree(
+    chunks: list[np.ndarray], coefficients: list[float], lo: int = 0
+) -> list[tuple[int, int, np.ndarray]]:
+    """The canonical forest of peers [lo, lo + n), written plainly on whole arrays: each
+    term fl64(c * x), siblings added left + right as they meet (the module docstring)."""
+    stack: list[tuple[int, int, np.ndarray]] = []
+    for i, (chunk, c) in enumerate(zip(chunks, coefficients, strict=True)):
+        stack.append((lo + i, 1, chunk.astype(np.float64) * c))
+        while len(stack) >= 2:
+            (a, n, left), (b, m, right) = stack[-2], stack[-1]
+            if not (n == m and a % (2 * n) == 0 and a + n == b):
+                break
+            stack[-2:] = [(a, 2 * n, left + right)]
+    return stack
+
+
+def _whole_array_finish(forest: list[tuple[int, int, np.ndarray]], divisor: float) -> np.ndarray:
+    total = forest[0][2]
+    for _, _, block in forest[1:]:
+        total = total + block
+    return (total / divisor).astype(np.float32)
+
+
+@pytest.mark.parametrize("size", [1, 5, BLOCK - 1, BLOCK, 2 * BLOCK + 17])
+@pytest.mark.parametrize("n", [1, 2, 3, 6, 8, 11, 17])
+def test_the_blocked_kernel_gives_the_bits_of_the_whole_array_tree(size: int, n: int) -> None:
+    """Blocks of the kernel, block edges inside the chunk: every result, the same bits as the
+    plain definition on whole arrays (peers of very different magnitudes, odd weights, scales)."""
+    rng = np.random.default_rng(n * 1000 + size)
+    chunks = _peers(n, size, seed=n + size)
+    weights = [float(w) for w in rng.integers(1, 1000, n)]
+    scales = [float(s) for s in rng.uniform(0.01, 1.0, n)]
+    coefficients = [w * s for w, s in zip(weights, scales, strict=True)]
+    forest = _whole_array_tree(chunks, coefficients)
+    want = _whole_array_finish(forest, sum(weights))
+    got = reduce_peers(chunks, weights=weights, scales=scales)
+    assert got.tobytes() == want.tobytes()
+    # Contiguous groups of the peers, computed by partial_of, then finished as a list.
+    for group in (1, 3, 4, 8):
+        parts = [
+            partial_of(
+                chunks[i : i + group],
+                first=i,
+                weights=weights[i : i + group],
+                scales=scales[i : i + group],
+            )
+            for i in range(0, n, group)
+        ]
+        for part in parts:  # each group's forest, block by block, is the plain one
+            plain = _whole_array_tree(
+                chunks[part.lo : part.hi], coefficients[part.lo : part.hi], lo=part.lo
+            )
+            assert [(b.lo, b.size) for b in part.blocks] == [(a, m) for a, m, _ in plain]
+            for block, (_, _, total) in zip(part.blocks, plain, strict=True):
+                assert block.total.tobytes() == total.tobytes()
+        assert finish(parts, peers=n).tobytes() == want.tobytes()
+        assert finish(combine(parts), peers=n).tobytes() == want.tobytes()
+
+
+def test_partial_of_an_unaligned_range_holds_its_canonical_forest() -> None:
+    chunks = _peers(9, 100)
+    state = partial_of(chunks, first=3)  # peers [3, 12): [3,4) [4,8) [8,12)
+    assert [(b.lo, b.size) for b in state.blocks] == [(3, 1), (4, 4), (8, 4)]
+    assert (state.lo, state.hi, state.weight) == (3, 12, 9.0)
+    singles = combine([partial(c, peer=3 + i) for i, c in enumerate(chunks)])
+    for ours, theirs in zip(state.blocks, singles.blocks, strict=True):
+        assert ours.total.tobytes() == theirs.total.tobytes()
+
+
+def test_finish_of_a_list_does_not_write_its_inputs() -> None:
+    chunks = _peers(6, 2 * BLOCK + 1)
+    parts = [partial_of(chunks[:4]), partial(chunks[4], peer=4), partial(chunks[5], peer=5)]
+    before = [b.total.copy() for p in parts for b in p.blocks]
+    finish(parts, method="sum")
+    combine(parts)
+    after = [b.total for p in parts for b in p.blocks]
+    assert all((a == b).all() for a, b in zip(after, before, strict=True))
+
+
+def test_a_nan_in_a_group_names_its_peer() -> None:
+    chunks = _peers(5, 2 * BLOCK)
+    chunks[3] = chunks[3].copy()
+    chunks[3][BLOCK + 7] = np.inf
+    with pytest.raises(InvalidInputError, match=r"peer 'd': the update holds NaN or infinity"):
+        partial_of(chunks, names=["a", "b", "c", "d", "e"])
+    with pytest.raises(InvalidInputError, match=r"peer #4: the update holds NaN"):
+        partial_of(chunks[1:], first=2)
+    with pytest.raises(InvalidInputError, match="overflows float64"):
+        partial_of([np.full(3, 1e308), np.full(3, 1e308)])
