@@ -261,7 +261,7 @@ def test_ingest_and_aggregate_with_scheduler_show_on_the_page(
         ("aggregate", aggregated["run_id"]),
         ("ingest", ingested["run_id"]),
     ]  # newest first
-    assert "gradpipe-aggregate-read" in doc["tasks"]
+    assert "gradpipe-aggregate-reduce" in doc["tasks"]  # few peers: one task per chunk
 
     page = cluster.get("/gradpipe")
     for text in ("Latest commits per run", aggregated["run_id"], ingested["run_id"], ">aggregate<"):

@@ -43,7 +43,7 @@ def test_ingest_and_aggregate_write_performance_reports(sample: SampleRun, tmp_p
     outcome = run_cli("aggregate", store, "--run", "r", "--method", "mean", "--report", str(out))
     assert outcome.status == 0, outcome.err
     assert outcome.out.rstrip().endswith(f"performance report: {out}")
-    _check_report(out, "gradpipe-aggregate-read", "gradpipe-aggregate-commit")
+    _check_report(out, "gradpipe-aggregate-reduce", "gradpipe-aggregate-commit")  # 3 peers
 
 
 @pytest.mark.parametrize("where", ["missing/dir/report.html", "."])
@@ -69,4 +69,4 @@ def test_a_workflow_writes_one_report_of_all_its_stages(sample: SampleRun, tmp_p
     status, doc = run_cli_json("run", str(workflow), "--report", str(out))
     assert status == 0, doc
     assert doc["performance_report"] == str(out)
-    _check_report(out, "gradpipe-read", "gradpipe-aggregate-read")
+    _check_report(out, "gradpipe-read", "gradpipe-aggregate-reduce")
