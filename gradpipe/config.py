@@ -37,6 +37,12 @@ DEFAULTS: Final[dict[str, Any]] = {
             # A dedup hit on a block older than this refreshes its time, so a
             # concurrent gc cannot take a block a writer is about to reference.
             "touch-after": "1h",
+            # How S3 requests are retried (botocore's retry configuration; see
+            # gradpipe/storage/retries.py): "standard" backs off exponentially
+            # with jitter, "adaptive" also slows down when throttled. Attempts
+            # count the first one; explicit storage_options and the AWS_RETRY_MODE /
+            # AWS_MAX_ATTEMPTS variables win over these.
+            "retries": {"mode": "standard", "max-attempts": 8},
         },
         "ingest": {
             # Raw bytes one read/encode task handles: tens of MiB amortise
