@@ -69,6 +69,7 @@ if TYPE_CHECKING:
     from gradpipe.storage.locks import Lease
     from gradpipe.storage.verify import VerifyReport, verify
     from gradpipe.storage.walk import Problem
+    from gradpipe.workflow import WorkflowReport, run_workflow
 
 #: Public name → the module that defines it, imported on first access.
 _LAZY: Final[dict[str, str]] = {
@@ -99,6 +100,7 @@ _LAZY: Final[dict[str, str]] = {
     "TensorManifest": "gradpipe.core.tensor_manifest",
     "TensorSchema": "gradpipe.core.run_manifest",
     "VerifyReport": "gradpipe.storage.verify",
+    "WorkflowReport": "gradpipe.workflow",
     "WriteStats": "gradpipe.storage",
     "aggregate": "gradpipe.aggregate",
     "apply_server_update": "gradpipe.server",
@@ -116,6 +118,7 @@ _LAZY: Final[dict[str, str]] = {
     "runner": "gradpipe.graph.runner",
     "snapshot": "gradpipe.snapshot",
     "snapshot_log": "gradpipe.snapshot",
+    "run_workflow": "gradpipe.workflow",
     "verify": "gradpipe.storage.verify",
 }
 
@@ -157,6 +160,7 @@ __all__ = [
     "TensorSchema",
     "UnsupportedFormatError",
     "VerifyReport",
+    "WorkflowReport",
     "WriteStats",
     "__version__",
     "aggregate",
@@ -172,6 +176,7 @@ __all__ = [
     "restore",
     "restore_steps",
     "rounds",
+    "run_workflow",
     "runner",
     "snapshot",
     "snapshot_log",

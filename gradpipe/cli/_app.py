@@ -34,6 +34,7 @@ COMMAND_GROUPS: Final[tuple[str, ...]] = (
     "rounds",
     "export",
     "snapshots",  # snapshot, restore, log, prune
+    "workflow",  # run
     "demo",
 )
 
@@ -48,7 +49,8 @@ def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="gradpipe",
         description="Keep, inspect and reuse the gradients and training state of training runs.",
-        epilog="Exit status: 0 success, 1 some input or stored object failed, 2 usage error.",
+        epilog="Exit status: 0 success, 1 some input or stored object failed, 2 usage error "
+        "(gradpipe run: 3 infrastructure errors outlived the retries).",
     )
     parser.add_argument("--version", action="version", version=f"gradpipe {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

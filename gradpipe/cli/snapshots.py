@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any, Final
+from typing import Any
 
 from gradpipe.cli._common import (
     CommandResult,
@@ -16,9 +16,6 @@ from gradpipe.cli._common import (
 from gradpipe.errors import InvalidInputError
 
 __all__ = ["register"]
-
-#: The snapshot metadata key that remembers what kind of file a state came from.
-STATE_FILE_KEY: Final = "gradpipe.state-file"
 
 
 def register(commands: Commands) -> None:
@@ -93,6 +90,8 @@ def _step(text: str) -> int:
 
 
 def _metadata(pairs: list[str]) -> dict[str, str]:
+    from gradpipe.formats.state_file import STATE_FILE_KEY
+
     out: dict[str, str] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -106,7 +105,7 @@ def _metadata(pairs: list[str]) -> dict[str, str]:
 
 def run_snapshot(args: argparse.Namespace) -> CommandResult:
     from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
-    from gradpipe.formats.state_file import read_state_file
+    from gradpipe.formats.state_file import STATE_FILE_KEY, read_state_file
     from gradpipe.snapshot import snapshot
 
     metadata = _metadata(args.meta)
@@ -141,7 +140,7 @@ def run_snapshot(args: argparse.Namespace) -> CommandResult:
 
 def run_restore(args: argparse.Namespace) -> CommandResult:
     from gradpipe.formats.dump import dump_format
-    from gradpipe.formats.state_file import StateFileInfo, check_state_path
+    from gradpipe.formats.state_file import STATE_FILE_KEY, StateFileInfo, check_state_path
     from gradpipe.output import parse_output_path
     from gradpipe.snapshot import find_snapshot, restore_file
 

@@ -49,6 +49,7 @@ from gradpipe.formats.safetensors import write_safetensors
 
 __all__ = [
     "KINDS",
+    "STATE_FILE_KEY",
     "StateFileInfo",
     "check_state_path",
     "from_torch",
@@ -56,6 +57,9 @@ __all__ = [
     "to_torch",
     "write_state_file",
 ]
+
+#: The snapshot metadata key that remembers what kind of file a state came from.
+STATE_FILE_KEY: Final = "gradpipe.state-file"
 
 #: The kinds of state file, by the name :class:`StateFileInfo` records.
 KINDS: Final = ("safetensors", "npz", "npy", "torch")

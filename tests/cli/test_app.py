@@ -35,6 +35,7 @@ COMMANDS = [
     "restore",
     "log",
     "prune",
+    "run",
     "demo",
 ]
 HEAVY = ("numpy", "dask", "distributed", "xarray", "fsspec", "numcodecs")
@@ -56,7 +57,8 @@ def test_help(command: str) -> None:
     assert outcome.status == 0
     assert outcome.out.startswith(f"usage: gradpipe {command}")
     assert "--json" in outcome.out
-    assert "STORE" in outcome.out
+    # Every command names its store; `run` reads it from the workflow file.
+    assert ("WORKFLOW.yaml" if command == "run" else "STORE") in outcome.out
 
 
 def test_top_level_help_and_version() -> None:
@@ -69,7 +71,9 @@ def test_top_level_help_and_version() -> None:
     assert (outcome.status, outcome.out.strip()) == (0, f"gradpipe {gp.__version__}")
 
 
-@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["ingest", "--help"]])
+@pytest.mark.parametrize(
+    "argv", [["--version"], ["--help"], ["ingest", "--help"], ["run", "--help"]]
+)
 def test_help_and_version_load_no_numpy_or_dask(argv: list[str]) -> None:
     code = (
         "import sys\n"

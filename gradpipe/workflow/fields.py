@@ -1,0 +1,322 @@
+"""The value types of a workflow file: each parses a node (with its position) and describes
+itself as JSON Schema, so the validator and the shipped schema can never disagree.
+
+``${NAME}`` in a string is replaced by the environment variable ``NAME`` (``$$``
+is a literal ``$``); a variable that is not set is an error at its position.
+Values that came from the environment are never printed: the plan and the
+report show the text as written in the file.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gradpipe.workflow._yaml import Node, WorkflowError
+
+__all__ = [
+    "Bool",
+    "Choice",
+    "Context",
+    "Duration",
+    "Field",
+    "Float",
+    "Int",
+    "NumberMap",
+    "Options",
+    "PathOrUrl",
+    "Size",
+    "StepRange",
+    "Str",
+    "StrList",
+]
+
+_ENV = re.compile(r"\$(\$|\{([A-Za-z_][A-Za-z0-9_]*)\})")
+
+
+@dataclass(frozen=True)
+class Context:
+    """What parsing needs beside the node: the environment and the file's folder."""
+
+    env: Mapping[str, str]
+    base: Path
+
+
+def substitute(node: Node, ctx: Context) -> str:
+    """The string of ``node`` with ``${NAME}`` replaced from the environment."""
+    text = node.value
+
+    def one(match: re.Match[str]) -> str:
+        if match.group(1) == "$":
+            return "$"
+        name = match.group(2)
+        if name not in ctx.env:
+            raise node.error(f"environment variable {name} is not set (used as ${{{name}}})")
+        return ctx.env[name]
+
+    return _ENV.sub(one, text)
+
+
+class Field:
+    """One value type: ``parse`` checks a node and returns the value the stage gets."""
+
+    help: str = ""
+
+    def parse(self, node: Node, ctx: Context) -> Any:
+        raise NotImplementedError
+
+    def schema(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _wrong(self, node: Node, wanted: str) -> WorkflowError:
+        return node.error(f"expected {wanted}, got {node.kind} ({node.plain()!r})")
+
+
+@dataclass(frozen=True)
+class Str(Field):
+    help: str = ""
+    pattern: str | None = None  # a regex the value must match (after substitution)
+
+    def parse(self, node: Node, ctx: Context) -> str:
+        if not isinstance(node.value, str):
+            raise self._wrong(node, "a string")
+        value = substitute(node, ctx)
+        if self.pattern is not None and not re.fullmatch(self.pattern, value):
+            raise node.error(f"{node.value!r} is not valid here: {self.help}")
+        return value
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "string", "description": self.help}
+
+
+@dataclass(frozen=True)
+class PathOrUrl(Field):
+    """A local path (relative to the workflow file's folder) or a URL, kept as a string."""
+
+    help: str = ""
+
+    def parse(self, node: Node, ctx: Context) -> str:
+        value = Str(self.help).parse(node, ctx)
+        if not value:
+            raise node.error("an empty path")
+        if "://" in value or Path(value).is_absolute():
+            return value
+        return str(ctx.base / value)
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "string", "description": self.help}
+
+
+@dataclass(frozen=True)
+class Bool(Field):
+    help: str = ""
+
+    def parse(self, node: Node, ctx: Context) -> bool:
+        if not isinstance(node.value, bool):
+            raise self._wrong(node, "true or false")
+        return node.value
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "boolean", "description": self.help}
+
+
+@dataclass(frozen=True)
+class Int(Field):
+    help: str = ""
+    low: int = 0
+
+    def parse(self, node: Node, ctx: Context) -> int:
+        if isinstance(node.value, bool) or not isinstance(node.value, int):
+            raise self._wrong(node, "an integer")
+        if node.value < self.low:
+            raise node.error(f"{node.value} must be >= {self.low}")
+        return node.value
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "integer", "minimum": self.low, "description": self.help}
+
+
+@dataclass(frozen=True)
+class Float(Field):
+    help: str = ""
+    low: float = -math.inf
+    positive: bool = False  # > 0 rather than >= low
+
+    def parse(self, node: Node, ctx: Context) -> float:
+        if isinstance(node.value, bool) or not isinstance(node.value, int | float):
+            raise self._wrong(node, "a number")
+        value = float(node.value)
+        if not math.isfinite(value):
+            raise node.error(f"{node.value!r} must be a finite number")
+        if self.positive and value <= 0:
+            raise node.error(f"{node.value!r} must be > 0")
+        if value < self.low:
+            raise node.error(f"{node.value!r} must be >= {self.low}")
+        return value
+
+    def schema(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": "number", "description": self.help}
+        if self.positive:
+            out["exclusiveMinimum"] = 0
+        elif math.isfinite(self.low):
+            out["minimum"] = self.low
+        return out
+
+
+@dataclass(frozen=True)
+class Choice(Field):
+    choices: tuple[str, ...] = ()
+    help: str = ""
+
+    def parse(self, node: Node, ctx: Context) -> str:
+        if not isinstance(node.value, str):
+            raise self._wrong(node, f"one of {', '.join(self.choices)}")
+        if node.value not in self.choices:
+            raise node.error(f"{node.value!r} is not one of {', '.join(self.choices)}")
+        return node.value
+
+    def schema(self) -> dict[str, Any]:
+        return {"enum": list(self.choices), "description": self.help}
+
+
+@dataclass(frozen=True)
+class Duration(Field):
+    """Seconds, as a number or text such as ``"24h"``, ``"90s"``, ``"5m"``."""
+
+    help: str = ""
+
+    def parse(self, node: Node, ctx: Context) -> float:
+        from dask.utils import parse_timedelta
+
+        value = node.value
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise self._wrong(node, 'a duration (seconds, or text like "24h")')
+        try:
+            seconds = float(
+                parse_timedelta(
+                    substitute(node, ctx) if isinstance(value, str) else value, default="s"
+                )
+            )
+        except (ValueError, KeyError, TypeError):
+            raise node.error(
+                f'{value!r} is not a duration; write e.g. 90, "90s", "5m" or "24h"'
+            ) from None
+        if not math.isfinite(seconds) or seconds < 0:
+            raise node.error(f"{value!r} must be a duration >= 0")
+        return seconds
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": ["number", "string"], "description": self.help}
+
+
+@dataclass(frozen=True)
+class Size(Field):
+    """Bytes, as an integer or text such as ``"4 MiB"``."""
+
+    help: str = ""
+
+    def parse(self, node: Node, ctx: Context) -> int:
+        from dask.utils import parse_bytes
+
+        value = node.value
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise self._wrong(node, 'a size (bytes, or text like "4 MiB")')
+        try:
+            size = parse_bytes(substitute(node, ctx) if isinstance(value, str) else value)
+        except (ValueError, TypeError):
+            raise node.error(f'{value!r} is not a size; write e.g. 4194304 or "4 MiB"') from None
+        if size < 1:
+            raise node.error(f"{value!r} must be at least one byte")
+        return int(size)
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": ["integer", "string"], "description": self.help}
+
+
+@dataclass(frozen=True)
+class StepRange(Field):
+    """A half-open range of steps, ``"A:B"``."""
+
+    help: str = ""
+
+    def parse(self, node: Node, ctx: Context) -> range:
+        text = node.value
+        match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text) if isinstance(text, str) else None
+        if match is None:
+            raise node.error(f'{text!r} is not a step range; write "A:B" (half-open), e.g. "0:10"')
+        first, last = int(match.group(1)), int(match.group(2))
+        if last <= first:
+            raise node.error(f"step range {text!r} needs A < B")
+        return range(first, last)
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "string", "pattern": r"^\s*\d+\s*:\s*\d+\s*$", "description": self.help}
+
+
+@dataclass(frozen=True)
+class StrList(Field):
+    help: str = ""
+
+    def parse(self, node: Node, ctx: Context) -> list[str]:
+        if not isinstance(node.value, list) or not node.value:
+            raise self._wrong(node, "a non-empty list of strings")
+        return [Str().parse(item, ctx) for item in node.value]
+
+    def schema(self) -> dict[str, Any]:
+        return {
+            "type": "array",
+            "items": {"type": "string"},
+            "minItems": 1,
+            "description": self.help,
+        }
+
+
+@dataclass(frozen=True)
+class NumberMap(Field):
+    """A mapping of names to finite numbers > 0 (peer weights)."""
+
+    help: str = ""
+
+    def parse(self, node: Node, ctx: Context) -> dict[str, float]:
+        if not isinstance(node.value, dict) or not node.value:
+            raise self._wrong(node, "a mapping of names to numbers")
+        positive = Float(positive=True)
+        return {k: positive.parse(v, ctx) for k, v in node.value.items()}
+
+    def schema(self) -> dict[str, Any]:
+        return {
+            "type": "object",
+            "additionalProperties": {"type": "number", "exclusiveMinimum": 0},
+            "description": self.help,
+        }
+
+
+@dataclass(frozen=True)
+class Options(Field):
+    """fsspec storage options: a mapping of strings to scalars or nested mappings.
+
+    Values are substituted from the environment (credentials) and never printed.
+    """
+
+    help: str = ""
+
+    def parse(self, node: Node, ctx: Context) -> dict[str, Any]:
+        if not isinstance(node.value, dict):
+            raise self._wrong(node, "a mapping of storage options")
+        return {k: self._value(v, ctx) for k, v in node.value.items()}
+
+    def _value(self, node: Node, ctx: Context) -> Any:
+        if isinstance(node.value, dict):
+            return {k: self._value(v, ctx) for k, v in node.value.items()}
+        if isinstance(node.value, list):
+            return [self._value(v, ctx) for v in node.value]
+        if isinstance(node.value, str):
+            return substitute(node, ctx)
+        return node.value
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "object", "description": self.help}

@@ -1,0 +1,201 @@
+"""What each stage of a workflow does: one function per kind, calling gradpipe's operations.
+
+Every function takes the :class:`StageContext` (the store, the runner shared by
+all stages) and the stage's checked values, and returns the operation's
+:class:`~gradpipe.core.report.Report`. The stages that wrap a single operation
+are a line each; ``sample`` and ``snapshot`` have small reports of their own.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from gradpipe.core.report import Report
+    from gradpipe.graph.runner import Runner
+    from gradpipe.storage.store import Store
+
+__all__ = ["RUNNERS", "SampleReport", "SnapshotStageReport", "StageContext"]
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """What every stage shares: the store and the runner its graphs compute on."""
+
+    store: Store
+    runner: Runner
+
+
+@dataclass
+class SampleReport:
+    """What the ``sample`` stage did."""
+
+    directory: str
+    written: bool
+    dumps: int
+    states: int
+
+    @property
+    def ok(self) -> bool:
+        return True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": True,
+            "directory": self.directory,
+            "written": self.written,
+            "dumps": self.dumps,
+            "states": self.states,
+        }
+
+    def summary(self) -> str:
+        did = "wrote" if self.written else "found"
+        return f"{did} {self.dumps} sample dumps and {self.states} states in {self.directory}"
+
+
+@dataclass
+class SnapshotStageReport:
+    """What the ``snapshot`` stage did: versions taken, steps passed over, files refused."""
+
+    name: str
+    taken: list[dict[str, Any]] = field(default_factory=list)
+    #: Steps the chain has, or older than its newest (pruned ones included).
+    passed: list[int] = field(default_factory=list)
+    failures: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "name": self.name,
+            "taken": self.taken,
+            "passed": self.passed,
+            "failures": self.failures,
+        }
+
+    def summary(self) -> str:
+        lines = [
+            f"snapshot {self.name!r}: {len(self.taken)} versions taken, "
+            f"{len(self.passed)} steps not newer than the chain's newest, "
+            f"{len(self.failures)} failed"
+        ]
+        lines += [f"FAILED {f['path']}: {f['reason']}" for f in self.failures]
+        return "\n".join(lines)
+
+
+def _sample(ctx: StageContext, p: dict[str, Any]) -> Report:
+    from gradpipe.demo import DEMO_CONFIG
+    from gradpipe.testing.training import TrainingConfig, write_sample_run
+
+    root = Path(p["dir"])
+    base = DEMO_CONFIG
+    config = TrainingConfig(
+        vocab_size=base.vocab_size,
+        embed_dim=base.embed_dim,
+        hidden=base.hidden,
+        peers=p.get("peers", base.peers),
+        examples_per_peer=base.examples_per_peer,
+        steps=p.get("steps", base.steps),
+    )
+    written = not (root / "dumps").exists()
+    if written:  # idempotent: a second run finds the data and writes nothing
+        write_sample_run(root, config)
+    dumps = sum(1 for _ in (root / "dumps").glob("step=*/peer=*.safetensors"))
+    states = sum(1 for _ in (root / "state").glob("step=*.safetensors"))
+    return SampleReport(str(root), written, dumps, states)
+
+
+def _ingest(ctx: StageContext, p: dict[str, Any]) -> Report:
+    from gradpipe.ingest import ingest
+
+    pattern = p.pop("pattern")
+    return ingest(ctx.store, pattern, runner=ctx.runner, **p)
+
+
+def _rounds(ctx: StageContext, p: dict[str, Any]) -> Report:
+    from gradpipe.rounds import rounds
+
+    return rounds(ctx.store, **p)
+
+
+def _aggregate(ctx: StageContext, p: dict[str, Any]) -> Report:
+    from gradpipe.aggregate import aggregate
+
+    return aggregate(ctx.store, runner=ctx.runner, **p)
+
+
+def _snapshot(ctx: StageContext, p: dict[str, Any]) -> Report:
+    from gradpipe.errors import GradpipeError, InvalidInputError, NotFoundError
+    from gradpipe.formats.state_file import STATE_FILE_KEY, read_state_file
+    from gradpipe.graph.discover import parse_pattern
+    from gradpipe.snapshot import snapshot, snapshot_versions
+
+    name, pattern = p["name"], p["pattern"]
+    if "://" in pattern:
+        raise InvalidInputError(
+            f"snapshot stage: state files are read from local disk, not {pattern!r}"
+        )
+    report = SnapshotStageReport(name)
+    try:  # the chain only moves forward: a step it pruned is not taken again
+        newest = max(m.step for _, m in snapshot_versions(ctx.store, name))
+    except NotFoundError:
+        newest = -1
+    glob, regex = parse_pattern(pattern)
+    files = sorted(
+        (int(m.group("step")), str(path))
+        for path in Path("/").glob(glob.lstrip("/"))
+        if (m := regex.fullmatch(str(path))) is not None
+    )
+    for step, path in files:
+        if step <= newest:
+            report.passed.append(step)
+            continue
+        try:
+            state, info = read_state_file(path)
+            meta = {STATE_FILE_KEY: json.dumps(info.to_dict(), separators=(",", ":"))}
+            delta = p.get("delta", "int")
+            snapshot_id = snapshot(ctx.store, name, state, step=step, metadata=meta, delta=delta)
+        except (GradpipeError, OSError) as exc:
+            report.failures.append({"path": path, "step": step, "reason": str(exc)})
+            continue
+        report.taken.append({"step": step, "id": snapshot_id, "path": path})
+        newest = step
+    return report
+
+
+def _prune(ctx: StageContext, p: dict[str, Any]) -> Report:
+    from gradpipe.snapshot_prune import prune
+
+    return prune(ctx.store, p.pop("snapshot"), **p)
+
+
+def _gc(ctx: StageContext, p: dict[str, Any]) -> Report:
+    from gradpipe.storage.gc import gc
+
+    return gc(ctx.store, **p)
+
+
+def _verify(ctx: StageContext, p: dict[str, Any]) -> Report:
+    from gradpipe.storage.verify import verify
+
+    return verify(ctx.store, **p)
+
+
+#: The function of each stage kind (its keys are the kinds of ``spec.STAGES``; a test checks).
+RUNNERS: Final[dict[str, Callable[[StageContext, dict[str, Any]], Report]]] = {
+    "sample": _sample,
+    "ingest": _ingest,
+    "rounds": _rounds,
+    "aggregate": _aggregate,
+    "snapshot": _snapshot,
+    "prune": _prune,
+    "gc": _gc,
+    "verify": _verify,
+}
