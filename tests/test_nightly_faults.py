@@ -97,7 +97,8 @@ class Place:
                     self.sample.dump_path(step, peer),
                     f"{self.prefix}/dumps/step={step:04d}/peer={peer}.safetensors",
                 )
-            self.fs.put(self.sample.state_path(step), f"{self.prefix}/state/step={step:04d}.safetensors")
+            state = f"{self.prefix}/state/step={step:04d}.safetensors"
+            self.fs.put(self.sample.state_path(step), state)
 
     def job(self, proxy: FaultProxy) -> Nightly:
         return Nightly(
@@ -116,9 +117,7 @@ class Place:
         self.fs.invalidate_cache()
         found = self.fs.find(f"{self.prefix}/store", detail=True)
         return {
-            k: (str(v.get("ETag")), int(v["size"]))
-            for k, v in found.items()
-            if "/locks/" not in k
+            k: (str(v.get("ETag")), int(v["size"])) for k, v in found.items() if "/locks/" not in k
         }
 
 
@@ -151,9 +150,10 @@ def test_nights_through_faults_lose_nothing(
     counts = proxy.counts()
     assert set(counts) == set(KINDS), f"seed {SEED}: only {counts}"
     # Conditional PUTs (blocks, refs, locks) lost replies after landing, and survived.
-    assert proxy.counts_by_operation()[("drop", "CPUT")] + proxy.counts_by_operation()[
-        ("500", "CPUT")
-    ] > 0
+    assert (
+        proxy.counts_by_operation()[("drop", "CPUT")] + proxy.counts_by_operation()[("500", "CPUT")]
+        > 0
+    )
     # Run again: nothing new, nothing written.
     with proxy.paused():
         before = place.objects()

@@ -318,17 +318,17 @@ def commit_run(
             outcome["current"] = current
             # Everything is recorded as we would record it (a racing ingest of the
             # same files committed first): a swap would only add a history entry.
-            raise _Unchanged
+            raise _UnchangedError
         return merged
 
     # Publish under the client's lease (checked fresh first), not a new one of our own.
     with store.lock.join(lease):
         try:
             target = store.refs.update(run_ref(run), decide, message=message).target
-        except _Unchanged:
+        except _UnchangedError:
             target = outcome["current"]
     return CommitResult(target, outcome["accepted"], failures + outcome["refused"])
 
 
-class _Unchanged(Exception):
+class _UnchangedError(Exception):
     """A commit that would not change the run (raised by its ``decide`` to write nothing)."""

@@ -46,7 +46,7 @@ def from_url(url: str, path: str, storage_options: dict[str, Any]) -> S3Backend:
 def _is_transport_error(exc: BaseException) -> bool:
     """An error of the connection or the client, not an S3 answer: retries ran out."""
     from aiohttp import ClientError
-    from botocore.exceptions import BotoCoreError
+    from botocore.exceptions import BotoCoreError  # type: ignore[import-untyped]
 
     return isinstance(exc, OSError | asyncio.TimeoutError | BotoCoreError | ClientError)
 
@@ -111,7 +111,7 @@ class S3Backend(Backend):
         """An object's bytes and ETag; the GET is retried with the read of its body."""
         # s3fs's own wrapper, as its cat_file uses it: a body cut short (Content-Length
         # not met) is retried as a whole GET, with the filesystem's ``retries``.
-        from s3fs.core import _error_wrapper
+        from s3fs.core import _error_wrapper  # type: ignore[import-untyped]
 
         async def get_and_read() -> tuple[bytes, str]:
             response = await self._call("get_object", Key=self._key(key))

@@ -80,7 +80,8 @@ _ERRORS: Final = {
     "503": (503, "SlowDown", "Please reduce your request rate."),
 }
 _HOP_BY_HOP: Final = frozenset(
-    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade"}
+    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding"}
+    | {"upgrade"}
 )
 
 
@@ -152,7 +153,7 @@ class FaultProxy:
         self.injected: list[InjectedFault] = []
         self.requests: Counter[str] = Counter()  # by operation, every request received
         self._port = port
-        self._random = random.Random(seed)
+        self._random = random.Random(seed)  # noqa: S311 (reproducible faults, not secrets)
         self._table: dict[str, list[tuple[str, float]]] = {}
         self._paused = 0
         self._holds: list[Hold] = []
@@ -334,13 +335,23 @@ class _Handler(BaseHTTPRequestHandler):
     owner: FaultProxy
     protocol_version = "HTTP/1.1"  # keep-alive, as S3 does
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: Any) -> None:
         pass  # quiet: thousands of requests
 
     def do_GET(self) -> None:
         self._serve()
 
-    do_PUT = do_POST = do_DELETE = do_HEAD = do_GET
+    def do_PUT(self) -> None:
+        self._serve()
+
+    def do_POST(self) -> None:
+        self._serve()
+
+    def do_DELETE(self) -> None:
+        self._serve()
+
+    def do_HEAD(self) -> None:
+        self._serve()
 
     def _serve(self) -> None:
         body = self._read_body()
@@ -389,7 +400,7 @@ class _Handler(BaseHTTPRequestHandler):
     # --- the wire ---------------------------------------------------------------------
     def _read_body(self) -> bytes:
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            parts = []
+            parts: list[bytes] = []
             while True:
                 size = int(self.rfile.readline().split(b";", 1)[0].strip() or b"0", 16)
                 if size == 0:

@@ -20,6 +20,7 @@ in a process of its own (what crash and race tests kill or start twice).
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import tempfile
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
     from gradpipe.graph.runner import Runner
     from gradpipe.storage.store import Store
-    from gradpipe.testing.training import SampleRun
+    from gradpipe.testing.training import RunFiles
 
 __all__ = ["Nightly", "NightlyReport", "check_nightly", "run_nightly"]
 
@@ -119,7 +120,7 @@ def run_nightly(job: Nightly, *, runner: Runner | None = None) -> NightlyReport:
 def check_nightly(
     store: Store,
     job: Nightly,
-    sample: SampleRun,
+    sample: RunFiles,
     *,
     steps: list[int] | None = None,
     reference: Store | None = None,
@@ -132,7 +133,8 @@ def check_nightly(
     ``job.aggregate``, not stale, whose export is bit-exact against the one in
     ``reference`` (the same job run without faults); the snapshot chain holds
     exactly the newest ``keep_last`` steps, each restored bit-exact against
-    its state file; no ref history repeats an entry (a commit made twice).
+    its state file (as :func:`run_nightly` or ``gradpipe run``'s snapshot stage
+    keeps it); no ref history repeats an entry (a commit made twice).
     An empty list means nothing was lost, doubled or damaged.
     """
     import gradpipe as gp
@@ -158,7 +160,7 @@ def check_nightly(
     problems += _check_snapshots(store, job, sample, steps, read_safetensors)
     for ref in (f"runs/{job.run}", f"snapshots/{job.snapshot}"):
         targets = [e.target for e in store.refs.history(ref)]
-        doubled = [t for a, t in zip(targets, targets[1:], strict=False) if a == t]
+        doubled = [t for a, t in itertools.pairwise(targets) if a == t]
         if doubled:
             problems.append(f"ref {ref} recorded {doubled[0]} twice in a row (a doubled commit)")
     return problems
@@ -190,7 +192,7 @@ def _check_aggregates(
 
 
 def _check_snapshots(
-    store: Store, job: Nightly, sample: SampleRun, steps: list[int], read: Any
+    store: Store, job: Nightly, sample: RunFiles, steps: list[int], read: Any
 ) -> list[str]:
     import gradpipe as gp
 
@@ -200,6 +202,8 @@ def _check_snapshots(
     for step in sorted(set(kept) & set(want)):
         tensors, meta = read(sample.state_path(step))
         state = gp.restore(store, job.snapshot, step=step)
+        if "tensors" not in state:  # written by `gradpipe run`'s snapshot stage: the file's tensors
+            state = {"tensors": state, "metadata": meta}
         if state["metadata"] != meta or not _same(state["tensors"], tensors):
             problems.append(f"snapshot of step {step} differs from its state file")
     return problems
@@ -220,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     job = Nightly.from_json(Path(args[0]).read_text(encoding="utf-8"))
     report = run_nightly(job)
-    print(json.dumps(report.to_dict(), default=str))  # noqa: T201
+    print(json.dumps(report.to_dict(), default=str))
     return 0 if report.ok else 1
 
 
