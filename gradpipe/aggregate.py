@@ -16,11 +16,10 @@ import math
 import secrets
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
-from dask.utils import format_bytes
-
+from gradpipe.aggregate_report import AggregateReport, StepOutcome
+from gradpipe.aggregate_server import SERVER_METHODS, apply_server_steps, parse_server_options
 from gradpipe.core.aggregate import AggregationMethod
 from gradpipe.core.aggregate_input import check_byzantine, parse_weights, where
 from gradpipe.core.aggregate_manifest import AggregateInput, AggregateManifest, aggregate_key
@@ -34,12 +33,9 @@ from gradpipe.graph.aggregate import StepPlan, TensorPlan, build_aggregate_graph
 from gradpipe.graph.aggregate_tasks import AggregateCommit, CommitGuard, StepFailure, StepSpec
 from gradpipe.graph.runner import Runner, use_runner
 from gradpipe.rounds import claim_aggregation, release_aggregation, step_rounds
-from gradpipe.storage.blocks import WriteStats
+from gradpipe.snapshot import snapshot_head
 from gradpipe.storage.catalog import read_rounds, read_run
 from gradpipe.storage.store import Store
-
-if TYPE_CHECKING:
-    from gradpipe.core.report import Report
 
 __all__ = ["METHODS", "AggregateReport", "StepOutcome", "aggregate"]
 
@@ -55,6 +51,7 @@ METHODS: Final = (
     "multi-krum",
     "bulyan",
     "dp-fedavg",
+    *SERVER_METHODS,
 )
 
 #: Methods that weigh every peer equally (``weights`` and ``num_examples`` do not apply).
@@ -68,105 +65,6 @@ _UNWEIGHTED: Final = frozenset(
         AggregationMethod.DP_FEDAVG,
     }
 )
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """What happened to one step: computed, memoised, skipped (with the reason) or failed."""
-
-    step: int
-    status: str
-    aggregate: str | None = None
-    reason: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"step": self.step, "status": self.status}
-        if self.aggregate is not None:
-            out["aggregate"] = self.aggregate
-        if self.reason:
-            out["reason"] = self.reason
-        return out
-
-
-@dataclass
-class AggregateReport:
-    """What an aggregate call did, per step, and what it wrote."""
-
-    run: str
-    name: str
-    method: str
-    run_id: str | None = None
-    steps: list[StepOutcome] = field(default_factory=list)
-    writes: WriteStats = field(default_factory=WriteStats)
-    logical_bytes: int = 0
-    seconds: float = 0.0
-
-    def _count(self, status: str) -> int:
-        return sum(1 for s in self.steps if s.status == status)
-
-    @property
-    def computed(self) -> int:
-        return self._count("computed")
-
-    @property
-    def memoised(self) -> int:
-        return self._count("memoised")
-
-    @property
-    def skipped(self) -> int:
-        return self._count("skipped")
-
-    @property
-    def failed(self) -> int:
-        return self._count("failed")
-
-    @property
-    def ok(self) -> bool:
-        """True when no step failed."""
-        return self.failed == 0
-
-    def aggregate_id(self, step: int) -> str | None:
-        """The id of the aggregate of ``step`` (computed or memoised), if any."""
-        return next((s.aggregate for s in self.steps if s.step == step), None)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able form (what ``gradpipe aggregate --json`` prints)."""
-        return {
-            "ok": self.ok,
-            "run": self.run,
-            "run_id": self.run_id,
-            "name": self.name,
-            "method": self.method,
-            "computed": self.computed,
-            "memoised": self.memoised,
-            "skipped": self.skipped,
-            "failed": self.failed,
-            "steps": [s.to_dict() for s in self.steps],
-            "logical_bytes": self.logical_bytes,
-            "stored_bytes": self.writes.stored_bytes,
-            "blocks_written": self.writes.blocks_written,
-            "blocks_reused": self.writes.blocks_reused,
-            "seconds": round(self.seconds, 3),
-        }
-
-    def summary(self) -> str:
-        """A few lines for people."""
-        lines = [
-            f"run {self.run!r}, aggregate {self.name!r} ({self.method}): {self.computed} steps "
-            f"computed, {self.memoised} memoised, {self.skipped} skipped, "
-            f"{self.failed} failed",
-            f"{format_bytes(self.logical_bytes)} computed -> "
-            f"{format_bytes(self.writes.stored_bytes)} new stored, "
-            f"blocks written {self.writes.blocks_written}, reused "
-            f"{self.writes.blocks_reused}; {self.seconds:.1f} s",
-        ]
-        lines += [f"FAILED step {s.step}: {s.reason}" for s in self.steps if s.status == "failed"]
-        lines += [
-            f"skipped step {s.step}: {s.reason}"
-            for s in self.steps
-            if s.status == "skipped" and s.reason
-        ]
-        return "\n".join(lines)
 
 
 def aggregate(
@@ -190,6 +88,14 @@ def aggregate(
     split_every: int | None = None,
     force: bool = False,
     runner: Runner | None = None,
+    snapshot: str | None = None,
+    server_lr: float | None = None,
+    momentum: float | None = None,
+    beta1: float | None = None,
+    beta2: float | None = None,
+    tau: float | None = None,
+    initial_accumulator: float | None = None,
+    bias_correction: bool = False,
 ) -> AggregateReport:
     """Aggregate the dumps of each step of ``run`` over its peers, and record the results.
 
@@ -262,6 +168,17 @@ def aggregate(
         live aggregation has claimed is skipped even so.
     runner : Runner, optional
         Where the graph runs (default: local threads).
+    snapshot, server_lr : str, float
+        The server optimizers (``sgd``, ``fedavgm``, ``fedadagrad``,
+        ``fedadam``, ``fedyogi``): the FedAvg of each step (``weights``,
+        ``clip_norm`` and ``clip_aggregate`` as for ``fedavg``) is recorded
+        as ``name``, with the optimizer's config in its params, then steps the
+        newest snapshot of the chain ``snapshot`` with learning rate
+        ``server_lr``, writing the next snapshot at that step, in step order
+        (:mod:`gradpipe.aggregate_server`; a step is applied once per chain).
+    momentum, beta1, beta2, tau, initial_accumulator, bias_correction
+        The server optimizer's hyperparameters (defaults of Reddi et al.:
+        :class:`~gradpipe.core.server_opt.ServerOptimizerConfig`).
 
     Returns
     -------
@@ -275,8 +192,21 @@ def aggregate(
     """
     store.check_writable()
     started = time.perf_counter()
-    chosen = _parse_method(method)
-    label = parse_name(name if name is not None else chosen.value, what="aggregate name")
+    server = parse_server_options(
+        method,
+        snapshot=snapshot,
+        server_lr=server_lr,
+        momentum=momentum,
+        beta1=beta1,
+        beta2=beta2,
+        tau=tau,
+        initial_accumulator=initial_accumulator,
+        bias_correction=bias_correction,
+    )
+    if server is not None:  # the chain must exist before anything is computed
+        snapshot_head(store, server.snapshot)
+    chosen = AggregationMethod.FEDAVG if server is not None else _parse_method(method)
+    label = parse_name(name if name is not None else method, what="aggregate name")
     fan = parse_split_every(split_every)
     params = _parse_params(
         chosen,
@@ -291,8 +221,10 @@ def aggregate(
         target_quantile=target_quantile,
         clip_lr=clip_lr,
     )
+    if server is not None:  # in the memo key: other settings are another aggregate
+        params["server_optimizer"] = server.config.to_dict()
     run_id, recorded = read_run(store, run)
-    report = AggregateReport(run, label, chosen.value, run_id=run_id)
+    report = AggregateReport(run, label, method if server else chosen.value, run_id=run_id)
     wanted = _parse_steps(recorded, steps, report)
     wanted, excluded = _ready(store, recorded, wanted, force=force, report=report)
     dumps = _load_dumps(store, recorded, wanted)
@@ -350,6 +282,8 @@ def aggregate(
         finally:
             release_aggregation(store, run, claim)
     report.steps.sort(key=lambda s: s.step)
+    if server is not None:
+        apply_server_steps(store, report, server, runner)
     report.seconds = time.perf_counter() - started
     return report
 
@@ -782,8 +716,3 @@ def _add_commit(report: AggregateReport, result: AggregateCommit) -> None:
 
 def _failed(failure: StepFailure) -> StepOutcome:
     return StepOutcome(failure.step, "failed", reason=failure.reason)
-
-
-if TYPE_CHECKING:
-    # mypy checks that the report has the shape every operation's report shares.
-    _IS_A_REPORT: type[Report] = AggregateReport

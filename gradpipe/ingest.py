@@ -18,6 +18,7 @@ from numcodecs.abc import Codec
 
 from gradpipe.config import get_bytes
 from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL, ChainTotals, parse_keyframe_interval
+from gradpipe.core.html import ReportHtml
 from gradpipe.core.names import parse_name
 from gradpipe.core.run_manifest import RunManifest, TensorSchema
 from gradpipe.errors import InvalidInputError, NotFoundError
@@ -53,7 +54,7 @@ _DELTAS_PAY = 0.05
 
 
 @dataclass
-class IngestReport:
+class IngestReport(ReportHtml):
     """What an ingest did: counts, bytes, failures, and the run it committed."""
 
     run: str
@@ -262,6 +263,10 @@ def ingest(
         Show a progress bar (and the dashboard link, when there is one).
     codecs : sequence of numcodecs codecs, optional
         A fixed codec chain; by default the lossless policy picks per chunk.
+        It may start with one lossy codec (``gradpipe.codecs.registry.make_codec("bf16")``):
+        float tensors are then stored lossily, each marked in its manifest with
+        the codec's bound and the error measured (``dump.info(name).lossy``),
+        and the run lists the dump as lossy; integer tensors stay exact.
     storage_options : dict, optional
         fsspec options for reading the dump files.
     replace : bool
@@ -358,6 +363,9 @@ def _chain_settings(
     chunk_bytes: int | None,
 ) -> ChainSettings | None:
     """How a ``delta`` ingest chains, validated before any file is read; None without it."""
+    from gradpipe.codecs._lossy import check_chain
+
+    check_chain(codecs)  # a misplaced lossy codec fails here, not on every dump
     if not delta:
         return None
     if kind not in DELTA_KINDS:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradpipe.config import get_seconds
 from gradpipe.core.aggregate_manifest import AggregateManifest
+from gradpipe.core.html import ReportHtml
 from gradpipe.core.names import parse_name
 from gradpipe.core.rounds import (
     PeerFailure,
@@ -56,7 +57,7 @@ __all__ = [
 
 
 @dataclass
-class RoundsReport:
+class RoundsReport(ReportHtml):
     """The rounds of a run: roster, policy, every step's state and its peers' statuses."""
 
     run: str

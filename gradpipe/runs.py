@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gradpipe.core.aggregate_manifest import AggregateManifest, stale_reason
+from gradpipe.core.html import human_bytes, key_values, table
 from gradpipe.core.names import parse_name
 from gradpipe.core.run_manifest import (
     AggregateEntry,
@@ -76,6 +77,31 @@ class Run:
 
     def __iter__(self) -> Iterator[DumpEntry]:
         return iter(self.manifest.dumps)
+
+    def __repr__(self) -> str:
+        return (
+            f"<gradpipe.Run {self.name!r}: {len(self)} dumps, steps {_span(self.steps)}, "
+            f"{len(self.peers)} peers, {len(self.manifest.schema)} tensors>"
+        )
+
+    def _repr_html_(self) -> str:
+        names = sorted({a.name for a in self.manifest.aggregates})
+        tensors = table(
+            ["tensor", "dtype", "shape"],
+            [(n, t.dtype, list(t.shape)) for n, t in self.manifest.schema.items()],
+        )
+        return key_values(
+            f"run {self.name!r}",
+            {
+                "store": self.store.url,
+                "dumps": len(self),
+                "steps": _span(self.steps),
+                "peers": ", ".join(self.peers[:12]) + (" …" if len(self.peers) > 12 else ""),
+                "aggregates": ", ".join(names) or "none",
+                "id": self.id,
+            },
+            tensors,
+        )
 
     def __len__(self) -> int:
         return len(self.manifest.dumps)
@@ -206,6 +232,29 @@ class _TensorSet(ABC):
             [infos[n] for n in wanted], contexts=[self._where(n) for n in wanted]
         )
 
+    def __repr__(self) -> str:
+        return f"<gradpipe.{type(self).__name__} {self._label()}: {len(self.names)} tensors>"
+
+    def _tensor_rows(self) -> list[tuple[object, ...]]:
+        """Per tensor: dtype, shape, raw size, stored encoding; from manifests only."""
+        rows: list[tuple[object, ...]] = []
+        for name, info in self.infos().items():
+            encoding = "lossy" if not info.exact else "delta" if info.deltas else "full"
+            rows.append(
+                (
+                    name,
+                    info.dtype,
+                    list(info.shape),
+                    human_bytes(info.nbytes),
+                    len(info.blocks),
+                    encoding,
+                )
+            )
+        return rows
+
+    def _tensors_html(self) -> str:
+        return table(["tensor", "dtype", "shape", "raw", "chunks", "encoding"], self._tensor_rows())
+
     @abstractmethod
     def _label(self) -> str:
         """How messages name this set of tensors ("dump of step 3, peer 'a'")."""
@@ -223,7 +272,7 @@ class _TensorSet(ABC):
             ) from None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)  # _TensorSet's one-line repr
 class Dump(_TensorSet):
     """A read-only view of one dump: tensors, metadata, provenance."""
 
@@ -246,8 +295,15 @@ class Dump(_TensorSet):
     def _label(self) -> str:
         return f"step {self.step}, peer {self.peer!r}"
 
+    def _repr_html_(self) -> str:
+        return key_values(
+            f"dump of {self._label()}",
+            {"id": self.id, **self.metadata, **{f"source {k}": v for k, v in self.source.items()}},
+            self._tensors_html(),
+        )
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, repr=False)  # _TensorSet's one-line repr
 class Aggregate(_TensorSet):
     """A read-only view of one aggregate: tensors, method, parameters, inputs.
 
@@ -297,6 +353,20 @@ class Aggregate(_TensorSet):
 
     def _label(self) -> str:
         return f"aggregate {self.name!r} of step {self.step}"
+
+    def _repr_html_(self) -> str:
+        peers = ", ".join(f"{p} ({w:g})" for p, w in self.weights.items())
+        return key_values(
+            self._label(),
+            {
+                "method": self.method,
+                "peers (weight)": peers,
+                "params": self.params,
+                "stale": self.stale or "no",
+                "id": self.id,
+            },
+            self._tensors_html(),
+        )
 
 
 def export_dump(store: Store, run: str, step: int, peer: str, path: str | os.PathLike[str]) -> Dump:

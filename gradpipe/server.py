@@ -15,37 +15,77 @@ next snapshot of that chain:
      "server_optimizer": {"m": {name: array}, "v": {name: array},  # per the optimizer
                           "t": rounds_applied, "config": ServerOptimizerConfig.to_dict()}}
 
-The first snapshot of the chain may hold only ``{"params": ...}``: the
-optimizer's state is then initialised (:func:`~gradpipe.core.server_opt.init_server_state`).
+The first snapshot of the chain may hold only ``{"params": ...}``, or a flat
+``{name: array}`` (``gradpipe snapshot`` of a safetensors or npz file), taken as
+the parameters: the optimizer's state is then initialised
+(:func:`~gradpipe.core.server_opt.init_server_state`).
 FedAdam and FedYogi follow Reddi et al. and have **no bias correction** unless
 ``bias_correction=True`` is passed (Flower's FedAdam corrects it).
+
+Out of core: the step is a Dask graph (:mod:`gradpipe.graph.server`) with one
+task per chunk of the parameters, which reads that chunk of the parameters, of
+the update and of the state, steps, and writes the new chunks as the next
+version of the old ones (deltas against their keyframes, as :func:`gp.snapshot
+<gradpipe.snapshot.snapshot>` writes them). The math is element-wise, so the
+result is the same bits as :func:`~gradpipe.core.server_opt.server_step` on
+whole tensors. The snapshot is published by one compare-and-swap of its ref
+once every chunk is written: a failure anywhere leaves the chain as it was.
+
+Idempotence. A server optimizer is stateful: applying one round twice moves
+the parameters twice and counts the round twice. So a chain applies each step
+of a run **at most once**: every snapshot a server step writes records the run,
+step, aggregate and aggregate id in its metadata, and asking again for a step
+the chain already applied returns that snapshot (``memoised``) when it came
+from the same aggregate with the same optimizer settings, and is refused
+otherwise (the aggregate was recomputed, or other settings were asked for:
+start a new chain from the parameters to apply it differently). Steps apply in
+order: a step older than the chain's newest snapshot is refused.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-import numpy as np
-
+from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
+from gradpipe.core.dtypes import is_float, parse_dtype
+from gradpipe.core.manifest import manifest_id
 from gradpipe.core.names import parse_name
-from gradpipe.core.server_opt import (
-    ServerOptimizer,
-    ServerOptimizerConfig,
-    init_server_state,
-    server_step,
+from gradpipe.core.server_opt import ServerOptimizer, ServerOptimizerConfig, state_dtype
+from gradpipe.core.snapshot_manifest import SnapshotManifest
+from gradpipe.core.state import ArraySpec, flatten_skeleton, state_skeleton
+from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.errors import ConflictError, IntegrityError, InvalidInputError
+from gradpipe.graph.runner import Runner, use_runner
+from gradpipe.runs import Aggregate, open_run
+from gradpipe.snapshot import (
+    commit_snapshot,
+    snapshot_head,
+    snapshot_tensor,
+    snapshot_versions,
 )
-from gradpipe.errors import InvalidInputError
-from gradpipe.runs import open_run
-from gradpipe.snapshot import restore
-from gradpipe.snapshot import snapshot as write_snapshot
+from gradpipe.storage.blocks import WriteStats
 
 if TYPE_CHECKING:
+    from gradpipe.graph.aggregate_tasks import TensorOut
+    from gradpipe.graph.server import NewArray, ServerPlan, TensorStep
     from gradpipe.storage.store import Store
 
-__all__ = ["apply_server_update"]
+__all__ = ["ServerUpdate", "apply_server_update", "parse_server_config", "server_update"]
 
 _STATE_KEYS: Final = frozenset({"params", "server_optimizer"})
+#: Rebuilds after another writer moved the chain while the step was computed.
+_MAX_ATTEMPTS: Final = 4
+
+
+@dataclass(frozen=True)
+class ServerUpdate:
+    """What one server step did: ``applied`` (a new snapshot) or ``memoised`` (found)."""
+
+    status: str
+    snapshot_id: str
+    writes: WriteStats = field(default_factory=WriteStats)
 
 
 def apply_server_update(
@@ -57,19 +97,19 @@ def apply_server_update(
     snapshot: str,
     optimizer: str = "sgd",
     lr: float,
+    runner: Runner | None = None,
     **hyperparams: float | bool | None,
 ) -> str:
     """Apply the aggregate of ``(run, step)`` to the newest snapshot of ``snapshot``.
 
     Reads the aggregate named ``aggregate`` of ``step`` as the pseudo-gradient
-    ``g``, restores the newest snapshot of ``snapshot``, applies one server
-    optimizer step per tensor and writes the result as the next snapshot of
-    ``snapshot`` at ``step``; returns its id. Tensors of the parameters that
-    the aggregate lacks are carried over unchanged, with their state.
-
-    This step reads and computes whole tensors in memory: it is not out of core
-    yet (the math, :func:`~gradpipe.core.server_opt.server_step`, is element-wise,
-    so a chunked version can follow).
+    ``g`` and applies one server optimizer step to the parameters and state of
+    the newest snapshot of ``snapshot``, chunk by chunk on a Dask graph, and
+    writes the result as the next snapshot of ``snapshot`` at ``step``;
+    returns its id. Tensors of the parameters that the aggregate lacks are
+    carried over unchanged, with their state. A step the chain already applied
+    from this aggregate returns that snapshot's id (see the module's notes on
+    idempotence).
 
     Parameters
     ----------
@@ -86,6 +126,8 @@ def apply_server_update(
         The server optimizer. It must be the one whose state the snapshot holds.
     lr : float
         The server learning rate η.
+    runner : Runner, optional
+        Where the graph runs (default: local threads).
     **hyperparams
         Other fields of :class:`~gradpipe.core.server_opt.ServerOptimizerConfig`
         (``momentum``, ``beta1``, ``beta2``, ``tau``, ``initial_accumulator``,
@@ -96,60 +138,33 @@ def apply_server_update(
     Raises
     ------
     InvalidInputError
-        For a bad optimizer or hyperparameter, a snapshot state of another shape
-        or optimizer, or an aggregate tensor missing from the parameters or of
-        another shape; nothing is written.
+        For a bad optimizer or hyperparameter; a snapshot state of another
+        shape or optimizer; an aggregate tensor missing from the parameters, of
+        another shape, or not finite; a stale aggregate (a dump it used was
+        replaced: re-run ``gradpipe aggregate --force``); a step the chain
+        applied already from another aggregate or with other settings, or one
+        older than its newest snapshot; a step that leaves non-finite values.
+        Nothing is written.
     NotFoundError
         If the run, its aggregate or the snapshot chain does not exist.
     """
-    parse_name(snapshot, what="snapshot name")
-    config = _config(optimizer, lr, hyperparams)
-    view = open_run(store, run).aggregate(aggregate, step=step)
-    state = restore(store, snapshot)
-    params, opt_state, t = _parse_state(state, snapshot, config)
-    grads = view.read_all()
-    for name, grad in grads.items():
-        if name not in params:
-            raise InvalidInputError(
-                f"server update: aggregate {aggregate!r} of step {step} has tensor {name!r}, "
-                f"which snapshot {snapshot!r} has not (parameters: {', '.join(sorted(params))})"
-            )
-        if params[name].shape != grad.shape:
-            raise InvalidInputError(
-                f"server update: tensor {name!r} has shape {list(grad.shape)} in aggregate "
-                f"{aggregate!r} of step {step} but {list(params[name].shape)} in snapshot "
-                f"{snapshot!r}"
-            )
-    new_params: dict[str, np.ndarray] = {}
-    new_state: dict[str, dict[str, np.ndarray]] = {k: {} for k in config.state_names}
-    for name, value in params.items():
-        own = {k: opt_state[k][name] for k in config.state_names}
-        new_params[name] = value
-        if name in grads:
-            try:
-                new_params[name], own = server_step(value, grads[name], own, config, t=t + 1)
-            except InvalidInputError as exc:
-                raise InvalidInputError(f"server update: tensor {name!r}: {exc}") from None
-        for k in config.state_names:
-            new_state[k][name] = own[k]
-    server: dict[str, Any] = {**new_state, "t": t + 1, "config": config.to_dict()}
-    return write_snapshot(
+    config = parse_server_config(optimizer, lr, hyperparams)
+    done = server_update(
         store,
-        snapshot,
-        {"params": new_params, "server_optimizer": server},
+        run=run,
         step=step,
-        metadata={
-            "run": run,
-            "aggregate": aggregate,
-            "aggregate_id": view.id,
-            "server_optimizer": config.method.value,
-        },
+        aggregate=aggregate,
+        snapshot=snapshot,
+        config=config,
+        runner=runner,
     )
+    return done.snapshot_id
 
 
-def _config(
+def parse_server_config(
     optimizer: str, lr: float, hyperparams: Mapping[str, float | bool | None]
 ) -> ServerOptimizerConfig:
+    """The server optimizer's config, checked (``hyperparams`` left None are the defaults)."""
     try:
         method = ServerOptimizer(optimizer)
     except ValueError:
@@ -157,40 +172,332 @@ def _config(
         raise InvalidInputError(
             f"server update: unknown optimizer {optimizer!r} (one of {known})"
         ) from None
-    return ServerOptimizerConfig.from_dict({"method": method, "lr": lr, **hyperparams})
+    given = {k: v for k, v in hyperparams.items() if v is not None}
+    return ServerOptimizerConfig.from_dict({"method": method, "lr": lr, **given})
+
+
+def server_update(
+    store: Store,
+    *,
+    run: str,
+    step: int,
+    aggregate: str,
+    snapshot: str,
+    config: ServerOptimizerConfig,
+    runner: Runner | None = None,
+) -> ServerUpdate:
+    """:func:`apply_server_update` with a parsed config, saying whether it applied or found it."""
+    store.check_writable()
+    parse_name(snapshot, what="snapshot name")
+    view = open_run(store, run).aggregate(aggregate, step=step)
+    updates = _check_aggregate(view, run)
+    with store.writing(f"server update {snapshot}"), use_runner(runner) as active:
+        for _ in range(_MAX_ATTEMPTS):
+            head_id, head = snapshot_head(store, snapshot)
+            found = _already_applied(store, snapshot, run=run, step=step, view=view, config=config)
+            if found is not None:
+                return ServerUpdate("memoised", found)
+            if head.step > step:
+                raise InvalidInputError(
+                    f"server update: snapshot {snapshot!r} is at step {head.step}, after step "
+                    f"{step} of run {run!r}: server steps apply in order; start a new chain to "
+                    "apply older steps"
+                )
+            plan, tree, keys = _plan(
+                store, snapshot, head, step=step, updates=updates, config=config
+            )
+            outs = _compute(store, plan, active)
+            writes = WriteStats()
+            tensors: dict[str, str] = {}
+            embedded: dict[str, TensorManifest] = {}
+            for key in keys:
+                writes.add(outs[key].stats)
+                tensor_id = manifest_id(outs[key].manifest)
+                tensors[key] = tensor_id
+                embedded[tensor_id] = outs[key].manifest
+            metadata = {
+                "run": run,
+                "aggregate": aggregate,
+                "aggregate_id": view.id,
+                "server_optimizer": config.method.value,
+            }
+            try:
+                snapshot_id = commit_snapshot(
+                    store,
+                    snapshot,
+                    previous=head_id,
+                    step=step,
+                    tree=tree,
+                    tensors=tensors,
+                    embedded=embedded,
+                    metadata=metadata,
+                )
+            except ConflictError:
+                continue  # another writer moved the chain: step again from its snapshot
+            return ServerUpdate("applied", snapshot_id, writes)
+    raise ConflictError(
+        f"server update: other writers moved snapshot {snapshot!r} {_MAX_ATTEMPTS} times in a "
+        "row while this step was computed; retry"
+    )
+
+
+def _compute(store: Store, plan: ServerPlan, runner: Runner) -> dict[str, TensorOut]:
+    from gradpipe.graph.aggregate_tasks import TensorOut
+    from gradpipe.graph.server import build_server_graph
+
+    graph, keys = build_server_graph(store, plan)
+    results = runner.get(graph, [k for _, k in keys], name="gradpipe-server")
+    out = {}
+    for (array, _), result in zip(keys, results, strict=True):
+        if not isinstance(result, TensorOut):  # our own graph's invariant
+            raise TypeError(f"the tensor task of {array} returned {type(result).__name__}")
+        out[array] = result
+    return out
+
+
+def _check_aggregate(view: Aggregate, run: str) -> dict[str, TensorManifest]:
+    """The aggregate's tensors, refused if stale or not finite (from its stats: reads nothing)."""
+    label = f"aggregate {view.name!r} of step {view.step} of run {run!r}"
+    if view.stale is not None:
+        raise InvalidInputError(
+            f"server update: {label} is stale ({view.stale}): it no longer matches the dumps the "
+            f"run records; re-run `gradpipe aggregate --force` for step {view.step} first"
+        )
+    infos = view.infos()
+    for name, info in infos.items():
+        summary = info.summary()
+        if summary.nan or summary.inf:
+            raise InvalidInputError(
+                f"server update: tensor {name!r} of {label} holds {summary.nan} NaN and "
+                f"{summary.inf} infinite values; a server step needs a finite update"
+            )
+    return infos
+
+
+def _already_applied(
+    store: Store,
+    snapshot: str,
+    *,
+    run: str,
+    step: int,
+    view: Aggregate,
+    config: ServerOptimizerConfig,
+) -> str | None:
+    """The snapshot that applied ``step`` of ``run`` to the chain already, if any (checked)."""
+    for snapshot_id, manifest in snapshot_versions(store, snapshot):
+        if manifest.step < step:
+            return None  # steps apply in order: older versions hold older steps
+        meta = manifest.metadata
+        if manifest.step != step or meta.get("run") != run or "aggregate_id" not in meta:
+            continue
+        where = f"step {step} of run {run!r} was applied to snapshot {snapshot!r} already"
+        if meta["aggregate_id"] != view.id:
+            raise InvalidInputError(
+                f"server update: {where}, from aggregate {meta.get('aggregate')!r} "
+                f"{meta['aggregate_id']}, not {view.name!r} {view.id}; a chain applies each "
+                "step once (the optimizer's state moved on): start a new chain from its "
+                "parameters to apply it again"
+            )
+        recorded = _recorded_config(manifest)
+        if recorded != config.to_dict():
+            raise InvalidInputError(
+                f"server update: {where} with {recorded}, not {config.to_dict()}; a chain "
+                "applies each step once: start a new chain to apply it with other settings"
+            )
+        return snapshot_id
+    return None
+
+
+def _recorded_config(manifest: SnapshotManifest) -> dict[str, Any] | None:
+    """The optimizer config a snapshot's state records (from its skeleton: reads no array)."""
+    try:
+        server = state_skeleton(manifest.state).get("server_optimizer")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    config = server.get("config") if isinstance(server, Mapping) else None
+    return dict(config) if isinstance(config, Mapping) else None
+
+
+def _plan(
+    store: Store,
+    snapshot: str,
+    head: SnapshotManifest,
+    *,
+    step: int,
+    updates: Mapping[str, TensorManifest],
+    config: ServerOptimizerConfig,
+) -> tuple[ServerPlan, dict[str, Any], list[str]]:
+    """The step to compute from ``head``: the plan, the new state's tree and its array keys.
+
+    Everything is checked here, from manifests, before a chunk is read.
+    """
+    from gradpipe.graph.server import ServerPlan
+
+    try:
+        skeleton = state_skeleton(head.state)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise IntegrityError(
+            f"snapshot {snapshot!r} at step {head.step} has a damaged state skeleton: {exc!r}"
+        ) from None
+    params, stored, t = _parse_state(skeleton, snapshot, config)
+    _check_updates(params, updates, snapshot, step, config)
+    dtypes = _state_dtypes(params, stored, updates, config)
+    new = {
+        "params": {n: ArraySpec(p.dtype, p.shape) for n, p in params.items()},
+        "server_optimizer": {
+            **{
+                k: {n: ArraySpec(dtypes[k][n], p.shape) for n, p in params.items()}
+                for k in config.state_names
+            },
+            "t": t + 1,
+            "config": config.to_dict(),
+        },
+    }
+    tree, specs = flatten_skeleton(new, where=f"snapshot {snapshot!r}")
+    placed = state_skeleton(tree)  # each new array with its key
+    tensors = []
+    for name, spec in params.items():
+        outputs = [_new_array(store, head, placed["params"][name], "params")]
+        outputs += [
+            _new_array(store, head, placed["server_optimizer"][k][name], k)
+            for k in config.state_names
+        ]
+        tensors.append(
+            _tensor_step(
+                store, head, name, spec=spec, stored=stored, updates=updates, outputs=outputs
+            )
+        )
+    plan = ServerPlan(step, snapshot, tuple(tensors), config, t + 1, interval=_interval(head))
+    return plan, tree, list(specs)
+
+
+def _tensor_step(
+    store: Store,
+    head: SnapshotManifest,
+    name: str,
+    *,
+    spec: ArraySpec,
+    stored: dict[str, dict[str, ArraySpec]] | None,
+    updates: Mapping[str, TensorManifest],
+    outputs: list[NewArray],
+) -> TensorStep:
+    from gradpipe.graph.server import TensorStep
+
+    specs = {"params": spec, **{k: arrays[name] for k, arrays in (stored or {}).items()}}
+    manifests = {role: snapshot_tensor(store, head, s.key) for role, s in specs.items()}
+    for role, what in specs.items():
+        manifest = manifests.pop(role) if role == "params" else manifests[role]
+        if (manifest.dtype, manifest.shape) != (what.dtype, what.shape):
+            raise IntegrityError(
+                f"snapshot {head.name!r} at step {head.step}: array {what.key} is "
+                f"{manifest.dtype}{list(manifest.shape)}, its state says "
+                f"{what.dtype}{list(what.shape)}; run `gradpipe verify`"
+            )
+    params = snapshot_tensor(store, head, spec.key)
+    return TensorStep(name, spec.shape, params, updates.get(name), manifests, tuple(outputs))
+
+
+def _new_array(store: Store, head: SnapshotManifest, spec: ArraySpec, role: str) -> NewArray:
+    """An array of the new snapshot, written after the array of the same key in ``head``."""
+    from gradpipe.graph.server import NewArray
+
+    parent_id = head.tensors.get(spec.key)
+    parent = None if parent_id is None else snapshot_tensor(store, head, spec.key)
+    return NewArray(spec.key, role, spec.dtype, parent, parent_id)
+
+
+def _interval(head: SnapshotManifest) -> int:
+    """The chain's keyframe interval, as its newest snapshot's tensors record it."""
+    for manifest in head.embedded.values():
+        if manifest.chain is not None:
+            return manifest.chain.keyframe_interval
+    return DEFAULT_KEYFRAME_INTERVAL
+
+
+def _state_dtypes(
+    params: Mapping[str, ArraySpec],
+    stored: dict[str, dict[str, ArraySpec]] | None,
+    updates: Mapping[str, TensorManifest],
+    config: ServerOptimizerConfig,
+) -> dict[str, dict[str, str]]:
+    """The dtype of each new state array: as a step makes it, or as stored when carried over."""
+    out: dict[str, dict[str, str]] = {}
+    for k in config.state_names:
+        out[k] = {}
+        for name, spec in params.items():
+            if stored is not None and name not in updates:
+                out[k][name] = stored[k][name].dtype
+            else:
+                out[k][name] = state_dtype(parse_dtype(spec.dtype)).name
+    return out
+
+
+def _check_updates(
+    params: Mapping[str, ArraySpec],
+    updates: Mapping[str, TensorManifest],
+    snapshot: str,
+    step: int,
+    config: ServerOptimizerConfig,
+) -> None:
+    for name, update in updates.items():
+        where = f"aggregate of step {step}"
+        if name not in params:
+            raise InvalidInputError(
+                f"server update: the {where} has tensor {name!r}, which snapshot {snapshot!r} "
+                f"has not (parameters: {', '.join(sorted(params))})"
+            )
+        spec = params[name]
+        if spec.shape != update.shape:
+            raise InvalidInputError(
+                f"server update: tensor {name!r} has shape {list(update.shape)} in the {where} "
+                f"but {list(spec.shape)} in snapshot {snapshot!r}"
+            )
+        if not is_float(parse_dtype(spec.dtype)):
+            raise InvalidInputError(
+                f"server update: tensor {name!r} of snapshot {snapshot!r} is {spec.dtype}; "
+                f"{config.method.value} updates float parameters only"
+            )
+
+
+def _flat(state: Mapping[Any, Any]) -> bool:
+    return bool(state) and all(
+        isinstance(k, str) and isinstance(v, ArraySpec) for k, v in state.items()
+    )
 
 
 def _parse_state(
     state: Any, name: str, config: ServerOptimizerConfig
-) -> tuple[dict[str, np.ndarray], dict[str, dict[str, np.ndarray]], int]:
-    """The parameters, the optimizer's per-tensor state and its round counter."""
+) -> tuple[dict[str, ArraySpec], dict[str, dict[str, ArraySpec]] | None, int]:
+    """The parameters, the optimizer's stored state (None: it starts now) and its round."""
     shape = '{"params": {name: array}, "server_optimizer": {...}}'
+    if isinstance(state, Mapping) and _flat(state):
+        # A flat {name: array} (what `gradpipe snapshot` makes of a safetensors or npz
+        # file): the parameters, at the first step.
+        state = {"params": state}
     if not isinstance(state, Mapping) or "params" not in state or set(state) - _STATE_KEYS:
         keys = sorted(map(str, state)) if isinstance(state, Mapping) else type(state).__name__
         raise InvalidInputError(f"snapshot {name!r} holds {keys}, not a server state {shape}")
     params = state["params"]
     if not isinstance(params, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, np.ndarray) for k, v in params.items()
+        isinstance(k, str) and isinstance(v, ArraySpec) for k, v in params.items()
     ):
         raise InvalidInputError(f"snapshot {name!r}: 'params' must map tensor names to arrays")
     params = dict(params)
     server = state.get("server_optimizer")
     if server is None:  # the first round: the optimizer starts here
-        inits = {n: init_server_state(v, config) for n, v in params.items()}
-        per = {k: {n: inits[n][k] for n in params} for k in config.state_names}
-        return params, per, 0
+        return params, None, 0
     if not isinstance(server, Mapping) or not isinstance(server.get("config"), Mapping):
         raise InvalidInputError(f"snapshot {name!r}: 'server_optimizer' has no config")
-    stored = ServerOptimizerConfig.from_dict(dict(server["config"]))
-    if stored.method is not config.method:
+    recorded = ServerOptimizerConfig.from_dict(dict(server["config"]))
+    if recorded.method is not config.method:
         raise InvalidInputError(
-            f"snapshot {name!r} holds {stored.method.value} state; it cannot continue with "
+            f"snapshot {name!r} holds {recorded.method.value} state; it cannot continue with "
             f"{config.method.value} (start a new chain from its params)"
         )
     t = server.get("t")
     if isinstance(t, bool) or not isinstance(t, int) or t < 0:
         raise InvalidInputError(f"snapshot {name!r}: server optimizer round t={t!r} is not >= 0")
-    per = {}
+    stored: dict[str, dict[str, ArraySpec]] = {}
     for k in config.state_names:
         arrays = server.get(k)
         if not isinstance(arrays, Mapping) or set(arrays) != set(params):
@@ -198,5 +505,13 @@ def _parse_state(
                 f"snapshot {name!r}: server optimizer state {k!r} must have one array per "
                 f"parameter ({', '.join(sorted(params))})"
             )
-        per[k] = dict(arrays)
-    return params, per, t
+        for tensor, spec in arrays.items():
+            if not isinstance(spec, ArraySpec) or spec.shape != params[tensor].shape:
+                got = list(spec.shape) if isinstance(spec, ArraySpec) else type(spec).__name__
+                raise InvalidInputError(
+                    f"server update: tensor {tensor!r}: {config.method.value} needs state "
+                    f"{list(config.state_names)} of shape {list(params[tensor].shape)}; "
+                    f"snapshot {name!r} holds {k!r} of shape {got}"
+                )
+        stored[k] = dict(arrays)
+    return params, stored, t

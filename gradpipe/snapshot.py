@@ -54,12 +54,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SnapshotInfo",
+    "commit_snapshot",
     "find_snapshot",
     "restore",
     "restore_steps",
     "snapshot",
+    "snapshot_head",
     "snapshot_log",
     "snapshot_ref",
+    "snapshot_tensor",
     "snapshot_versions",
 ]
 
@@ -274,20 +277,18 @@ def snapshot(
                 return head_id
             written = _write(store, name, flat, head, head_id=head_id, options=options)
             known = _recalled(store, name, head_id)
-            manifest = SnapshotManifest(
-                name=name,
-                step=step,
-                time=datetime.now(UTC).isoformat(timespec="microseconds"),
-                previous=head_id,
-                state=flat.to_dict(),
-                tensors=written.tensors,
-                embedded=written.embedded,
-                loss=None if loss is None else float(loss),
-                metadata=meta,
-            )
-            snapshot_id = store.put_manifest(manifest)
             try:
-                store.refs.set(ref, snapshot_id, expected=head_id, message=f"snapshot step {step}")
+                snapshot_id = commit_snapshot(
+                    store,
+                    name,
+                    previous=head_id,
+                    step=step,
+                    tree=flat.to_dict(),
+                    tensors=written.tensors,
+                    embedded=written.embedded,
+                    loss=loss,
+                    metadata=meta,
+                )
             except ConflictError:
                 continue  # another snapshot of this name landed first: chain on it
             if delta != "sparse":  # a lossy version stores other values than it was given
@@ -298,6 +299,43 @@ def snapshot(
     raise ConflictError(
         f"snapshot {name!r}: other writers moved {ref} {_MAX_ATTEMPTS} times in a row; retry"
     )
+
+
+def commit_snapshot(
+    store: Store,
+    name: str,
+    *,
+    previous: str | None,
+    step: int,
+    tree: dict[str, Any],
+    tensors: Mapping[str, str],
+    embedded: Mapping[str, TensorManifest],
+    loss: float | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> str:
+    """Store a snapshot manifest over written tensors and move ``snapshots/<name>`` to it.
+
+    ``previous`` is the head the tensors were written against; the ref moves
+    only if it still points there (one compare-and-swap), else
+    :class:`ConflictError` and nothing is visible. The caller holds the
+    store's writing lease from its first block write to here.
+    """
+    manifest = SnapshotManifest(
+        name=name,
+        step=step,
+        time=datetime.now(UTC).isoformat(timespec="microseconds"),
+        previous=previous,
+        state=tree,
+        tensors=dict(tensors),
+        embedded=dict(embedded),
+        loss=None if loss is None else float(loss),
+        metadata=dict(metadata or {}),
+    )
+    snapshot_id = store.put_manifest(manifest)
+    store.refs.set(
+        snapshot_ref(name), snapshot_id, expected=previous, message=f"snapshot step {step}"
+    )
+    return snapshot_id
 
 
 @dataclass(frozen=True)
@@ -356,6 +394,12 @@ def _write(
 def _head(store: Store, name: str) -> str | None:
     entry = store.refs.entry(snapshot_ref(name))
     return None if entry is None else entry.target
+
+
+def snapshot_head(store: Store, name: str) -> tuple[str, SnapshotManifest]:
+    """The newest snapshot of ``name``: its id and manifest (reads no array)."""
+    snapshot_id, manifest = next(snapshot_versions(store, name))
+    return snapshot_id, manifest
 
 
 def _get(store: Store, snapshot_id: str, name: str) -> SnapshotManifest:
@@ -421,7 +465,7 @@ def restore(
     return restore_manifest(store, manifest, keys=keys, runner=runner)
 
 
-def _tensor(store: Store, manifest: SnapshotManifest, key: str) -> TensorManifest:
+def snapshot_tensor(store: Store, manifest: SnapshotManifest, key: str) -> TensorManifest:
     """A snapshot's tensor manifest: embedded (as gradpipe writes them) or stored apart."""
     tensor_id = manifest.tensors[key]
     found = manifest.embedded.get(tensor_id)
@@ -487,7 +531,7 @@ def _plan(
             f"snapshot {manifest.name!r} at step {manifest.step} lacks arrays {missing[:5]}; "
             "run `gradpipe verify`"
         )
-    return tree, wanted, [_tensor(store, manifest, k) for k in wanted]
+    return tree, wanted, [snapshot_tensor(store, manifest, k) for k in wanted]
 
 
 def _unflatten(manifest: SnapshotManifest, tree: dict[str, Any], arrays: dict[str, Any]) -> Any:
@@ -513,7 +557,7 @@ def restore_file(store: Store, manifest: SnapshotManifest, path: str, info: Stat
     if names is None or set(names) != set(manifest.tensors):
         write_state_file(path, restore_manifest(store, manifest), info)
         return
-    tensors = {n: _tensor(store, manifest, n) for n in names}
+    tensors = {n: snapshot_tensor(store, manifest, n) for n in names}
     specs = {n: (t.dtype, t.shape) for n, t in tensors.items()}
 
     def produce(order: list[str]) -> Iterator[np.ndarray]:

@@ -22,6 +22,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final
 
+from gradpipe.core.html import ReportHtml
 from gradpipe.core.ids import block_key
 from gradpipe.core.manifest import manifest_id
 from gradpipe.core.snapshot_manifest import SnapshotManifest
@@ -38,7 +39,7 @@ _MAX_ATTEMPTS: Final = 8
 
 
 @dataclass
-class PruneReport:
+class PruneReport(ReportHtml):
     """What :func:`prune` kept and dropped (or, with ``dry_run``, would)."""
 
     name: str

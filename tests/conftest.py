@@ -29,6 +29,20 @@ from gradpipe.core.dtypes import bfloat16, dtype_name
 from gradpipe.formats.safetensors import write_safetensors
 from gradpipe.testing.s3server import S3Server
 
+#: Set (to 1) to run the tests marked slow too: stress, crash and deployment tests of
+#: several minutes on 2 cores. `.ci/run` sets it; a local `python -m pytest` leaves them out.
+RUN_SLOW = os.environ.get("GRADPIPE_RUN_SLOW", "") not in ("", "0")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if RUN_SLOW or config.getoption("-m"):  # `-m slow` asks for them explicitly
+        return
+    skip = pytest.mark.skip(reason="slow: set GRADPIPE_RUN_SLOW=1 (as .ci/run does) to run it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 BUCKET = "gradpipe-test"
 
 

@@ -210,7 +210,8 @@ W = np.ones((4, 3), np.float32)
         ),
         ({"a": {"w": W}, "b": {"w": W}}, {}, {"method": "mean", "steps": [99]}, ["step 99"]),
         ({"a": {"w": W}, "b": {"w": W}}, {}, {"method": "mean", "steps": range(5, 9)}, ["5:9"]),
-        ({"a": {"w": W}, "b": {"w": W}}, {}, {"method": "fedadam"}, ["fedadam", "fedavg"]),
+        ({"a": {"w": W}, "b": {"w": W}}, {}, {"method": "adam"}, ["adam", "fedavg"]),
+        ({"a": {"w": W}, "b": {"w": W}}, {}, {"method": "fedadam"}, ["fedadam", "--snapshot"]),
         ({"a": {"w": W}, "b": {"w": W}}, {}, {"method": "krum"}, ["step 3", "krum", "3 peers"]),
         (
             {"a": {"w": W}, "b": {"w": W}},

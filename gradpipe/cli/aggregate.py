@@ -23,6 +23,11 @@ METHODS = (
     "multi-krum",
     "bulyan",
     "dp-fedavg",
+    "sgd",
+    "fedavgm",
+    "fedadagrad",
+    "fedadam",
+    "fedyogi",
 )
 
 __all__ = ["METHODS", "parse_steps", "parse_weights_arg", "register"]
@@ -43,7 +48,10 @@ def register(commands: Commands) -> None:
         help="fedavg weights peers by their dumps' num_examples (or --weights); weighted-mean "
         "needs --weights; mean is unweighted; sum adds; median and trimmed-mean (--trim) are "
         "coordinate-wise; krum, multi-krum (--keep) and bulyan select peers (--byzantine); "
-        "dp-fedavg clips (--clip-norm) and adds seeded Gaussian noise (--noise-multiplier)",
+        "dp-fedavg clips (--clip-norm) and adds seeded Gaussian noise (--noise-multiplier); "
+        "the server optimizers sgd, fedavgm, fedadagrad, fedadam and fedyogi record the FedAvg "
+        "of each step and apply it to the newest snapshot of --snapshot with --server-lr, "
+        "writing the next snapshot",
     )
     p.add_argument("--name", help="what the run records the aggregates as (default: the method)")
     p.add_argument(
@@ -127,6 +135,48 @@ def register(commands: Commands) -> None:
         help="recompute steps already recorded (memoised), and aggregate steps that are not "
         "ready in `gradpipe rounds` (a step another live aggregation claimed is still skipped)",
     )
+    server = p.add_argument_group(
+        "server optimizers",
+        "sgd, fedavgm, fedadagrad, fedadam, fedyogi (Reddi et al., 'Adaptive Federated "
+        "Optimization'): steps apply in order, each once per snapshot chain",
+    )
+    server.add_argument(
+        "--snapshot",
+        metavar="NAME",
+        help='the chain whose newest snapshot holds {"params": ...} (and the optimizer state '
+        "after the first step); each step writes its next snapshot",
+    )
+    server.add_argument(
+        "--server-lr",
+        type=float,
+        metavar="ETA",
+        help="the server learning rate (required with a server optimizer)",
+    )
+    server.add_argument(
+        "--momentum", type=float, metavar="MU", help="fedavgm: momentum (default 0.9)"
+    )
+    server.add_argument(
+        "--beta1", type=float, metavar="B1", help="fedadagrad, fedadam, fedyogi (default 0.9)"
+    )
+    server.add_argument("--beta2", type=float, metavar="B2", help="fedadam, fedyogi (default 0.99)")
+    server.add_argument(
+        "--tau",
+        type=float,
+        metavar="TAU",
+        help="adaptivity: x -= eta*m/(sqrt(v)+tau) (default 0.001)",
+    )
+    server.add_argument(
+        "--initial-accumulator",
+        type=float,
+        metavar="V0",
+        help="where v starts (default tau**2, as in Reddi et al.; Flower starts at 0)",
+    )
+    server.add_argument(
+        "--bias-correction",
+        action="store_true",
+        help="fedadam, fedyogi: Adam's bias correction (off by default, as in the paper; "
+        "Flower's FedAdam has it)",
+    )
     p.add_argument("--scheduler", metavar="ADDR", help="Dask scheduler address (default: local)")
 
 
@@ -190,6 +240,14 @@ def run_aggregate(args: argparse.Namespace) -> CommandResult:
         "target_quantile": args.target_quantile,
         "split_every": args.split_every,
         "force": args.force,
+        "snapshot": args.snapshot,
+        "server_lr": args.server_lr,
+        "momentum": args.momentum,
+        "beta1": args.beta1,
+        "beta2": args.beta2,
+        "tau": args.tau,
+        "initial_accumulator": args.initial_accumulator,
+        "bias_correction": args.bias_correction,
     }
     store = open_store_arg(args, "r+")  # never creates: the run must exist
     with runner(scheduler=args.scheduler) as active:

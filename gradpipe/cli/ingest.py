@@ -54,8 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--codec",
         metavar="SPEC",
-        help="fixed codec chain, e.g. 'zstd:level=5' or 'gradpipe_bytegroup:dtype=float32' "
-        "(default: auto, lossless per chunk)",
+        help="fixed codec chain: codec names or numcodecs ids joined by '+', e.g. "
+        "'zstd:level=5', or a lossy codec first: 'bf16', 'fp16', 'bitround-K', 'topk-F', "
+        "'qsgd-S', 'powersgd-R' or 'projection-R', e.g. 'bf16+zstd' (lossy tensors are "
+        "marked lossy with their error; integer tensors stay exact; default: auto, "
+        "lossless per chunk)",
     )
     p.add_argument(
         "--dashboard",
@@ -143,19 +146,31 @@ def run_ingest(args: argparse.Namespace) -> CommandResult:
 
 
 def parse_codecs(spec: str | None) -> list[Codec] | None:
-    """``--codec`` SPEC: numcodecs ids joined by ``+``, each with optional params.
+    """``--codec`` SPEC: codecs joined by ``+``, each a name or a numcodecs id with params.
 
-    For example ``zstd:level=5`` or ``gradpipe_bytegroup:dtype=float32+zstd``;
-    ``auto`` (or nothing) leaves the choice to gradpipe, per chunk.
+    For example ``zstd:level=5``, ``gradpipe_bytegroup:dtype=float32+zstd`` or,
+    lossy, ``bf16+zstd`` and ``topk-0.01`` (names of
+    :mod:`gradpipe.codecs.registry`; a lossy codec's dtype is set per tensor
+    when it is written). ``auto`` or ``default`` (or nothing) leaves the
+    choice to gradpipe, per chunk.
     """
-    if spec is None or spec == "auto":
+    if spec is None or spec in ("auto", "default"):
         return None
     import numcodecs
 
     import gradpipe.codecs  # noqa: F401 - registers gradpipe_* codecs
+    from gradpipe.codecs.registry import CODEC_FAMILIES, make_codec
 
     chain = []
     for item in spec.split("+"):
+        if ":" not in item and item.partition("-")[0] in CODEC_FAMILIES:
+            named = make_codec(item)
+            if named is None:
+                raise InvalidInputError(
+                    f"--codec {spec!r}: 'default' is the lossless policy, it cannot be chained"
+                )
+            chain.append(named)
+            continue
         codec_id, _, params = item.partition(":")
         config: dict[str, Any] = {"id": codec_id}
         for pair in filter(None, params.split(",")):
@@ -170,4 +185,10 @@ def parse_codecs(spec: str | None) -> list[Codec] | None:
             chain.append(numcodecs.get_codec(config))
         except (ValueError, TypeError) as exc:
             raise InvalidInputError(f"--codec {spec!r}: {exc}") from None
+    from gradpipe.codecs._lossy import check_chain
+
+    try:
+        check_chain(chain)
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"--codec {spec!r}: {exc}") from None
     return chain

@@ -154,7 +154,13 @@ def _ls_run(store: Store, name: str, *, depth: bool = False) -> CommandResult:
         "steps": run.steps,
         "peers": run.peers,
         "dumps": [
-            {"step": e.step, "peer": e.peer, "dump": e.dump, "fingerprint": e.fingerprint}
+            {
+                "step": e.step,
+                "peer": e.peer,
+                "dump": e.dump,
+                "fingerprint": e.fingerprint,
+                "lossy": e.lossy,
+            }
             | ({"depth": depths[e.step, e.peer]} if depth else {})
             for e in run
         ],
@@ -162,6 +168,7 @@ def _ls_run(store: Store, name: str, *, depth: bool = False) -> CommandResult:
         "aggregates": aggregates,
     }
     peers = run.peers
+    lossy = {(e.step, e.peer) for e in run if e.lossy}
     width = max(len(str(s)) for s in [*run.steps, "step"])
     lines = [
         f"run {run.name!r}: {len(run.steps)} steps x {len(peers)} peers, {len(run)} dumps, "
@@ -170,12 +177,21 @@ def _ls_run(store: Store, name: str, *, depth: bool = False) -> CommandResult:
     lines.append(f"{'step':>{width}}  " + "  ".join(peers))
     for step, present in grid.items():
         marks = [
-            (str(depths[step, p]) if depth else "x").center(len(p))
+            (
+                str(depths[step, p]) + ("~" if (step, p) in lossy else "")
+                if depth
+                else ("~" if (step, p) in lossy else "x")
+            ).center(len(p))
             if p in present
             else ".".center(len(p))
             for p in peers
         ]
         lines.append(f"{step:>{width}}  " + "  ".join(marks))
+    if lossy:
+        lines.append(
+            f"~: stored lossily ({len(lossy)} dump(s)); their tensors record the codec and "
+            "the error: gp.open_run(store, run).dump(step, peer).info(name).lossy"
+        )
     if aggregates:
         lines.append("aggregates:")
         lines += [

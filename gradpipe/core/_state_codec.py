@@ -14,6 +14,7 @@ import math
 import re
 import struct
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -23,7 +24,16 @@ from gradpipe.core.dtypes import check_values, dtype_name, parse_dtype
 from gradpipe.core.names import parse_tensor_name
 from gradpipe.errors import InvalidInputError, UnsupportedFormatError
 
-__all__ = ["MAX_DEPTH", "TREE_VERSION", "Decoded", "Node", "decode_tree", "encode_leaf", "segment"]
+__all__ = [
+    "MAX_DEPTH",
+    "TREE_VERSION",
+    "Decoded",
+    "Node",
+    "Placeholder",
+    "decode_tree",
+    "encode_leaf",
+    "segment",
+]
 
 #: Version of the tree encoding, stored in every tree.
 TREE_VERSION: Final = 1
@@ -132,9 +142,16 @@ def _int(v: object, what: str) -> int:
     return v  # type: ignore[return-value]
 
 
+#: Builds what stands for an array when a tree is decoded without arrays: ``(key, dtype, shape)``.
+Placeholder = Callable[[str, str, tuple[int, ...]], Any]
+
+
 class _Decoder:
-    def __init__(self, arrays: dict[str, np.ndarray] | None) -> None:
+    def __init__(
+        self, arrays: dict[str, np.ndarray] | None, placeholder: Placeholder | None = None
+    ) -> None:
         self.arrays = arrays
+        self.placeholder = placeholder
         self.out = Decoded()
 
     def node(self, node: object, path: tuple[str, ...]) -> Any:
@@ -180,12 +197,14 @@ class _Decoder:
         _check(isinstance(node["v"], str), f"{where} is not text")
         return str(node["v"])
 
-    def n_bytes(self, node: Node, path: tuple[str, ...], where: str) -> bytes | bytearray:
+    def n_bytes(self, node: Node, path: tuple[str, ...], where: str) -> Any:
         make = bytes if node["t"] == "bytes" else bytearray
         if "b64" in node:
             return make(_b64(node["b64"], where))
         size = _int(node["size"], f"{where} size")
         arr = self.array(node["key"], "uint8", [size], where)
+        if self.placeholder is not None:
+            return arr  # the stand-in of the bytes' array
         return make(arr.tobytes()) if arr is not None else make()
 
     n_bytearray = n_bytes
@@ -201,10 +220,10 @@ class _Decoder:
         check_values(arr, where=where)
         return arr[0]  # type: ignore[no-any-return]
 
-    def n_array(self, node: Node, path: tuple[str, ...], where: str) -> np.ndarray | None:
+    def n_array(self, node: Node, path: tuple[str, ...], where: str) -> Any:
         return self.array(node["key"], node["dtype"], node["shape"], where)
 
-    def array(self, key: object, dtype: object, shape: object, where: str) -> np.ndarray | None:
+    def array(self, key: object, dtype: object, shape: object, where: str) -> Any:
         if not (isinstance(key, str) and isinstance(dtype, str) and isinstance(shape, list)):
             raise TypeError(f"malformed state tree: {where} has a bad key, dtype or shape")
         parse_tensor_name(key, where=where)
@@ -215,7 +234,7 @@ class _Decoder:
         self.out.specs[key] = (dtype, dims)
         self.out.addresses.add(key)
         if self.arrays is None:
-            return None
+            return None if self.placeholder is None else self.placeholder(key, dtype, dims)
         if key not in self.arrays:
             raise KeyError(f"array {key!r} of the state tree is missing")
         arr = self.arrays[key]
@@ -258,8 +277,14 @@ class _Decoder:
         return out
 
 
-def decode_tree(tree: object, arrays: dict[str, np.ndarray] | None) -> Decoded:
-    """Validate a tree and rebuild its value (arrays left ``None`` when ``arrays`` is None)."""
+def decode_tree(
+    tree: object, arrays: dict[str, np.ndarray] | None, placeholder: Placeholder | None = None
+) -> Decoded:
+    """Validate a tree and rebuild its value.
+
+    Without ``arrays``, each array is left ``None``, or is what ``placeholder``
+    makes of its key, dtype and shape.
+    """
     _check(isinstance(tree, dict) and set(tree) == {"version", "root"}, "not a state tree")
     version = tree["version"]  # type: ignore[index]
     _check(isinstance(version, int) and not isinstance(version, bool), "version")
@@ -271,7 +296,7 @@ def decode_tree(tree: object, arrays: dict[str, np.ndarray] | None) -> Decoded:
     _check(version == TREE_VERSION, f"unknown version {version}")
     root = tree["root"]  # type: ignore[index]
     _check(isinstance(root, dict) and root.get("t") == "dict", "the root is not a dict")
-    decoder = _Decoder(arrays)
+    decoder = _Decoder(arrays, placeholder)
     try:
         decoder.out.value = decoder.node(root, ())
     except InvalidInputError as exc:  # from parse_dtype and friends: still a damaged tree

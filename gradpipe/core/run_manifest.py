@@ -129,25 +129,37 @@ class DumpManifest(EmbeddedTensors, Manifest):
 
 @dataclass(frozen=True, slots=True)
 class DumpEntry:
-    """One recorded dump of a run."""
+    """One recorded dump of a run.
+
+    ``lossy`` marks a dump with a tensor stored by a lossy codec (format 4),
+    so ``gradpipe ls`` can say so without reading the dump's manifest.
+    """
 
     step: int
     peer: str
     dump: str
     fingerprint: str
+    lossy: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "step": self.step,
             "peer": self.peer,
             "dump": self.dump,
             "fingerprint": self.fingerprint,
         }
+        if self.lossy:  # absent otherwise: runs without lossy dumps keep their ids
+            out["lossy"] = True
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DumpEntry:
         return cls(
-            int(data["step"]), str(data["peer"]), parse_id(data["dump"]), str(data["fingerprint"])
+            int(data["step"]),
+            str(data["peer"]),
+            parse_id(data["dump"]),
+            str(data["fingerprint"]),
+            bool(data.get("lossy", False)),
         )
 
 
@@ -222,6 +234,8 @@ class RunManifest(Manifest):
 
     def format_needed(self) -> int:
         # A run without aggregates is written as before, so older readers still read it.
+        if any(d.lossy for d in self.dumps):
+            return 4
         return 3 if self.aggregates else 1
 
     def to_dict(self) -> dict[str, Any]:

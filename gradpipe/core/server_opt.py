@@ -40,7 +40,13 @@ import numpy as np
 
 from gradpipe.errors import InvalidInputError
 
-__all__ = ["ServerOptimizer", "ServerOptimizerConfig", "init_server_state", "server_step"]
+__all__ = [
+    "ServerOptimizer",
+    "ServerOptimizerConfig",
+    "init_server_state",
+    "server_step",
+    "state_dtype",
+]
 
 
 class ServerOptimizer(StrEnum):
@@ -110,13 +116,14 @@ class ServerOptimizerConfig:
             raise InvalidInputError(f"bad server optimizer config {data!r}: {exc}") from None
 
 
-def _state_dtype(params: np.ndarray) -> np.dtype:
-    return np.dtype(np.float64) if params.dtype == np.float64 else np.dtype(np.float32)
+def state_dtype(params: np.dtype) -> np.dtype:
+    """The dtype of the state kept for parameters of dtype ``params``."""
+    return np.dtype(np.float64) if params == np.float64 else np.dtype(np.float32)
 
 
 def init_server_state(params: np.ndarray, config: ServerOptimizerConfig) -> dict[str, np.ndarray]:
     """The state before the first step, for a chunk of ``params``."""
-    dtype = _state_dtype(params)
+    dtype = state_dtype(params.dtype)
     v0 = config.tau**2 if config.initial_accumulator is None else config.initial_accumulator
     starts = {"momentum": 0.0, "m": 0.0, "v": v0}
     return {name: np.full(params.shape, starts[name], dtype=dtype) for name in config.state_names}
@@ -145,7 +152,7 @@ def server_step(
         raise InvalidInputError(f"server step: round t={t} must be >= 1")
     x = params.astype(np.float64)
     g = np.asarray(grad, dtype=np.float64)
-    dtype = _state_dtype(params)
+    dtype = state_dtype(params.dtype)
     method = config.method
     if method is ServerOptimizer.SGD:
         return (x - config.lr * g).astype(params.dtype), {}

@@ -81,16 +81,13 @@ class SnapshotManifest(EmbeddedTensors, Manifest):
 
     @property
     def lossy(self) -> bool:
-        """Whether some chunk was stored with a lossy (sparse) delta."""
-        return any(m.chain is not None and m.chain.lossy for m in self.embedded.values())
+        """Whether some tensor was stored lossily (a lossy codec, or a sparse delta)."""
+        return any(not m.exact for m in self.embedded.values())
 
     @property
     def max_abs_error(self) -> float:
-        """The largest error a lossy delta left in any chunk (0.0 when exact)."""
-        return max(
-            (m.chain.max_abs_error for m in self.embedded.values() if m.chain is not None),
-            default=0.0,
-        )
+        """The largest error a lossy write left in any chunk (0.0 when exact)."""
+        return max((m.max_abs_error for m in self.embedded.values()), default=0.0)
 
     def manifest_children(self) -> Iterator[str]:
         if self.previous is not None:

@@ -58,10 +58,13 @@ __all__ = [
     "INLINE_BYTES_LIMIT",
     "MAX_DEPTH",
     "TREE_VERSION",
+    "ArraySpec",
     "FlatState",
     "flat_array_names",
+    "flatten_skeleton",
     "flatten_state",
     "select_state",
+    "state_skeleton",
     "unflatten_state",
 ]
 
@@ -117,12 +120,27 @@ class FlatState:
         return cls(tree, dict(arrays or {}))
 
 
+@dataclass(frozen=True)
+class ArraySpec:
+    """An array known by its dtype and shape only: what stands for it in a state skeleton.
+
+    A graph that computes a state chunk by chunk plans it with these
+    (:func:`flatten_skeleton`) and reads the state it starts from as these
+    (:func:`state_skeleton`, which fills in ``key``).
+    """
+
+    dtype: str  # a gradpipe dtype name
+    shape: tuple[int, ...]
+    key: str = ""  # its array key in a stored tree ("" when planned)
+
+
 class _Flattener:
     """Walks a state, building tree nodes and collecting array leaves."""
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, *, specs: bool = False) -> None:
         self.where = where
-        self.leaves: list[tuple[Node, str, np.ndarray]] = []  # node, natural key, array
+        self.specs = specs  # ArraySpec leaves stand for arrays (flatten_skeleton)
+        self.leaves: list[tuple[Node, str, Any]] = []  # node, natural key, array (or spec)
         self.active: set[int] = set()  # containers on the current path: cycle detection
 
     def show(self, path: tuple[object, ...]) -> str:
@@ -137,6 +155,10 @@ class _Flattener:
         kind = type(obj)
         if kind is np.ndarray:
             return self.array(obj, path)  # type: ignore[arg-type]
+        if kind is ArraySpec and self.specs:
+            spec: ArraySpec = obj  # type: ignore[assignment]
+            node = {"t": "array", "dtype": spec.dtype, "shape": list(spec.shape)}
+            return self.leaf(node, path, spec)
         if kind in (bytes, bytearray) and len(obj) > INLINE_BYTES_LIMIT:  # type: ignore[arg-type]
             data = np.frombuffer(bytes(obj), dtype=np.uint8)  # type: ignore[call-overload]
             return self.leaf({"t": kind.__name__, "size": data.size}, path, data)
@@ -198,14 +220,14 @@ class _Flattener:
         check_values(arr, where=self.show(path))
         return self.leaf({"t": "array", "dtype": name, "shape": list(arr.shape)}, path, arr)
 
-    def leaf(self, node: Node, path: tuple[object, ...], arr: np.ndarray) -> Node:
+    def leaf(self, node: Node, path: tuple[object, ...], arr: np.ndarray | ArraySpec) -> Node:
         self.leaves.append((node, ".".join(segment(k) for k in path), arr))
         return node
 
-    def assign_keys(self) -> dict[str, np.ndarray]:
+    def assign_keys(self) -> dict[str, Any]:
         """Give every array leaf its key: its dotted path, or a deterministic stand-in."""
         reserved = {path for _, path, _ in self.leaves if _valid(path)}
-        arrays: dict[str, np.ndarray] = {}
+        arrays: dict[str, Any] = {}
         for node, path, arr in self.leaves:
             key = path
             if not _valid(path) or path in arrays:
@@ -271,6 +293,43 @@ def flatten_state(state: Mapping[Any, Any], *, where: str = "state") -> FlatStat
     root = flat.node(state, ())
     arrays = flat.assign_keys()
     return FlatState({"version": TREE_VERSION, "root": root}, arrays)
+
+
+def flatten_skeleton(
+    state: Mapping[Any, Any], *, where: str = "state"
+) -> tuple[dict[str, Any], dict[str, ArraySpec]]:
+    """:func:`flatten_state` of a state whose arrays are :class:`ArraySpec` stand-ins.
+
+    The tree, and each array key's spec, in tree order: the keys are the ones
+    :func:`flatten_state` gives the same state with real arrays, so a state
+    computed chunk by chunk is stored as one written whole would be.
+
+    >>> tree, specs = flatten_skeleton({"params": {"w": ArraySpec("float32", (2, 3))}, "t": 1})
+    >>> specs
+    {'params.w': ArraySpec(dtype='float32', shape=(2, 3), key='')}
+    """
+    if type(state) not in (dict, OrderedDict):
+        raise InvalidInputError(f"{where}: is a {type(state).__qualname__}, not a dict")
+    flat = _Flattener(where, specs=True)
+    root = flat.node(state, ())
+    specs = flat.assign_keys()
+    for key, spec in specs.items():
+        if not isinstance(spec, ArraySpec):
+            raise InvalidInputError(f"{where}: {key} is an array; a skeleton holds ArraySpecs")
+    return {"version": TREE_VERSION, "root": root}, specs
+
+
+def state_skeleton(tree: Mapping[str, Any]) -> Any:
+    """The state a stored tree describes, each array an :class:`ArraySpec` with its key.
+
+    Reads no array: for planning work on a snapshot from its manifest alone.
+    Raises ``ValueError``, ``KeyError`` or ``TypeError`` for a malformed tree.
+
+    >>> tree, _ = flatten_skeleton({"params": {"w": ArraySpec("float32", (2,))}, "t": 1})
+    >>> state_skeleton(tree)
+    {'params': {'w': ArraySpec(dtype='float32', shape=(2,), key='params.w')}, 't': 1}
+    """
+    return decode_tree(tree, None, lambda key, dtype, shape: ArraySpec(dtype, shape, key)).value
 
 
 def unflatten_state(tree: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> Any:

@@ -8,6 +8,12 @@ hash of its logical bytes), and every read checks the frame against it.
 A tensor written as a version of another lists, per chunk stored as a delta,
 the chain of delta blocks down to a keyframe (format 3, see
 :mod:`gradpipe.core.chain`); such a chunk has no block of its own id.
+
+A tensor written with a lossy codec records it in ``lossy`` (format 4, see
+:mod:`gradpipe.core.lossy`): the codec, its stated bound and the error
+measured at write time. Its chunks' ids are the hashes of the values a read
+gives back (the decoded ones), so they are never the ids of the original
+values unless the codec kept those exactly; its stats are of the stored values.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from gradpipe.core.chunk_stats import ChunkStats, merge_stats
 from gradpipe.core.chunking import chunk_count, chunk_ranges, parse_chunk_shape, parse_shape
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.ids import parse_id
+from gradpipe.core.lossy import LossyInfo
 from gradpipe.core.manifest import Manifest
 from gradpipe.errors import InvalidInputError
 
@@ -39,6 +46,7 @@ class TensorManifest(Manifest):
     instead of as an object of its own (format 2). ``deltas[i]``, where
     present, is chunk ``i``'s chain of deltas, nearest first (format 3);
     ``chain`` says how this version was chained and what that saved.
+    ``lossy`` says which lossy codec stored it and with what error (format 4).
     """
 
     type: ClassVar[str] = "tensor"
@@ -51,6 +59,7 @@ class TensorManifest(Manifest):
     inline: Mapping[int, bytes] = field(default_factory=dict)
     deltas: Mapping[int, tuple[DeltaLink, ...]] = field(default_factory=dict)
     chain: ChainInfo | None = None
+    lossy: LossyInfo | None = None
 
     def __post_init__(self) -> None:
         parse_shape(self.shape, parse_dtype(self.dtype).itemsize, where=f"{self.dtype} tensor")
@@ -100,6 +109,25 @@ class TensorManifest(Manifest):
         return merge_stats(self.stats)
 
     @property
+    def exact(self) -> bool:
+        """Whether reads give back the values that were written, bit for bit.
+
+        False for a tensor stored with a lossy codec and for a version with
+        lossy (sparse) deltas; :attr:`max_abs_error` then says how far off.
+        """
+        return self.lossy is None and not (self.chain is not None and self.chain.lossy)
+
+    @property
+    def max_abs_error(self) -> float:
+        """The largest error a lossy write measured (0.0 when exact)."""
+        errors = [0.0]
+        if self.lossy is not None:
+            errors.append(self.lossy.max_abs_error)
+        if self.chain is not None:
+            errors.append(self.chain.max_abs_error)
+        return max(errors)
+
+    @property
     def depth(self) -> int:
         """The longest delta chain of any chunk (0: every chunk is stored in full)."""
         return max((len(links) for links in self.deltas.values()), default=0)
@@ -112,6 +140,8 @@ class TensorManifest(Manifest):
         return self.depth
 
     def format_needed(self) -> int:
+        if self.lossy is not None:
+            return 4
         if self.deltas or self.chain is not None:
             return 3
         return 2 if self.inline else 1
@@ -150,6 +180,8 @@ class TensorManifest(Manifest):
             ]
         if self.chain is not None:
             out["chain"] = self.chain.to_dict()
+        if self.lossy is not None:
+            out["lossy"] = self.lossy.to_dict()
         if self.inline:
             out["inline"] = {
                 str(i): base64.b64encode(frame).decode("ascii")
@@ -183,7 +215,8 @@ class TensorManifest(Manifest):
             if links is not None
         }
         chain = ChainInfo.from_dict(data["chain"]) if "chain" in data else None
-        return cls(data["dtype"], shape, chunk_shape, blocks, stats, inline, deltas, chain)
+        lossy = LossyInfo.from_dict(data["lossy"]) if "lossy" in data else None
+        return cls(data["dtype"], shape, chunk_shape, blocks, stats, inline, deltas, chain, lossy)
 
 
 class EmbeddedTensors:

@@ -30,7 +30,7 @@ from gradpipe.storage.store import Store
 if TYPE_CHECKING:
     from gradpipe.graph.runner import Runner
 
-__all__ = ["build_read_graph", "read_tensors_graph"]
+__all__ = ["add_chunk_read", "build_read_graph", "chunk_key", "read_tensors_graph"]
 
 _CHUNK = "gradpipe-chunk"
 _TENSOR = "gradpipe-tensor"
@@ -71,6 +71,28 @@ def read_tensors_graph(
     """The tensors ``manifests`` describe, computed on ``runner``."""
     graph, keys = build_read_graph(store, manifests, contexts=contexts)
     return runner.get(graph, keys, name="gradpipe-read")
+
+
+def chunk_key(block: str) -> Hashable:
+    """The key of the task whose result is the logical bytes (uint8) of chunk ``block``."""
+    return (_CHUNK, block)
+
+
+def add_chunk_read(
+    graph: dict[Hashable, Any], store: Store, manifest: TensorManifest, i: int, where: str
+) -> Hashable | None:
+    """Add the tasks reading chunk ``i`` of ``manifest`` (and its chain); its key.
+
+    The result is the chunk's logical bytes as uint8; None (no task) for an
+    all-zero chunk. Keys are named by content, so the keyframe a delta chunk
+    is rebuilt from is the task :func:`chunk_key` of its id, shared with every
+    other chunk (and every later write against it) in the graph.
+    """
+    block = manifest.blocks[i]
+    if block is None:
+        return None
+    links = manifest.deltas.get(i, ())
+    return _add_chunk(graph, store, block, manifest.inline.get(i), links, manifest.dtype, where)
 
 
 def _add_chunk(

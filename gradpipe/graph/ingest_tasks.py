@@ -24,6 +24,7 @@ from typing import Any, ParamSpec, TypeVar
 import numpy as np
 from numcodecs.abc import Codec
 
+from gradpipe.codecs._lossy import LossyCodec, bind_chain
 from gradpipe.core.chain import ChainTotals
 from gradpipe.core.chunking import chunk_ranges
 from gradpipe.core.dtypes import parse_dtype
@@ -111,6 +112,7 @@ class UnitResult:
 
     records: ChunkRecords = field(default_factory=dict)
     stats: WriteStats = field(default_factory=WriteStats)
+    lossy: dict[str, LossyCodec] = field(default_factory=dict)  # tensor → its lossy codec
 
 
 @_isolated
@@ -128,9 +130,13 @@ def encode_unit(
     result = UnitResult()
     owners: list[str] = []  # the tensor of each chunk, in order
     chunks: list[np.ndarray] = []
+    chains: list[Sequence[Codec] | None] = []  # the codec chain of each chunk
     for part in unit.parts:
         spec = specs[part.tensor]
         dtype = parse_dtype(spec.dtype)
+        chain, lossy = bind_chain(codecs, spec.dtype, tuple(spec.shape))
+        if lossy is not None:
+            result.lossy[part.tensor] = lossy
         grid = tensor_chunks(spec.shape, spec.dtype, chunk_bytes)
         ranges = list(chunk_ranges(spec.shape, grid))
         if unit.whole:
@@ -145,9 +151,10 @@ def encode_unit(
             ranges = ranges[part.lo : part.hi]
         chunks.extend(flat[a - first : b - first] for a, b in ranges)
         owners.extend([part.tensor] * len(ranges))
+        chains.extend([chain] * len(ranges))
         result.records.setdefault(part.tensor, [])
     # One call for the whole unit: many small tensors share batched round trips.
-    records = write_chunks(store, chunks, codecs=codecs, stats=result.stats, where=dump.path)
+    records = write_chunks(store, chunks, stats=result.stats, where=dump.path, chunk_codecs=chains)
     for tensor, record in zip(owners, records, strict=True):
         result.records[tensor].append(record)
     return result
@@ -181,9 +188,11 @@ def write_dump(
 ) -> DumpResult:
     """Assemble the tensor manifests and store them inside the dump manifest of one dump."""
     records: ChunkRecords = {}
+    lossy: dict[str, LossyCodec] = {}
     stats = WriteStats()
     for unit_result in results:
         stats.add(unit_result.stats)
+        lossy.update(unit_result.lossy)
         for name, recs in unit_result.records.items():
             records.setdefault(name, []).extend(recs)
     manifests = [
@@ -194,6 +203,7 @@ def write_dump(
                 spec.shape,
                 tensor_chunks(spec.shape, spec.dtype, chunk_bytes),
                 records.get(spec.name, []),
+                lossy.get(spec.name),
             ),
         )
         for spec in header.tensors
@@ -235,7 +245,13 @@ def store_dump(
     )
     [manifest_id] = store.put_manifests([dump_manifest], stats=stats)
     return DumpResult(
-        DumpEntry(dump.step, dump.peer, manifest_id, dump.fingerprint),
+        DumpEntry(
+            dump.step,
+            dump.peer,
+            manifest_id,
+            dump.fingerprint,
+            lossy=not all(m.exact for m in embedded.values()),
+        ),
         {t.name: TensorSchema(t.dtype, t.shape) for t in header.tensors},
         stats,
         sum(t.nbytes for t in header.tensors),

@@ -27,7 +27,14 @@ from gradpipe.core.encoding import from_json_bytes, to_json_bytes
 from gradpipe.core.ids import hash_bytes
 from gradpipe.errors import GradpipeError, IntegrityError, UnsupportedFormatError
 
-__all__ = ["BLOCK_VERSION", "BlockToWrite", "WriteStats", "decode_block", "encode_block"]
+__all__ = [
+    "BLOCK_VERSION",
+    "BlockToWrite",
+    "WriteStats",
+    "decode_block",
+    "encode_block",
+    "encode_lossy_block",
+]
 
 _MAGIC: Final = b"GPBK"
 #: Version of the block layout this gradpipe writes and the newest it reads.
@@ -76,6 +83,21 @@ def encode_block(data: bytes | memoryview | np.ndarray, codecs: Sequence[Codec] 
     header = to_json_bytes({"codecs": [c.get_config() for c in codecs], "size": logical})
     body = _bytes_view(payload)
     return b"".join((_PREFIX.pack(_MAGIC, BLOCK_VERSION, len(header)), header, body))
+
+
+def encode_lossy_block(data: np.ndarray, codecs: Sequence[Codec]) -> tuple[bytes, np.ndarray]:
+    """Frame ``data`` with a lossy chain; also return the bytes the frame decodes to.
+
+    The block's id must be the hash of those decoded bytes (what every read
+    checks), never of ``data``: that is what keeps a lossy block from ever
+    standing for the original values (see docs in :mod:`gradpipe.codecs._lossy`).
+    """
+    frame = encode_block(data, codecs)
+    start = _PREFIX.size + _PREFIX.unpack_from(frame)[2]
+    payload: Any = memoryview(frame)[start:]
+    for codec in reversed(codecs):
+        payload = codec.decode(payload)
+    return frame, _bytes_array(payload).copy()
 
 
 def decode_block(

@@ -28,7 +28,9 @@ age and what the version stored against what it would have stored alone.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
@@ -56,7 +58,19 @@ from gradpipe.storage.tensors import WRITE_WINDOW, WRITE_WINDOW_BYTES
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
 
-__all__ = ["ChainParent", "write_version"]
+__all__ = [
+    "ChainParent",
+    "ChunkVersioner",
+    "KeyframeValues",
+    "ParentChunk",
+    "VersionChunk",
+    "account",
+    "parent_chunks",
+    "parse_version_kind",
+    "version_manifest",
+    "write_chunk_version",
+    "write_version",
+]
 
 #: A delta at most this fraction of the parent's full copy wins without the
 #: full encoding being made (halves the encoding work on parameters).
@@ -89,9 +103,60 @@ class ChainParent:
     keyframes: Mapping[str, np.ndarray] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class ParentChunk:
+    """What writing one chunk of a new version needs of its parent's chunk.
+
+    Small and picklable, so a task writing one chunk of a version takes this
+    instead of the parent's whole manifest (:func:`parent_chunks` makes them).
+    """
+
+    block: str | None  # the chunk's logical id (None: all-zero)
+    stats: ChunkStats
+    frame: bytes | None  # kept inline
+    links: tuple[DeltaLink, ...]
+    full: int | None  # what the chunk takes stored alone, as the parent's chain records it
+    age: int  # versions since its keyframe
+    stored: bool  # every block it needs is in the store (or inline)
+    keyframe: str | None  # the block a delta may be taken against now; None: store in full
+
+
+def parent_chunks(
+    manifest: TensorManifest, *, interval: int, present: set[str] | None = None
+) -> list[ParentChunk]:
+    """Every chunk of ``manifest`` as :class:`ParentChunk`, for versions with ``interval``.
+
+    ``present``: the blocks known to be in the store (None: all of them, for a
+    caller that reads every parent chunk anyway and so finds a lost one).
+    """
+    out = []
+    for i, block in enumerate(manifest.blocks):
+        links = manifest.deltas.get(i, ())
+        needed = _chunk_blocks(manifest, i)
+        age = _age(manifest, i)
+        keyframe = None
+        if block is not None and i not in manifest.inline and age + 1 < interval:
+            keyframe = links[-1].base if links else block
+            if present is not None and keyframe not in present:
+                keyframe = None  # lost (or deleted as corrupt) since: start a new keyframe
+        out.append(
+            ParentChunk(
+                block,
+                manifest.stats[i],
+                manifest.inline.get(i),
+                links,
+                manifest.chain.full[i] if manifest.chain is not None else None,
+                age,
+                present is None or all(b in present for b in needed),
+                keyframe,
+            )
+        )
+    return out
+
+
 @dataclass
-class _Chunk:
-    """What the manifest keeps of one chunk, and what it cost."""
+class VersionChunk:
+    """What the manifest keeps of one chunk of a new version, and what it cost."""
 
     block: str | None
     stats: ChunkStats
@@ -104,6 +169,10 @@ class _Chunk:
     write: BlockToWrite | None = None  # the block to store, if any
     outcome: str = "written"  # or "zero", "inline", "unchanged": for the write stats
     error: float | None = None  # a lossy delta's largest error
+
+
+#: Finds the values of a chunk's keyframe, when a delta is to be tried (None: not at hand).
+KeyframeValues = Callable[[ParentChunk], np.ndarray | None]
 
 
 class _Writes:
@@ -145,9 +214,12 @@ def write_version(
     (``int``, ``xor``, or the lossy ``sparse`` with ``threshold``). With
     ``parallel`` the chunks are encoded on the process's encoding pool; a
     caller that writes many tensors at once on its own threads passes False.
+    A graph that computes a version chunk by chunk uses the same steps one
+    chunk per task: :func:`parent_chunks`, :func:`write_chunk_version` and
+    :func:`version_manifest`.
     """
     store.check_writable()
-    kind = parse_delta_kind(delta)
+    kind, threshold = parse_version_kind(delta, threshold, array.dtype)
     interval = parse_keyframe_interval(keyframe_interval)
     stats = stats if stats is not None else WriteStats()
     dtype = canonical_dtype(array.dtype)
@@ -161,52 +233,97 @@ def write_version(
     else:
         target = chunk_bytes if chunk_bytes is not None else get_bytes("chunk-bytes")
         chunk_shape = choose_chunk_shape(array.shape, dtype.itemsize, target)
-    if kind == "sparse" and not is_float(dtype):
-        kind, threshold = "int", 0.0  # the sparse delta is for floats; others stay exact
-    usable = _present_parent_blocks(store, base) if base is not None else set()
-    writer = _VersionWriter(
-        store,
-        kind=kind,
-        threshold=threshold,
-        interval=interval,
-        parent=parent if base else None,
-        present=usable,
-        where=where,
-    )
+    parents: list[ParentChunk] | None = None
+    finder: _KeyframeFinder | None = None
+    if base is not None and parent is not None:
+        present = _present_parent_blocks(store, base)
+        parents = parent_chunks(base, interval=interval, present=present)
+        finder = _KeyframeFinder(store, parent, where)
+    writer = ChunkVersioner(store, kind=kind, threshold=threshold, interval=interval)
     ranges = list(chunk_ranges(array.shape, chunk_shape))
     writes = _Writes(store, stats)
-    chunks: list[_Chunk] = []
-    errors: list[float] = []
+    chunks: list[VersionChunk] = []
     # Chunks are encoded on a pool (the codecs release the GIL), a few windows
     # of them at a time so that only those windows' frames are held.
     step = 4 * read_threads()
     for lo in range(0, len(ranges), step):
         window = range(lo, min(lo + step, len(ranges)))
 
-        def encode(i: int) -> _Chunk:
+        def encode(i: int) -> VersionChunk:
             start, stop = ranges[i]
-            return writer.chunk(i, flat[start:stop], where=where)
+            if parents is None or finder is None:
+                return writer.chunk(flat[start:stop], None, _no_keyframe, where=where)
+            found = functools.partial(finder, i)
+            return writer.chunk(flat[start:stop], parents[i], found, where=where)
 
         serial = len(window) == 1 or not parallel
         done = map(encode, window) if serial else _pool().map(encode, window)
         for chunk in done:
-            _account(chunk, stats)
+            account(chunk, stats)
             if chunk.write is not None:
                 writes.add(chunk.write)
-            if chunk.error is not None:
-                errors.append(chunk.error)
             chunks.append(chunk)
     writes.flush()
-    return TensorManifest(
+    return version_manifest(
         name,
         tuple(array.shape),
+        chunk_shape,
+        chunks,
+        parent_id=parent.manifest_id if parent is not None else None,
+        interval=interval,
+    )
+
+
+def parse_version_kind(delta: str, threshold: float, dtype: np.dtype) -> tuple[str, float]:
+    """The delta kind and threshold a version of ``dtype`` is written with."""
+    kind = parse_delta_kind(delta)
+    if kind == "sparse" and not is_float(canonical_dtype(dtype)):
+        return "int", 0.0  # the sparse delta is for floats; others stay exact
+    return kind, threshold
+
+
+def write_chunk_version(
+    versioner: ChunkVersioner,
+    values: np.ndarray,
+    parent: ParentChunk | None,
+    find_keyframe: KeyframeValues,
+    *,
+    stats: WriteStats,
+    where: str,
+) -> VersionChunk:
+    """One chunk of a new version, decided, counted in ``stats`` and its block written.
+
+    Returns the chunk without its block's bytes (what :func:`version_manifest`
+    needs), so a task can hand it on cheaply.
+    """
+    chunk = versioner.chunk(values, parent, find_keyframe, where=where)
+    account(chunk, stats)
+    if chunk.write is not None:
+        versioner.store.write_blocks([chunk.write], stats)
+    return dataclasses.replace(chunk, write=None)
+
+
+def version_manifest(
+    dtype: str,
+    shape: tuple[int, ...],
+    chunk_shape: tuple[int, ...],
+    chunks: Sequence[VersionChunk],
+    *,
+    parent_id: str | None,
+    interval: int,
+) -> TensorManifest:
+    """The manifest of a version from its chunks, in chunk order."""
+    errors = [c.error for c in chunks if c.error is not None]
+    return TensorManifest(
+        dtype,
+        shape,
         chunk_shape,
         tuple(c.block for c in chunks),
         tuple(c.stats for c in chunks),
         {i: c.frame for i, c in enumerate(chunks) if c.frame is not None},
         {i: c.links for i, c in enumerate(chunks) if c.links},
         ChainInfo(
-            parent.manifest_id if parent is not None else None,
+            parent_id,
             interval,
             tuple(c.stored for c in chunks),
             tuple(c.full for c in chunks),
@@ -215,6 +332,47 @@ def write_version(
             max_abs_error=max(errors, default=0.0),
         ),
     )
+
+
+def _no_keyframe(parent: ParentChunk) -> np.ndarray | None:
+    return None
+
+
+class _KeyframeFinder:
+    """:data:`KeyframeValues` of :func:`write_version`: the parent's values, kept ones, or a read.
+
+    The parent's own values serve for a chunk it stores in full (checked
+    against its id unless ``trusted``); then keyframes the writer kept; else
+    the keyframe block is read (a damaged one is no base: the chunk is then
+    stored in full and starts a new keyframe).
+    """
+
+    def __init__(self, store: Store, parent: ChainParent, where: str) -> None:
+        self.store, self.parent, self.where = store, parent, where
+        self.dtype = parse_dtype(parent.manifest.dtype)
+        self.flat = (
+            None if parent.values is None else np.ascontiguousarray(parent.values).reshape(-1)
+        )
+        self.ranges = parent.manifest.chunk_ranges()
+
+    def __call__(self, i: int, chunk: ParentChunk) -> np.ndarray | None:
+        keyframe = chunk.keyframe
+        if keyframe is None:
+            return None
+        if not chunk.links and self.flat is not None:
+            start, stop = self.ranges[i]
+            values = self.flat[start:stop]
+            if self.parent.trusted or hash_bytes(values.view(np.uint8)) == keyframe:
+                return values
+        found = self.parent.keyframes.get(keyframe)
+        if found is not None:
+            return found
+        where = f"{self.where}, keyframe of chunk {i}" if self.where else f"keyframe of chunk {i}"
+        try:
+            raw = self.store.get_raw(keyframe, context=where)
+        except (NotFoundError, IntegrityError):
+            return None  # a damaged keyframe is no base: this chunk starts a new one
+        return np.frombuffer(raw, dtype=np.uint8).view(self.dtype)
 
 
 def _chunk_blocks(manifest: TensorManifest, i: int) -> list[str]:
@@ -244,7 +402,7 @@ def _age(manifest: TensorManifest, i: int) -> int:
     return len(manifest.deltas.get(i, ()))
 
 
-def _account(chunk: _Chunk, stats: WriteStats) -> None:
+def account(chunk: VersionChunk, stats: WriteStats) -> None:
     """Count what one chunk's decision did (the block writes count themselves)."""
     stats.logical_bytes += chunk.logical
     if chunk.outcome == "zero":
@@ -260,140 +418,91 @@ def _pool() -> ThreadPoolExecutor:
     return process_pool("encode")
 
 
-class _VersionWriter:
-    """The per-chunk decisions of one :func:`write_version` call (thread-safe: no state)."""
+class ChunkVersioner:
+    """The per-chunk decisions of a new version (thread-safe: no state; picklable)."""
 
-    def __init__(
-        self,
-        store: Store,
-        *,
-        kind: str,
-        threshold: float,
-        interval: int,
-        parent: ChainParent | None,
-        present: set[str],
-        where: str,
-    ) -> None:
-        self.store, self.present, self.where = store, present, where
+    def __init__(self, store: Store, *, kind: str, threshold: float, interval: int) -> None:
+        self.store = store
         self.kind, self.threshold, self.interval = kind, threshold, interval
-        self.parent = parent
-        self.manifest = parent.manifest if parent is not None else None
         self.inline_max = get_bytes("inline-bytes")
         self.level = int(get_setting("codec-level"))
-        self.parent_flat = (
-            None
-            if parent is None or parent.values is None
-            else np.ascontiguousarray(parent.values).reshape(-1)
-        )
-        self.parent_ranges = self.manifest.chunk_ranges() if self.manifest is not None else []
 
-    def chunk(self, i: int, chunk: np.ndarray, *, where: str) -> _Chunk:
+    def chunk(
+        self,
+        chunk: np.ndarray,
+        parent: ParentChunk | None,
+        find_keyframe: KeyframeValues,
+        *,
+        where: str,
+    ) -> VersionChunk:
+        """Decide how to store ``chunk``, the new values of ``parent`` (None: a first version)."""
         check_values(chunk, where=where or "tensor")
         nonzero = bit_nonzero(chunk)
         if nonzero == 0:
-            return _Chunk(
+            return VersionChunk(
                 None, chunk_stats(chunk, bits_nonzero=0), outcome="zero", logical=chunk.nbytes
             )
         block_id = hash_bytes(chunk.view(np.uint8))
-        parent = self.manifest
-        if parent is not None and parent.blocks[i] == block_id and self._stored(parent, i):
-            return self._unchanged(i, parent, chunk, nonzero)
+        if parent is not None and parent.block == block_id and parent.stored:
+            return self._unchanged(parent, chunk, nonzero)
         record_stats = chunk_stats(chunk, bits_nonzero=nonzero)
         full_item = BlockToWrite(block_id, chunk, None, nonzero)
         if chunk.nbytes <= self.inline_max * _SMALL_FACTOR:
             return self._small(full_item, record_stats)
-        base = self._base(i, parent)
-        if base is None or parent is None:
+        base = None if parent is None or parent.keyframe is None else find_keyframe(parent)
+        if base is None or parent is None or parent.keyframe is None:
             return self._full(full_item, self._encode(full_item), record_stats)
-        return self._smaller(i, parent, chunk, base, full=full_item, record_stats=record_stats)
+        return self._smaller(
+            parent, chunk, (parent.keyframe, base), full=full_item, record_stats=record_stats
+        )
 
     def _encode(self, item: BlockToWrite) -> bytes:
         return self.store.encode_block(item, self.level)
 
-    def _unchanged(self, i: int, parent: TensorManifest, chunk: np.ndarray, nonzero: int) -> _Chunk:
+    def _unchanged(self, parent: ParentChunk, chunk: np.ndarray, nonzero: int) -> VersionChunk:
         """The parent's chunk as it is stored: no new block."""
-        frame = parent.inline.get(i)
-        if parent.chain is not None:
-            full = parent.chain.full[i]
+        frame = parent.frame
+        if parent.full is not None:
+            full = parent.full
         elif frame is not None:
             full = len(frame)
         else:  # a parent written without a chain: what this chunk takes alone
-            full = len(self._encode(BlockToWrite(parent.blocks[i] or "", chunk, None, nonzero)))
-        links = parent.deltas.get(i, ())
+            full = len(self._encode(BlockToWrite(parent.block or "", chunk, None, nonzero)))
         # A full chunk stays its own keyframe; an unchanged delta ages up to the
         # interval (the next change then makes a keyframe).
-        age = min(_age(parent, i) + 1, self.interval - 1) if links else 0
-        return _Chunk(
-            parent.blocks[i], parent.stats[i], frame, links, 0, full, age,
+        age = min(parent.age + 1, self.interval - 1) if parent.links else 0
+        return VersionChunk(
+            parent.block, parent.stats, frame, parent.links, 0, full, age,
             logical=chunk.nbytes, outcome="unchanged",
         )  # fmt: skip
 
-    def _small(self, item: BlockToWrite, record_stats: ChunkStats) -> _Chunk:
+    def _small(self, item: BlockToWrite, record_stats: ChunkStats) -> VersionChunk:
         frame = self._encode(item)
         if len(frame) <= self.inline_max:
             size = len(frame)
-            return _Chunk(
+            return VersionChunk(
                 item.block_id, record_stats, frame, (), size, size,
                 logical=item.data.nbytes, outcome="inline",
             )  # fmt: skip
         return self._full(item, frame, record_stats)
 
-    def _full(self, item: BlockToWrite, frame: bytes, record_stats: ChunkStats) -> _Chunk:
+    def _full(self, item: BlockToWrite, frame: bytes, record_stats: ChunkStats) -> VersionChunk:
         write = BlockToWrite(item.block_id, item.data, None, item.nonzero, frame)
         size = len(frame)
-        return _Chunk(
+        return VersionChunk(
             item.block_id, record_stats, None, (), size, size,
             logical=item.data.nbytes, write=write,
         )  # fmt: skip
 
-    def _stored(self, parent: TensorManifest, i: int) -> bool:
-        """Whether every block parent's chunk ``i`` needs is in the store (or inline)."""
-        return all(b in self.present for b in _chunk_blocks(parent, i))
-
-    def _base(self, i: int, parent: TensorManifest | None) -> tuple[str, np.ndarray] | None:
-        """The keyframe of chunk ``i`` (its id and values) to delta against, if there is one."""
-        keyframe = self._keyframe(i, parent)
-        if keyframe is None or parent is None or self.parent is None:
-            return None
-        if not parent.deltas.get(i) and self.parent_flat is not None:
-            start, stop = self.parent_ranges[i]
-            values = self.parent_flat[start:stop]
-            if self.parent.trusted or hash_bytes(values.view(np.uint8)) == keyframe:
-                return keyframe, values
-        found = self.parent.keyframes.get(keyframe)
-        if found is not None:
-            return keyframe, found
-        where = f"{self.where}, keyframe of chunk {i}" if self.where else f"keyframe of chunk {i}"
-        try:
-            raw = self.store.get_raw(keyframe, context=where)
-        except (NotFoundError, IntegrityError):
-            return None  # a damaged keyframe is no base: this chunk starts a new one
-        return keyframe, np.frombuffer(raw, dtype=np.uint8).view(parse_dtype(parent.dtype))
-
-    def _keyframe(self, i: int, parent: TensorManifest | None) -> str | None:
-        """The id of chunk ``i``'s keyframe, if a delta may be taken against it now."""
-        if parent is None or self.parent is None:
-            return None
-        block = parent.blocks[i]
-        if block is None or i in parent.inline:
-            return None  # no stored block: nothing to start from
-        if _age(parent, i) + 1 >= self.interval:
-            return None  # time for a new keyframe
-        links = parent.deltas.get(i)
-        keyframe = links[-1].base if links else block
-        # Lost (or deleted as corrupt) since: start a new keyframe.
-        return keyframe if keyframe in self.present else None
-
     def _smaller(
         self,
-        i: int,
-        parent: TensorManifest,
+        parent: ParentChunk,
         chunk: np.ndarray,
         keyframe: tuple[str, np.ndarray],
         *,
         full: BlockToWrite,
         record_stats: ChunkStats,
-    ) -> _Chunk:
+    ) -> VersionChunk:
         """The chunk as a delta against ``base`` if that is smaller, else in full.
 
         When the delta is clearly smaller than the parent's own full copy of
@@ -409,7 +518,7 @@ class _VersionWriter:
         delta_id = hash_bytes(delta.view(np.uint8))
         delta_item = BlockToWrite(delta_id, delta, None, bit_nonzero(delta))
         delta_frame = self._encode(delta_item)
-        known = parent.chain.full[i] if parent.chain is not None else 0
+        known = parent.full or 0
         if len(delta_frame) <= _CLEAR_WIN * known:
             full_size = known
         else:
@@ -425,7 +534,7 @@ class _VersionWriter:
             error = None if codec.exact else codec.max_abs_error
         links = (DeltaLink(delta_id, keyframe_id, self.kind),)
         write = BlockToWrite(delta_id, delta, None, delta_item.nonzero, delta_frame)
-        return _Chunk(
-            block_id, record_stats, None, links, len(delta_frame), full_size, _age(parent, i) + 1,
+        return VersionChunk(
+            block_id, record_stats, None, links, len(delta_frame), full_size, parent.age + 1,
             logical=chunk.nbytes, write=write, error=error,
         )  # fmt: skip

@@ -27,6 +27,7 @@ from typing import Any
 from dask.utils import format_bytes
 
 from gradpipe.config import get_seconds
+from gradpipe.core.html import ReportHtml
 from gradpipe.core.ids import id_from_block_key
 from gradpipe.errors import IntegrityError
 from gradpipe.storage.backend import TEMP_PREFIX, KeyInfo
@@ -41,7 +42,7 @@ _DELETE_BATCH = 1000
 
 
 @dataclass
-class GcReport:
+class GcReport(ReportHtml):
     """What :func:`gc` found and did (or, with ``dry_run``, would do)."""
 
     dry_run: bool

@@ -72,6 +72,19 @@ class Store:
     def __repr__(self) -> str:
         return f"<gradpipe.Store {self.url!r} mode={self.mode!r}>"
 
+    def _repr_html_(self) -> str:
+        """The store and its named things (one listing of the refs; no data read)."""
+        from gradpipe.core.html import key_values
+
+        groups: dict[str, list[str]] = {}
+        for name in self.refs.names():
+            kind, _, rest = name.partition("/")
+            groups.setdefault(kind, []).append(rest)
+        shown = {
+            k: ", ".join(sorted(v)[:12]) + (" …" if len(v) > 12 else "") for k, v in groups.items()
+        }
+        return key_values(f"gradpipe store {self.url}", {"mode": self.mode, **shown})
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (reopen_store, (self.url, self.mode, self.storage_options))
 
@@ -206,14 +219,17 @@ class Store:
             return encode_block(item.data, (choose_codec(item.data, item.nonzero, level=level),))
         frame = encode_block(item.data, item.codecs)
         # A block's id promises its logical bytes: a caller's codec chain that
-        # does not give them back (a lossy one) must not be stored.
+        # does not give them back (a lossy one) must not be stored under it.
+        # Lossy tensors come here with their frame made and named by the hash
+        # of its decoding (storage.tensors), never through this branch.
         try:
             decode_block(frame, item.block_id)
         except IntegrityError:
             names = ", ".join(c.codec_id for c in item.codecs)
             raise InvalidInputError(
                 f"codec chain [{names}] does not round-trip this data bit-exactly; "
-                "the store keeps data lossless, choose lossless codecs"
+                "raw blocks are kept lossless: choose lossless codecs, or store a tensor "
+                "(put_tensor or ingest), which records a lossy codec and its error"
             ) from None
         return frame
 
@@ -310,7 +326,7 @@ class Store:
         chunk_bytes: int | None = None,
         codecs: Sequence[Codec] | None = None,
     ) -> str:
-        """Store a tensor bit-exactly; returns its id.
+        """Store a tensor (bit-exactly, unless given a lossy codec); returns its id.
 
         Parameters
         ----------
@@ -328,6 +344,12 @@ class Store:
         codecs : sequence of numcodecs codecs, optional
             A fixed codec chain for every chunk; by default each chunk gets
             the lossless codec that suits it (sparse or byte-grouped dense).
+            A chain may start with one lossy codec (see
+            :mod:`gradpipe.codecs.registry`, e.g. ``[make_codec("bf16")]``):
+            then reads give back the decoded values, not ``array``, and the
+            tensor's manifest (:meth:`tensor_info`) is marked lossy with the
+            codec's bound and the measured error (``.lossy``). Integer and
+            bool tensors are stored exactly whatever the chain.
 
         Examples
         --------
@@ -388,7 +410,11 @@ class Store:
             ) from None
 
     def get_tensor(self, tensor_id: str) -> np.ndarray:
-        """Read a stored tensor, bit-exact, checking every block against its id."""
+        """Read a stored tensor, checking every block against its id.
+
+        Bit-exact, unless it was stored with a lossy codec: then the values are
+        the decoded ones its manifest describes (``tensor_info(id).lossy``).
+        """
         manifest = self.tensor_info(tensor_id)
         return self.read_tensor(manifest, context=f"tensor {tensor_id}")
 

@@ -8,6 +8,14 @@ manifest, fetches the other blocks in batches and decodes each straight into
 the output buffer, on a thread pool (:mod:`~gradpipe.storage.reads`). Both are
 used by :class:`Store` and by the ingest graph's tasks, so every path into the
 store checks the same things.
+
+A lossy codec chain (one whose first codec is a
+:class:`~gradpipe.codecs._lossy.LossyCodec`) takes another branch of the
+write path: each chunk is encoded and decoded again, its block is named by the
+hash of the *decoded* bytes (what reads give back and verify checks), its
+stats are those of the decoded values, and its error against the original is
+measured; the tensor's manifest records the codec, its bound and the error
+(:class:`~gradpipe.core.lossy.LossyInfo`).
 """
 
 from __future__ import annotations
@@ -19,14 +27,16 @@ from typing import TYPE_CHECKING, Final
 import numpy as np
 from numcodecs.abc import Codec
 
+from gradpipe.codecs._lossy import LossyCodec, bind_chain
 from gradpipe.config import get_bytes
 from gradpipe.core.chunk_stats import ChunkStats, bit_nonzero, chunk_stats
 from gradpipe.core.chunking import choose_chunk_shape, chunk_ranges
 from gradpipe.core.dtypes import canonical_dtype, check_values, dtype_name, parse_dtype
 from gradpipe.core.ids import block_key, hash_bytes
+from gradpipe.core.lossy import ChunkError, LossyInfo, measure_error
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import NotFoundError
-from gradpipe.storage.blocks import BlockToWrite, WriteStats
+from gradpipe.storage.blocks import BlockToWrite, WriteStats, encode_lossy_block
 from gradpipe.storage.reads import READ_WINDOW, ChunkRead, decode_windows
 
 if TYPE_CHECKING:
@@ -61,12 +71,24 @@ class ChunkRecord:
     block: str | None  # id of the chunk's logical bytes; None for an all-zero chunk
     stats: ChunkStats
     frame: bytes | None = None  # the encoded block, when it lives inside the manifest
+    error: ChunkError | None = None  # written by a lossy codec: its measured error
 
 
 def build_tensor_manifest(
-    dtype: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...], records: Sequence[ChunkRecord]
+    dtype: str,
+    shape: tuple[int, ...],
+    chunk_shape: tuple[int, ...],
+    records: Sequence[ChunkRecord],
+    lossy: LossyCodec | None = None,
 ) -> TensorManifest:
-    """The manifest of a tensor from its chunks' records, in chunk order."""
+    """The manifest of a tensor from its chunks' records, in chunk order.
+
+    ``lossy`` is the lossy codec the chunks were written with, if any.
+    """
+    info = None
+    if lossy is not None:
+        error = ChunkError.merge(r.error for r in records if r.error is not None)
+        info = LossyInfo.of(lossy.get_config(), lossy.name, lossy.error_bound(), error)
     return TensorManifest(
         dtype,
         shape,
@@ -74,6 +96,7 @@ def build_tensor_manifest(
         tuple(r.block for r in records),
         tuple(r.stats for r in records),
         {i: r.frame for i, r in enumerate(records) if r.frame is not None},
+        lossy=info,
     )
 
 
@@ -84,14 +107,19 @@ def write_chunks(
     codecs: Sequence[Codec] | None = None,
     stats: WriteStats | None = None,
     where: str = "",
+    chunk_codecs: Sequence[Sequence[Codec] | None] | None = None,
 ) -> list[ChunkRecord]:
     """Write 1-D chunks (canonical little-endian); per chunk, its block id and stats.
 
     All-zero chunks take no block (id None); a chunk whose encoded block is at
     most ``gradpipe.inline-bytes`` keeps it in its record, for the manifest,
     and is not written as an object. ``codecs=None`` lets the policy choose a
-    lossless codec per chunk. Values a dtype cannot hold (a bool byte other
-    than 0 and 1) are refused before anything is written.
+    lossless codec per chunk; ``chunk_codecs``, if given, is one chain per
+    chunk instead (chunks of several tensors, each bound with
+    :func:`bind_chain`). A chain that starts with a lossy codec writes the
+    chunk lossily (see the module docstring) and records its error. Values a
+    dtype cannot hold (a bool byte other than 0 and 1) are refused before
+    anything is written.
     """
     store.check_writable()
     stats = stats if stats is not None else WriteStats()
@@ -99,25 +127,32 @@ def write_chunks(
     records: list[ChunkRecord] = []
     window: list[BlockToWrite] = []
     window_bytes = 0
-    for chunk in chunks:
+    for n, chunk in enumerate(chunks):
         check_values(chunk, where=where or "tensor")
-        nonzero = bit_nonzero(chunk)
-        record_stats = chunk_stats(chunk, bits_nonzero=nonzero)
+        chain = codecs if chunk_codecs is None else chunk_codecs[n]
         stats.logical_bytes += chunk.nbytes
-        if nonzero == 0:
-            stats.zero_chunks += 1  # all-zero bytes: no block at all
-            records.append(ChunkRecord(None, record_stats))
-            continue
-        block_id = hash_bytes(chunk.view(np.uint8))
-        item = BlockToWrite(block_id, chunk, codecs, nonzero)
-        if chunk.nbytes <= inline_max * _INLINE_RAW_FACTOR:
-            frame = store.encode_block(item)
-            if len(frame) <= inline_max:
-                stats.inline_chunks += 1
-                records.append(ChunkRecord(block_id, record_stats, frame))
+        if chain and getattr(chain[0], "lossy", False):
+            record, item = _lossy_chunk(chunk, chain, inline_max, stats)
+            records.append(record)
+            if item is None:
                 continue
-            item = BlockToWrite(block_id, chunk, codecs, nonzero, frame)
-        records.append(ChunkRecord(block_id, record_stats))
+        else:
+            nonzero = bit_nonzero(chunk)
+            record_stats = chunk_stats(chunk, bits_nonzero=nonzero)
+            if nonzero == 0:
+                stats.zero_chunks += 1  # all-zero bytes: no block at all
+                records.append(ChunkRecord(None, record_stats))
+                continue
+            block_id = hash_bytes(chunk.view(np.uint8))
+            item = BlockToWrite(block_id, chunk, chain, nonzero)
+            if chunk.nbytes <= inline_max * _INLINE_RAW_FACTOR:
+                frame = store.encode_block(item)
+                if len(frame) <= inline_max:
+                    stats.inline_chunks += 1
+                    records.append(ChunkRecord(block_id, record_stats, frame))
+                    continue
+                item = BlockToWrite(block_id, chunk, chain, nonzero, frame)
+            records.append(ChunkRecord(block_id, record_stats))
         window.append(item)
         window_bytes += chunk.nbytes
         if len(window) >= WRITE_WINDOW or window_bytes >= WRITE_WINDOW_BYTES:
@@ -126,6 +161,31 @@ def write_chunks(
     if window:
         store.write_blocks(window, stats)
     return records
+
+
+def _lossy_chunk(
+    chunk: np.ndarray, chain: Sequence[Codec], inline_max: int, stats: WriteStats
+) -> tuple[ChunkRecord, BlockToWrite | None]:
+    """Encode one chunk lossily: its record, and the block to write (None: zero or inline).
+
+    The block id is the hash of what the frame decodes to, so a read (which
+    checks it) gets exactly those values, and a lossy block can only share an
+    id with lossless data when the bytes are the same.
+    """
+    frame, decoded_bytes = encode_lossy_block(chunk, chain)
+    decoded = decoded_bytes.view(chunk.dtype)
+    error = measure_error(chunk, decoded)
+    nonzero = bit_nonzero(decoded)
+    record_stats = chunk_stats(decoded, bits_nonzero=nonzero)
+    if nonzero == 0:
+        stats.zero_chunks += 1
+        return ChunkRecord(None, record_stats, error=error), None
+    block_id = hash_bytes(decoded_bytes)
+    if len(frame) <= inline_max:
+        stats.inline_chunks += 1
+        return ChunkRecord(block_id, record_stats, frame, error), None
+    item = BlockToWrite(block_id, decoded, chain, nonzero, frame)
+    return ChunkRecord(block_id, record_stats, error=error), item
 
 
 def write_tensor(
@@ -137,14 +197,19 @@ def write_tensor(
     stats: WriteStats | None = None,
     where: str = "",
 ) -> TensorManifest:
-    """Write the chunks of ``array`` and return its (not yet stored) manifest."""
+    """Write the chunks of ``array`` and return its (not yet stored) manifest.
+
+    A lossy codec at the head of ``codecs`` is configured for the array's
+    dtype and shape, and left out for integer and bool arrays (stored exactly).
+    """
     dtype = canonical_dtype(array.dtype)
     flat = np.ascontiguousarray(array, dtype=dtype).reshape(-1)
     target = chunk_bytes if chunk_bytes is not None else get_bytes("chunk-bytes")
     chunk_shape = choose_chunk_shape(array.shape, dtype.itemsize, target)
     chunks = (flat[start:stop] for start, stop in chunk_ranges(array.shape, chunk_shape))
-    records = write_chunks(store, chunks, codecs=codecs, stats=stats, where=where)
-    return build_tensor_manifest(dtype_name(dtype), array.shape, chunk_shape, records)
+    chain, lossy = bind_chain(codecs, dtype_name(dtype), tuple(array.shape))
+    records = write_chunks(store, chunks, codecs=chain, stats=stats, where=where)
+    return build_tensor_manifest(dtype_name(dtype), array.shape, chunk_shape, records, lossy)
 
 
 def read_tensor(store: Store, manifest: TensorManifest, *, context: str = "") -> np.ndarray:

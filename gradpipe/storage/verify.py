@@ -9,6 +9,7 @@ import numpy as np
 from dask.utils import format_bytes
 
 from gradpipe.core.dtypes import parse_dtype
+from gradpipe.core.html import ReportHtml
 from gradpipe.core.ids import block_key, hash_bytes, id_from_block_key, is_id
 from gradpipe.core.manifest import Manifest, encode_manifest
 from gradpipe.core.tensor_manifest import TensorManifest
@@ -24,7 +25,7 @@ _BATCH = 32
 
 
 @dataclass
-class VerifyReport:
+class VerifyReport(ReportHtml):
     """What :func:`verify` checked and what it found wrong."""
 
     manifests: int = 0

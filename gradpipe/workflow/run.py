@@ -34,11 +34,12 @@ import contextlib
 import hashlib
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from gradpipe.core.html import ReportHtml
 from gradpipe.errors import (
     GradpipeError,
     InvalidInputError,
@@ -88,7 +89,7 @@ class StageOutcome:
 
 
 @dataclass
-class WorkflowReport:
+class WorkflowReport(ReportHtml):
     """What a workflow run did, stage by stage, and the exit status a scheduler acts on."""
 
     path: str
@@ -153,6 +154,7 @@ def run_workflow(
     scheduler: str | None = None,
     client: Client | None = None,
     dry_run: bool = False,
+    only: Collection[int] | None = None,
     env: Mapping[str, str] | None = None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> WorkflowReport:
@@ -167,6 +169,10 @@ def run_workflow(
         (default: local threads). One runner serves every stage.
     dry_run : bool
         Check the file and the store, list the stages, run nothing.
+    only : collection of int, optional
+        Run only these stages (0-based, in file order); the others are
+        reported ``not-run``. An orchestrator that runs each stage as a task
+        of its own (``workflows/prefect_nightly.py``) uses this.
     env : mapping, optional
         Where ``${VAR}`` comes from (default: the process environment).
     sleep : callable
@@ -180,6 +186,12 @@ def run_workflow(
     """
     started = time.perf_counter()
     workflow = load_workflow(path, env=env)
+    wanted = set(range(len(workflow.stages)) if only is None else only)
+    unknown = sorted(wanted - set(range(len(workflow.stages))))
+    if unknown:
+        raise InvalidInputError(
+            f"{workflow.path}: no stage {unknown[0]} (stages 0 to {len(workflow.stages) - 1})"
+        )
     report = WorkflowReport(
         workflow.path,
         workflow.store_shown,
@@ -210,6 +222,8 @@ def run_workflow(
             make_runner(client, scheduler=scheduler) as active,
         ):
             for stage, outcome in zip(workflow.stages, report.stages, strict=True):
+                if stage.index not in wanted:
+                    continue
                 _run_stage(stage, outcome, StageContext(store, active), sleep)
                 if outcome.state in ("error", "broken"):
                     break

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from gradpipe.core.html import ReportHtml
+
 if TYPE_CHECKING:
     from gradpipe.core.report import Report
     from gradpipe.graph.runner import Runner
@@ -31,7 +33,7 @@ class StageContext:
 
 
 @dataclass
-class SampleReport:
+class SampleReport(ReportHtml):
     """What the ``sample`` stage did."""
 
     directory: str
@@ -58,7 +60,7 @@ class SampleReport:
 
 
 @dataclass
-class SnapshotStageReport:
+class SnapshotStageReport(ReportHtml):
     """What the ``snapshot`` stage did: versions taken, steps passed over, files refused."""
 
     name: str

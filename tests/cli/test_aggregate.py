@@ -10,7 +10,8 @@ import pytest
 import gradpipe as gp
 from gradpipe.aggregate import METHODS
 from gradpipe.cli.aggregate import METHODS as CLI_METHODS
-from gradpipe.formats.safetensors import read_safetensors
+from gradpipe.core.server_opt import ServerOptimizerConfig, init_server_state, server_step
+from gradpipe.formats.safetensors import read_safetensors, write_safetensors
 from gradpipe.testing.cli import run_cli, run_cli_json
 
 
@@ -74,7 +75,13 @@ def test_weights_and_force(ingested: str) -> None:
 @pytest.mark.parametrize(
     ("extra", "words"),
     [
-        (["--method", "fedadam"], "invalid choice: 'fedadam'"),
+        (["--method", "adam"], "invalid choice: 'adam'"),
+        (["--method", "fedadam", "--server-lr", "0.1"], "--snapshot NAME"),
+        (
+            ["--method", "fedavgm", "--snapshot", "g", "--server-lr", "0.1", "--beta1", "0.5"],
+            "fedavgm takes no beta1",
+        ),
+        (["--method", "fedavg", "--server-lr", "0.1"], "fedavg takes no server_lr"),
         (["--method", "mean", "--steps", "3"], "expected A:B"),
         (["--method", "mean", "--steps", "2:1"], "0 <= A < B"),
         (["--method", "fedavg", "--weights", "[1]"], "JSON object"),
@@ -145,3 +152,40 @@ def test_robust_and_private_methods(
         assert set(found.params["selected"]) <= {"peer0", "peer1", "peer2"}
     if method == "dp-fedavg":
         assert isinstance(found.params["seed"], int)
+
+
+def test_a_server_optimizer_steps_a_snapshot_chain(ingested: str, tmp_path: Path) -> None:
+    store = gp.open_store(ingested)
+    schema = gp.open_run(store, "train").schema
+    rng = np.random.default_rng(5)
+    params = {n: rng.normal(size=s.shape).astype(np.float32) for n, s in schema.items()}
+    init = tmp_path / "init.safetensors"
+    write_safetensors(str(init), params, {})
+    assert run_cli("snapshot", ingested, "global", str(init), "--step", "0").status == 0
+    argv = [
+        "aggregate", ingested, "--run", "train", "--method", "fedyogi", "--snapshot", "global",
+        "--server-lr", "0.01", "--beta2", "0.9", "--bias-correction", "--steps", "0:2",
+    ]  # fmt: skip
+    status, doc = run_cli_json(*argv)
+    assert status == 0, doc
+    assert doc["method"] == "fedyogi"
+    assert doc["snapshot"] == "global"
+    assert doc["server_optimizer"]["bias_correction"] is True
+    assert doc["server_steps"]["applied"] == 2
+    assert [s["server"]["status"] for s in doc["steps"]] == ["applied", "applied"]
+    config = ServerOptimizerConfig.from_dict(doc["server_optimizer"])
+    run = gp.open_run(store, "train")
+    x = dict(params)
+    state = {n: init_server_state(a, config) for n, a in params.items()}
+    for t, step in enumerate((0, 1), start=1):
+        for name, g in run.aggregate("fedyogi", step=step).read_all().items():
+            x[name], state[name] = server_step(x[name], g, state[name], config, t=t)
+    restored = gp.restore(store, "global")
+    for name, want in x.items():
+        np.testing.assert_array_equal(restored["params"][name], want)
+    again = run_cli(*argv)
+    assert again.status == 0
+    assert "snapshot 'global': 0 server steps applied, 2 memoised" in again.out
+    status, log = run_cli_json("log", ingested, "global")
+    assert status == 0
+    assert [v["step"] for v in log["snapshots"]] == [0, 0, 1]

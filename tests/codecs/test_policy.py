@@ -25,9 +25,16 @@ def test_public_api() -> None:
     assert gradpipe.codecs.__all__ == [
         "DELTA_KINDS",
         "SPARSE_MAX_DENSITY",
+        "BF16Codec",
+        "BitRoundCodec",
         "ByteGroupCodec",
         "DeltaCodec",
+        "FP16Codec",
+        "PowerSGDCodec",
+        "ProjectionCodec",
+        "QSGDCodec",
         "SparseCodec",
+        "TopKCodec",
         "choose_codec",
         "default_codec_config",
     ]

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from gradpipe.core import state as state_mod
+from gradpipe.core.dtypes import dtype_name
 from gradpipe.core.encoding import to_json_bytes
 from gradpipe.core.state import FlatState, flatten_state, select_state, unflatten_state
 from gradpipe.errors import InvalidInputError, NotFoundError, UnsupportedFormatError
@@ -342,3 +343,47 @@ def test_select_unknown_keys_lists_what_exists() -> None:
         select_state(flat.tree, ["modle", "model"])
     with pytest.raises(KeyError):
         select_state(flat.tree, ["optimizer.state.2"])
+
+
+def _specs_of(state: Any) -> Any:
+    """``state`` with every array replaced by its ArraySpec stand-in."""
+    if isinstance(state, np.ndarray):
+        return state_mod.ArraySpec(dtype_name(state.dtype), state.shape)
+    if isinstance(state, dict):
+        return {k: _specs_of(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_specs_of(v) for v in state)
+    return state
+
+
+def test_a_skeleton_flattens_to_the_tree_and_keys_of_the_arrays() -> None:
+    a = np.arange(6, dtype="f4").reshape(2, 3)
+    state = {
+        "params": {"fc.w": a, 1: a[0], "1": a[1], "bad\nname": np.zeros(2, "f8")},
+        "server_optimizer": {"m": {"fc.w": a}, "t": 3, "config": {"lr": 0.1, "beta": None}},
+        "rows": [a, (a, 2.5)],
+    }
+    flat = flatten_state(state)
+    tree, specs = state_mod.flatten_skeleton(_specs_of(state))
+    assert tree == flat.tree
+    assert list(specs) == list(flat.arrays)
+    for key, spec in specs.items():
+        assert (spec.dtype, spec.shape) == (
+            dtype_name(flat.arrays[key].dtype),
+            flat.arrays[key].shape,
+        )
+    skeleton = state_mod.state_skeleton(tree)
+    assert skeleton["server_optimizer"]["t"] == 3
+    assert skeleton["server_optimizer"]["config"] == {"lr": 0.1, "beta": None}
+    assert skeleton["params"]["fc.w"] == state_mod.ArraySpec("float32", (2, 3), "params.fc.w")
+    keys = {skeleton["params"][1].key, skeleton["params"]["1"].key}
+    assert keys <= set(flat.arrays)
+    assert len(keys) == 2  # the colliding paths got distinct keys, as flatten_state gives them
+    assert isinstance(skeleton["rows"][1], tuple)
+
+
+def test_arrays_are_refused_in_a_skeleton_and_specs_in_a_state() -> None:
+    with pytest.raises(InvalidInputError, match="skeleton holds ArraySpecs"):
+        state_mod.flatten_skeleton({"w": np.zeros(2)})
+    with pytest.raises(InvalidInputError, match="ArraySpec"):
+        flatten_state({"w": state_mod.ArraySpec("float32", (2,))})

@@ -15,7 +15,8 @@ from gradpipe.workflow.stages import RUNNERS
 REPO = Path(__file__).resolve().parents[2]
 #: A file's first lines, up to its first stage ("- " ends at column 4).
 HEAD = "version: 1\nstore: a\nstages:\n  - "
-EXAMPLES = sorted((REPO / "workflows").glob("*.yaml"))
+#: The workflow files among workflows/*.yaml (k8s-cronjob.yaml is a Kubernetes manifest).
+EXAMPLES = sorted(p for p in (REPO / "workflows").glob("*.yaml") if "\nstages:" in p.read_text())
 SHIPPED = REPO / "gradpipe" / "workflow" / "workflow.schema.json"
 
 
@@ -138,6 +139,11 @@ def test_every_stage_has_a_runner() -> None:
     assert list(STAGES) == list(RUNNERS)
 
 
+def test_every_example_is_checked() -> None:
+    names = {p.name for p in EXAMPLES}
+    assert {"quickstart.yaml", "nightly.yaml", "federated-round.yaml"} <= names
+
+
 def test_the_shipped_schema_is_the_generated_one() -> None:
     assert json.loads(SHIPPED.read_text()) == json_schema()
 
@@ -146,9 +152,7 @@ def test_the_shipped_schema_is_the_generated_one() -> None:
 def test_the_examples_check_out_both_ways(path: Path) -> None:
     import yaml
 
-    env = {"GRADPIPE_BUCKET": "b", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
-    env |= {"GRADPIPE_ENDPOINT": "http://127.0.0.1:1"}
-    load_workflow(path, env=env)
+    load_workflow(path, env={"GRADPIPE_BUCKET": "b"})
     jsonschema.validate(yaml.safe_load(path.read_text()), json_schema())
 
 
