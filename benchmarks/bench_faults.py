@@ -19,6 +19,8 @@ Two drivers, each a table row: the Python API (``gradpipe.testing.nightly.run_ni
 and ``gradpipe run WORKFLOW.yaml`` (``gp.run_workflow`` in this process, the
 same code as the command, with ``retries: 0`` so that no stage is retried:
 what survives is the S3 client's retries and gradpipe's idempotent commits).
+Requests get 8 attempts (``gradpipe.storage.retries.max-attempts``; the
+default, 5, suits endpoints that fail far less often than this one).
 
 Every night's own ``verify`` stage must pass; after the last night (after
 every one with ``--check-every-night``), with the faults off, both stores are
@@ -307,5 +309,8 @@ def report(args: argparse.Namespace, drivers: list[Driver]) -> None:
 
 
 if __name__ == "__main__":
-    with dask.config.set({"gradpipe.lock.poll": "0.1s"}):
+    # 8 attempts per S3 request (the default is 5): what an endpoint this flaky calls for.
+    with dask.config.set(
+        {"gradpipe.lock.poll": "0.1s", "gradpipe.storage.retries.max-attempts": 8}
+    ):
         main()

@@ -40,9 +40,10 @@ DEFAULTS: Final[dict[str, Any]] = {
             # How S3 requests are retried (botocore's retry configuration; see
             # gradpipe/storage/retries.py): "standard" backs off exponentially
             # with jitter, "adaptive" also slows down when throttled. Attempts
-            # count the first one; explicit storage_options and the AWS_RETRY_MODE /
-            # AWS_MAX_ATTEMPTS variables win over these.
-            "retries": {"mode": "standard", "max-attempts": 8},
+            # count the first one: 5 gives up on a dead endpoint after 7.5 s per
+            # request on average, as botocore's old default did; raise it for a flaky one.
+            # Explicit storage_options and AWS_RETRY_MODE / AWS_MAX_ATTEMPTS win.
+            "retries": {"mode": "standard", "max-attempts": 5},
         },
         "ingest": {
             # Raw bytes one read/encode task handles: tens of MiB amortise

@@ -43,7 +43,13 @@ BUCKET = "gradpipe-test"
 SEED = int(os.environ.get("GRADPIPE_TEST_SEED", "20240611"))
 RATES = dict.fromkeys(KINDS, 0.01)  # about 7% of requests see a fault
 # Small chunks: hundreds of requests per night, so every kind of fault lands somewhere.
-SETTINGS = {"gradpipe.chunk-bytes": 16 << 10, "gradpipe.inline-bytes": 1024}
+# 8 attempts per request, as for any endpoint this flaky: 5 (the default) would let one
+# request in ~10^5 fail for good, a failed night rather than lost data, but a flaky test.
+SETTINGS = {
+    "gradpipe.chunk-bytes": 16 << 10,
+    "gradpipe.inline-bytes": 1024,
+    "gradpipe.storage.retries.max-attempts": 8,
+}
 DAYS = [[0, 1], [2, 3]]  # the steps each night finds new
 
 
@@ -229,6 +235,7 @@ def _environ() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "DASK_SCHEDULER_ADDRESS"}
     env["DASK_GRADPIPE__CHUNK_BYTES"] = str(SETTINGS["gradpipe.chunk-bytes"])
     env["DASK_GRADPIPE__INLINE_BYTES"] = str(SETTINGS["gradpipe.inline-bytes"])
+    env["DASK_GRADPIPE__STORAGE__RETRIES__MAX_ATTEMPTS"] = "8"
     return env
 
 

@@ -37,7 +37,7 @@ def with_retries(storage_options: dict[str, Any]) -> dict[str, Any]:
     Returns a new dict; ``storage_options`` is not changed.
 
     >>> with_retries({})["config_kwargs"]["retries"]  # doctest: +SKIP
-    {'mode': 'standard', 'total_max_attempts': 8}
+    {'mode': 'standard', 'total_max_attempts': 5}
     """
     config = dict(storage_options.get("config_kwargs") or {})
     retries = dict(config.get("retries") or {})

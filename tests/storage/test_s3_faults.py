@@ -32,7 +32,7 @@ def prefix(s3_faults: S3Server) -> str:
 
 @pytest.fixture
 def few_attempts() -> Iterator[None]:
-    """botocore gives up after 3 attempts, not 8: what the tests of giving up wait for."""
+    """botocore gives up after 3 attempts, not 5: what the tests of giving up wait for."""
     with dask.config.set({"gradpipe.storage.retries.max-attempts": 3}):
         yield
 

@@ -81,7 +81,7 @@ ON_PUT = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(ON_PUT))
+@pytest.mark.parametrize("kind", sorted(ON_PUT), ids=lambda kind: f"fault-{kind}")
 def test_each_fault_on_a_conditional_put(server: S3Server, proxy: FaultProxy, kind: str) -> None:
     want_status, lands = ON_PUT[kind]
     proxy.delay = (0.01, 0.02)
