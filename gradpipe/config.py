@@ -37,6 +37,13 @@ DEFAULTS: Final[dict[str, Any]] = {
             # A dedup hit on a block older than this refreshes its time, so a
             # concurrent gc cannot take a block a writer is about to reference.
             "touch-after": "1h",
+            # How S3 requests are retried (botocore's retry configuration; see
+            # gradpipe/storage/retries.py): "standard" backs off exponentially
+            # with jitter, "adaptive" also slows down when throttled. Attempts
+            # count the first one: 5 gives up on a dead endpoint after 7.5 s per
+            # request on average, as botocore's old default did; raise it for a flaky one.
+            # Explicit storage_options and AWS_RETRY_MODE / AWS_MAX_ATTEMPTS win.
+            "retries": {"mode": "standard", "max-attempts": 5},
         },
         "ingest": {
             # Raw bytes one read/encode task handles: tens of MiB amortise

@@ -221,6 +221,7 @@ def snapshot(
     delta: str = "int",
     threshold: float = 0.0,
     keyframe_interval: int = DEFAULT_KEYFRAME_INTERVAL,
+    newer_only: bool = False,
 ) -> str:
     """Save ``state`` as the next snapshot of ``name``; returns its id.
 
@@ -246,6 +247,11 @@ def snapshot(
         xor are bit-exact; sparse with ``threshold > 0`` is lossy and says so).
     keyframe_interval : int
         A full copy of each chunk every this many snapshots.
+    newer_only : bool
+        Write nothing if the newest snapshot of ``name`` is already at ``step``
+        or later, and return its id: a job that runs again, or two copies of
+        it racing, write each step once. Checked against the head every
+        compare-and-swap is made from, so the loser of a race sees the winner's.
 
     Raises
     ------
@@ -267,6 +273,8 @@ def snapshot(
             # the lease ends, so the blocks the new version links to stay.
             head_id = _head(store, name)
             head = None if head_id is None else _get(store, head_id, name)
+            if newer_only and head_id is not None and head is not None and head.step >= step:
+                return head_id
             written = _write(store, name, flat, head, head_id=head_id, options=options)
             known = _recalled(store, name, head_id)
             try:

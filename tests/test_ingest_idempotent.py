@@ -218,3 +218,31 @@ def test_concurrent_ingests_both_land(
     check_run(
         kit, store, "r", {(s, p): source(sample, s, p) for s in sample.steps for p in sample.peers}
     )
+
+
+def test_ingest_racing_one_of_the_same_files_adds_no_commit(
+    sample: SampleRun, tmp_path: Path
+) -> None:
+    """The loser of two ingests of the same files finds its dumps recorded: it writes no entry."""
+    from gradpipe.testing.faults import Fault, faulty_store
+
+    pattern = copy_run(sample, tmp_path / "d")
+    inner = gp.open_store(str(tmp_path / "store"), mode="w")
+    other: list[IngestReport] = []
+
+    def the_other_ingest() -> None:  # runs to the end while ours is about to swap
+        thread = threading.Thread(target=lambda: other.append(ingest(inner, pattern, run="r")))
+        thread.start()
+        thread.join()
+
+    store, backend = faulty_store(
+        inner, Fault("swap", "refs/runs/r", calls={1}, lose=None, action=the_other_ingest)
+    )
+    ours = ingest(store, pattern, run="r", workers=1)
+    assert len(backend.fired("swap")) == 1
+    n = len(sample.steps) * len(sample.peers)
+    assert [r.ingested for r in other] == [n]
+    assert ours.ok
+    assert ours.run_id == other[0].run_id == open_run(inner, "r").id
+    # Our swap lost the race; the run then already held exactly our dumps.
+    assert [e.target for e in inner.refs.history("runs/r")] == [other[0].run_id]

@@ -392,3 +392,29 @@ def test_prune_counts_only_what_no_other_ref_uses(tmp_path: Path, small: None) -
     assert report.dropped_steps == [0, 1]
     assert report.freed_blocks == 0
     assert report.freed_bytes == 0
+
+
+def test_newer_only_writes_each_step_once_even_when_racing(tmp_path: Path) -> None:
+    from gradpipe.testing.faults import Fault, faulty_store
+
+    inner = gp.open_store(str(tmp_path / "store"), mode="w")
+    state = {"w": np.arange(10.0)}
+    first = gp.snapshot(inner, "m", state, step=1, newer_only=True)
+    assert gp.snapshot(inner, "m", {"w": np.zeros(10)}, step=1, newer_only=True) == first
+    assert gp.snapshot(inner, "m", state, step=0, newer_only=True) == first  # older: nothing
+    theirs: list[str] = []
+
+    def the_other_writer() -> None:  # lands step 2 while ours is about to swap
+        theirs.append(gp.snapshot(inner, "m", {"w": np.ones(10)}, step=2, newer_only=True))
+
+    store, backend = faulty_store(
+        inner, Fault("swap", "refs/snapshots/m", calls={1}, lose=None, action=the_other_writer)
+    )
+    ours = gp.snapshot(store, "m", {"w": np.full(10, 2.0)}, step=2, newer_only=True)
+    assert len(backend.fired("swap")) == 1
+    assert ours == theirs[0]  # ours lost the race and found step 2 there
+    assert [v.step for v in gp.snapshot_log(inner, "m")] == [1, 2]
+    assert same(gp.restore(inner, "m"), {"w": np.ones(10)})
+    # Without newer_only the same step is a new version.
+    gp.snapshot(inner, "m", state, step=2)
+    assert [v.step for v in gp.snapshot_log(inner, "m")] == [1, 2, 2]

@@ -331,10 +331,22 @@ def commit_run(
         outcome.update(accepted=accepted, refused=refused)
         if not accepted:
             return current
-        merged = merge_run(base, [r.entry for r in accepted], schema)
-        return store.put_manifest(merged)
+        merged = store.put_manifest(merge_run(base, [r.entry for r in accepted], schema))
+        if merged == current:
+            outcome["current"] = current
+            # Everything is recorded as we would record it (a racing ingest of the
+            # same files committed first): a swap would only add a history entry.
+            raise _UnchangedError
+        return merged
 
     # Publish under the client's lease (checked fresh first), not a new one of our own.
     with store.lock.join(lease):
-        entry = store.refs.update(run_ref(run), decide, message=message)
-    return CommitResult(entry.target, outcome["accepted"], failures + outcome["refused"])
+        try:
+            target = store.refs.update(run_ref(run), decide, message=message).target
+        except _UnchangedError:
+            target = outcome["current"]
+    return CommitResult(target, outcome["accepted"], failures + outcome["refused"])
+
+
+class _UnchangedError(Exception):
+    """A commit that would not change the run (raised by its ``decide`` to write nothing)."""

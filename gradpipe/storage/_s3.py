@@ -3,7 +3,10 @@
 Creates use ``If-None-Match: *`` and ref swaps ``If-Match: <etag>`` (S3 has
 supported both since 2024; so do MinIO and moto), so neither needs a lock.
 Batched calls run on s3fs's event loop with a bounded number of requests in
-flight.
+flight. Requests are retried by the S3 client (botocore's retry configuration,
+see :mod:`gradpipe.storage.retries`), and a GET together with the read of its
+body by s3fs's retries, as s3fs reads files: botocore hands back a body
+before reading it, so a reply cut short would otherwise never be retried.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from fsspec.asyn import sync
 from gradpipe.config import get_setting
 from gradpipe.errors import ConflictError, InvalidInputError, NotFoundError, StorageError
 from gradpipe.storage.backend import Backend, KeyInfo, VersionedBytes
+from gradpipe.storage.retries import with_retries
 
 __all__ = ["S3Backend", "from_url"]
 
@@ -29,7 +33,7 @@ def from_url(url: str, path: str, storage_options: dict[str, Any]) -> S3Backend:
     import fsspec
 
     try:
-        fs, root = fsspec.core.url_to_fs(url, **storage_options)
+        fs, root = fsspec.core.url_to_fs(url, **with_retries(storage_options))
     except ImportError:
         raise InvalidInputError(
             f"{url}: S3 stores need s3fs; install it with `pip install 'gradpipe[s3]'`"
@@ -37,6 +41,14 @@ def from_url(url: str, path: str, storage_options: dict[str, Any]) -> S3Backend:
     if not root.strip("/"):
         raise InvalidInputError(f"{url}: name a bucket, as in s3://bucket/prefix")
     return S3Backend(fs, root)
+
+
+def _is_transport_error(exc: BaseException) -> bool:
+    """An error of the connection or the client, not an S3 answer: retries ran out."""
+    from aiohttp import ClientError
+    from botocore.exceptions import BotoCoreError  # type: ignore[import-untyped]
+
+    return isinstance(exc, OSError | asyncio.TimeoutError | BotoCoreError | ClientError)
 
 
 def _error_code(exc: BaseException) -> str:
@@ -88,21 +100,33 @@ class S3Backend(Backend):
             )
         if isinstance(exc, FileNotFoundError) or _error_code(exc) in ("NoSuchKey", "404"):
             return NotFoundError(f"{key!r} not found in store {self.url}")
-        if isinstance(exc, OSError | asyncio.TimeoutError) or _error_code(exc):
+        if _is_transport_error(exc) or _error_code(exc):
             return StorageError(f"could not {doing} {key!r} in store {self.url}: {exc}")
         return exc if isinstance(exc, Exception) else StorageError(str(exc))
 
     async def _call(self, method: str, **kwargs: Any) -> dict[str, Any]:
         return await self.fs._call_s3(method, Bucket=self.bucket, **kwargs)  # type: ignore[no-any-return]
 
+    async def _get(self, key: str) -> tuple[bytes, str]:
+        """An object's bytes and ETag; the GET is retried with the read of its body."""
+        # s3fs's own wrapper, as its cat_file uses it: a body cut short (Content-Length
+        # not met) is retried as a whole GET, with the filesystem's ``retries``.
+        from s3fs.core import _error_wrapper  # type: ignore[import-untyped]
+
+        async def get_and_read() -> tuple[bytes, str]:
+            response = await self._call("get_object", Key=self._key(key))
+            async with response["Body"] as body:
+                return await body.read(), str(response["ETag"])
+
+        return await _error_wrapper(get_and_read, retries=self.fs.retries)  # type: ignore[no-any-return]
+
     # --- immutable objects ----------------------------------------------------
     async def _read(self, key: str) -> bytes:
         try:
-            response = await self._call("get_object", Key=self._key(key))
-            async with response["Body"] as body:
-                return await body.read()  # type: ignore[no-any-return]
+            data, _etag = await self._get(key)
         except Exception as exc:
             raise self._translate(exc, key, "read") from exc
+        return data
 
     def read(self, key: str) -> bytes:
         return self._run(self._read(key))
@@ -225,13 +249,8 @@ class S3Backend(Backend):
 
     # --- refs -----------------------------------------------------------------
     def read_versioned(self, key: str) -> VersionedBytes | None:
-        async def get() -> VersionedBytes:
-            response = await self._call("get_object", Key=self._key(key))
-            async with response["Body"] as body:
-                return VersionedBytes(await body.read(), str(response["ETag"]))
-
         try:
-            return self._run(get())
+            return VersionedBytes(*self._run(self._get(key)))
         except Exception as exc:
             translated = self._translate(exc, key, "read")
             if isinstance(translated, NotFoundError):

@@ -8,9 +8,10 @@ write it retries and gets a 412. gradpipe must take that for what it is.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Container
+from collections.abc import Container, Iterator
 from pathlib import Path
 
+import dask.config
 import numpy as np
 import pytest
 
@@ -27,6 +28,13 @@ pytestmark = pytest.mark.s3
 @pytest.fixture
 def prefix(s3_faults: S3Server) -> str:
     return uuid.uuid4().hex[:8]
+
+
+@pytest.fixture
+def few_attempts() -> Iterator[None]:
+    """botocore gives up after 3 attempts, not 5: what the tests of giving up wait for."""
+    with dask.config.set({"gradpipe.storage.retries.max-attempts": 3}):
+        yield
 
 
 @pytest.fixture
@@ -79,6 +87,7 @@ def test_ref_swap_whose_reply_was_lost_is_our_commit(
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("few_attempts")
 def test_ref_swap_whose_every_reply_was_lost_is_still_our_commit(
     s3_faults: S3Server, store: gp.Store, prefix: str
 ) -> None:
@@ -98,6 +107,7 @@ def test_ref_swap_whose_every_reply_was_lost_is_still_our_commit(
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("few_attempts")
 def test_block_put_whose_every_reply_was_lost_then_rerun(
     s3_faults: S3Server, store: gp.Store, prefix: str
 ) -> None:
