@@ -72,7 +72,7 @@ class Fidelity:
         """``⟨x, x̂⟩ / (‖x‖₂·‖x̂‖₂)``; None when either is the zero vector."""
         if self.xx == 0 or self.yy == 0:
             return None
-        return max(-1.0, min(1.0, self.xy / math.sqrt(self.xx * self.yy)))
+        return max(-1.0, min(1.0, self.xy / (math.sqrt(self.xx) * math.sqrt(self.yy))))
 
     @property
     def norm_ratio(self) -> float | None:

@@ -14,7 +14,11 @@ Read tasks come from :func:`gradpipe.graph.chains.add_chunk_read`: a chunk
 read by several candidates, or by several error-feedback windows, is read
 once, and a delta chunk is rebuilt from its keyframe as every other read does.
 Keys are tokenised from the store, the chunks (their block ids) and the
-candidate, so equal work gets equal keys on a shared cluster.
+candidate, so equal work gets equal keys on a shared cluster; the dashboard
+shows them as ``gradpipe-evaluation`` (per candidate), ``-chunk``, ``-window``
+(error feedback) and ``-pair``. (Not ``gradpipe-evaluate-…``: ``key_split``
+takes an eight-letter word that starts like hex, such as "evaluate", for a
+token and drops it.)
 """
 
 from __future__ import annotations
@@ -109,13 +113,13 @@ def build_evaluate_graph(
             if reason is not None:
                 skipped[reason] = skipped.get(reason, 0) + 1
                 continue
-            key = (f"gradpipe-evaluate-chunk-{token}", i)
+            key = (f"gradpipe-evaluation-chunk-{token}", i)
             graph[key] = (evaluate_chunk, candidate, read(ref), ref.dtype, ref.shape, ref.count, i)
             chunk_keys.append(key)
             evaluated.append(ref)
             window = plan.windows[i] if i < len(plan.windows) else ()
             if candidate.feedback and len(window) > 1:
-                key = (f"gradpipe-evaluate-feedback-{token}", i)
+                key = (f"gradpipe-evaluation-window-{token}", i)
                 reads = [read(w) for w in window]
                 graph[key] = (
                     evaluate_feedback,
@@ -129,7 +133,7 @@ def build_evaluate_graph(
                 feedback_keys.append(key)
             partner = plan.partners[i] if i < len(plan.partners) else None
             if partner is not None and not candidate.bound(ref.dtype, ref.count).reconstructs:
-                key = (f"gradpipe-evaluate-pair-{token}", i)
+                key = (f"gradpipe-evaluation-pair-{token}", i)
                 graph[key] = (
                     evaluate_pair,
                     candidate,
@@ -141,7 +145,7 @@ def build_evaluate_graph(
                 )
                 pair_keys.append(key)
         bound = candidate.bound(_common_dtype(evaluated), _largest(evaluated))
-        result = f"gradpipe-evaluate-{token}"
+        result = f"gradpipe-evaluation-{token}"
         graph[result] = (summarise, candidate, bound, skipped, chunk_keys, feedback_keys, pair_keys)
         keys.append(result)
     return graph, keys
