@@ -23,6 +23,7 @@ the Johnson–Lindenstrauss bound, below the table; so is error feedback.
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,7 +140,8 @@ class EvaluationReport:
                 notes.append(f"{r.name}: no value overflowed float16's range (±65504)")
             for reason, count in r.skipped.items():
                 notes.append(f"{r.name}: {count} chunk(s) left out: {reason}")
-        return ["", *notes] if notes else []
+        wrapped = [textwrap.fill(n, width=100, subsequent_indent="    ") for n in notes]
+        return ["", *wrapped] if wrapped else []
 
 
 _HEADER = (
