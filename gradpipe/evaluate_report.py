@@ -136,7 +136,7 @@ class EvaluationReport:
                     f"{r.name}: {fidelity.overflows} finite values overflowed to infinity "
                     "(left out of rel L2, cosine and norm; max abs is infinite)"
                 )
-            elif r.name.startswith("fp16") and fidelity is not None:
+            elif r.family == "fp16" and fidelity is not None:
                 notes.append(f"{r.name}: no value overflowed float16's range (±65504)")
             for reason, count in r.skipped.items():
                 notes.append(f"{r.name}: {count} chunk(s) left out: {reason}")
@@ -159,14 +159,19 @@ def _num(value: float | None, spec: str, width: int) -> str:
     return f"{value:>{width}{spec}}"
 
 
+def _speed(value: float | None) -> str:
+    """MiB/s: whole numbers, but two digits below 10 (tiny chunks are mostly call overhead)."""
+    return _num(value, ".2g" if value is not None and value < 10 else ".0f", 9)
+
+
 def _row(r: CodecResult) -> str:
     f = r.fidelity
     exact = "—" if f is None else ("yes" if f.bit_exact else "no")
     norm = f.norm_ratio if f is not None else (r.sketch_figures() or {}).get("norm_ratio")
     return (
         f"{r.name:<16} {len(r.chunks):>6} {_num(r.ratio, '.3f', 7)} "
-        f"{_num(r.bits_per_value, '.2f', 8)} {_num(r.encode_mib_s, '.0f', 9)} "
-        f"{_num(r.decode_mib_s, '.0f', 9)} {exact:>5} "
+        f"{_num(r.bits_per_value, '.2f', 8)} {_speed(r.encode_mib_s)} "
+        f"{_speed(r.decode_mib_s)} {exact:>5} "
         f"{_num(None if f is None else f.max_abs, '.2g', 8)} "
         f"{_num(None if f is None else f.rel_l2_error, '.2g', 8)} "
         f"{_num(None if f is None else f.cosine, '.5f', 8)} {_num(norm, '.3f', 6)} "

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import dask
+import ml_dtypes
 import numpy as np
 import pytest
 from dask.utils import key_split
@@ -271,6 +272,16 @@ def test_codecs_that_do_not_apply_are_listed_not_measured(tmp_path: Path) -> Non
     }
     assert len(report.result("powersgd-2").chunks) == 2  # "w" of each step
     assert "bf16: 2 chunk(s) left out: bf16 does not encode int64 values" in report.summary()
+    # A codec left out of every chunk says nothing about fidelity (not "exact, no error").
+    half = _write_run(tmp_path / "h", {0: {"p": {"h": np.ones(8, dtype=ml_dtypes.bfloat16)}}})
+    only = gp.evaluate_codecs(_ingest(tmp_path / "hs", half), run="t", codecs="bf16,topk-0.5")
+    bf16 = only.result("bf16")
+    assert (len(bf16.chunks), bf16.fidelity, bf16.ratio) == (0, None, None)
+    assert bf16.to_dict()["bit_exact"] is None
+    assert bf16.to_dict()["rel_l2_error"] is None
+    assert len(only.result("topk-0.5").chunks) == 1  # top-k takes bfloat16
+    row = next(line for line in only.summary().splitlines() if line.startswith("bf16 "))
+    assert row.split()[1:8] == ["0", "—", "—", "—", "—", "—", "—"]
 
 
 def test_bad_input_is_refused_before_any_work(store: gp.Store, tmp_path: Path) -> None:

@@ -231,6 +231,7 @@ class CodecResult:
     """What one candidate's evaluation adds up to (the sums; the report derives the figures)."""
 
     name: str
+    family: str  # the (first) codec's family: "bf16", "topk"...
     lossy: bool
     reconstructs: bool
     bound: ErrorBound
@@ -241,8 +242,8 @@ class CodecResult:
 
     @property
     def fidelity(self) -> Fidelity | None:
-        """The fidelity of every evaluated chunk together (None for a sketch)."""
-        if not self.reconstructs:
+        """The fidelity of every evaluated chunk together (None for a sketch, or no chunk)."""
+        if not self.reconstructs or not self.chunks:
             return None
         return Fidelity.merge(c.fidelity for c in self.chunks if c.fidelity is not None)
 
@@ -344,6 +345,7 @@ class CodecResult:
         fidelity = self.fidelity
         out: dict[str, Any] = {
             "name": self.name,
+            "family": self.family,
             "lossy": self.lossy,
             "reconstructs": self.reconstructs,
             "chunks": len(self.chunks),
@@ -358,12 +360,11 @@ class CodecResult:
         }
         if fidelity is not None:
             out |= fidelity.figures()
-        else:
-            none = ("bit_exact", "max_abs_error", "rel_l2_error", "worst_rel_l2_error")
-            out |= dict.fromkeys(none)
-            out |= {"cosine": None, "sign_agreement": None, "overflows": None}
-            sketch = self.sketch_figures() or {}
-            out["norm_ratio"] = sketch.get("norm_ratio")
+        else:  # a sketch's, or no chunk's: nothing to say about reconstructed values
+            out |= dict.fromkeys(Fidelity().figures())
+        sketch = self.sketch_figures()
+        if sketch is not None:
+            out["norm_ratio"] = sketch["norm_ratio"]
             out["sketch"] = sketch
         out |= {
             "bound": self.bound.to_dict(),
@@ -404,6 +405,7 @@ def summarise(
     """One candidate's outcomes, in sample order."""
     return CodecResult(
         name=candidate.name,
+        family=candidate.family,
         lossy=candidate.lossy,
         reconstructs=bound.reconstructs,
         bound=bound,
