@@ -26,7 +26,7 @@ from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import InvalidInputError
 from gradpipe.evaluate_report import EvaluationReport
 from gradpipe.graph.evaluate import ChunkRef, EvaluationPlan, build_evaluate_graph
-from gradpipe.graph.evaluate_tasks import CodecResult
+from gradpipe.graph.evaluate_result import CodecResult
 from gradpipe.graph.runner import Runner, use_runner
 from gradpipe.runs import Dump, Run, open_run
 from gradpipe.storage.store import Store

@@ -29,7 +29,7 @@ from typing import Any
 
 from gradpipe.core.lossy import ErrorBound
 from gradpipe.core.sampling import Unit
-from gradpipe.graph.evaluate_tasks import CodecResult
+from gradpipe.graph.evaluate_result import CodecResult
 
 __all__ = ["EvaluationReport", "describe_bound"]
 

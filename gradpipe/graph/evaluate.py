@@ -5,7 +5,7 @@
     read(chunk 0) read(chunk 1) ...            one task per stored chunk, named by its id
         │  └──────────┬─────────┐              (shared by every candidate, every window)
     chunk(c, 0)   chunk(c, 1) ...              per candidate and sampled chunk
-    feedback(c, 0) ...                         per feedback candidate and sampled chunk:
+    window(c, 0) ...                           per feedback candidate and sampled chunk:
                                                the chunk's window of consecutive steps
     pair(c, 0) ...                             per sketch candidate: the chunk and its partner
         └──── summary(c) ────┘                 per candidate: a CodecResult
