@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     )
     from gradpipe.core.snapshot_manifest import SnapshotManifest
     from gradpipe.core.tensor_manifest import TensorManifest
+    from gradpipe.evaluate import EvaluationReport, evaluate_codecs
     from gradpipe.graph.discover import Failure
     from gradpipe.graph.runner import Runner, runner
     from gradpipe.ingest import IngestReport, ingest
@@ -82,6 +83,7 @@ _LAZY: Final[dict[str, str]] = {
     "AggregateReport": "gradpipe.aggregate",
     "ChunkStats": "gradpipe.core.chunk_stats",
     "Dump": "gradpipe.runs",
+    "EvaluationReport": "gradpipe.evaluate",
     "DumpEntry": "gradpipe.core.run_manifest",
     "DumpManifest": "gradpipe.core.run_manifest",
     "Failure": "gradpipe.graph.discover",
@@ -108,6 +110,7 @@ _LAZY: Final[dict[str, str]] = {
     "aggregate": "gradpipe.aggregate",
     "apply_server_update": "gradpipe.server",
     "compression_stats": "gradpipe.stats",
+    "evaluate_codecs": "gradpipe.evaluate",
     "export_aggregate": "gradpipe.runs",
     "export_dump": "gradpipe.runs",
     "gc": "gradpipe.storage.gc",
@@ -139,6 +142,7 @@ __all__ = [
     "Dump",
     "DumpEntry",
     "DumpManifest",
+    "EvaluationReport",
     "Failure",
     "FormatError",
     "GcReport",
@@ -173,6 +177,7 @@ __all__ = [
     "aggregate",
     "apply_server_update",
     "compression_stats",
+    "evaluate_codecs",
     "export_aggregate",
     "export_dump",
     "gc",

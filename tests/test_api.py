@@ -24,6 +24,7 @@ PUBLIC = [
     "Dump",
     "DumpEntry",
     "DumpManifest",
+    "EvaluationReport",
     "Failure",
     "FormatError",
     "GcReport",
@@ -58,6 +59,7 @@ PUBLIC = [
     "aggregate",
     "apply_server_update",
     "compression_stats",
+    "evaluate_codecs",
     "export_aggregate",
     "export_dump",
     "gc",
@@ -119,6 +121,9 @@ def test_public_calls_return_exported_types(tmp_path: Path) -> None:
     assert isinstance(view, gp.Aggregate)
     assert isinstance(view.manifest, gp.AggregateManifest)
     assert isinstance(gp.open_run(store, "r").aggregates[0], gp.AggregateEntry)
+    evaluated = gp.evaluate_codecs(store, run="r", codecs="bf16", sample=1)
+    assert isinstance(evaluated, gp.EvaluationReport)
+    assert isinstance(evaluated, gp.Report)
     assert isinstance(store.refs, gp.Refs)
     assert isinstance(store.refs.entry("runs/r"), gp.RefEntry)
     with store.writing("api test") as lease:

@@ -32,6 +32,7 @@ COMMAND_GROUPS: Final[tuple[str, ...]] = (
     "ingest",
     "aggregate",
     "rounds",
+    "evaluate",
     "export",
     "snapshots",  # snapshot, restore, log, prune
     "workflow",  # run

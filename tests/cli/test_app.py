@@ -30,6 +30,7 @@ COMMANDS = [
     "ingest",
     "aggregate",
     "rounds",
+    "evaluate",
     "export",
     "snapshot",
     "restore",
