@@ -241,12 +241,21 @@ def _snapshot_nodes(store: Store, drop: set[str]) -> dict[str, xr.Dataset]:
     }
 
 
+def _stats_nodes(store: Store, drop: set[str]) -> dict[str, xr.Dataset]:
+    """``stats/<run>``: every run's compression statistics (manifests only, no chunk read)."""
+    from gradpipe.runs import list_runs
+    from gradpipe.stats import compression_stats
+
+    return {f"stats/{r}": compression_stats(store, run=r) for r in list_runs(store)}
+
+
 #: The groups of the store's DataTree, one builder per kind of object: a new
-#: kind of node (the compression statistics, say) is one more function here.
+#: kind of node is one more function here.
 TREE_NODES: Final[tuple[Callable[[Store, set[str]], dict[str, xr.Dataset]], ...]] = (
     _run_nodes,
     _aggregate_nodes,
     _snapshot_nodes,
+    _stats_nodes,
 )
 
 

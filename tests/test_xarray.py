@@ -604,6 +604,7 @@ def test_open_datatree_gives_the_whole_store(
             "/runs/states/step_",
             "/aggregates/states/sum",
             "/snapshots/train",
+            "/stats/states",
         }
         assert tree.attrs["kind"] == "store"
         run = tree["runs/states"]
@@ -619,6 +620,10 @@ def test_open_datatree_gives_the_whole_store(
         assert tree["runs/states/step_"]["w"].values.tolist() == [[3.0], [4.0]]
         agg = tree["aggregates/states/sum"]
         assert agg["loss"].dims == ("step", "loss_dim0")
+        stats = tree["stats/states"].to_dataset()
+        assert float(stats["raw_bytes"].sum().compute()) == sum(
+            a.nbytes for d in dumps.values() for a in d.values()
+        )
         snap = tree["snapshots/train"].to_dataset()
         xr.testing.assert_identical(
             snap.compute(), gp.open_dataset(store, kind="snapshot", name="train").load()
@@ -628,16 +633,16 @@ def test_open_datatree_gives_the_whole_store(
 def test_a_tree_node_is_one_function(
     sample: tuple[gp.Store, Dumps], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A new kind of group (the compression statistics, say) is one builder in TREE_NODES."""
+    """A new kind of group is one builder in TREE_NODES."""
     import gradpipe.xarray as gx
 
-    def stats_nodes(store: gp.Store, drop: set[str]) -> dict[str, xr.Dataset]:
-        return {f"stats/{run}": xr.Dataset(attrs={"run": run}) for run in gp.list_runs(store)}
+    def notes_nodes(store: gp.Store, drop: set[str]) -> dict[str, xr.Dataset]:
+        return {f"notes/{run}": xr.Dataset(attrs={"run": run}) for run in gp.list_runs(store)}
 
-    monkeypatch.setattr(gx, "TREE_NODES", (*gx.TREE_NODES, stats_nodes))
+    monkeypatch.setattr(gx, "TREE_NODES", (*gx.TREE_NODES, notes_nodes))
     store, _ = sample
     tree = xr.open_datatree(store, engine=GradpipeBackendEntrypoint)
-    assert tree["stats/r"].attrs == {"run": "r"}
+    assert tree["notes/r"].attrs == {"run": "r"}
     assert "wide" in tree["runs/r"].data_vars
 
 
