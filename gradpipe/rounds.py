@@ -51,6 +51,7 @@ __all__ = [
     "claim_aggregation",
     "record_ingest_failures",
     "release_aggregation",
+    "roster_of",
     "rounds",
     "step_rounds",
 ]
@@ -255,13 +256,22 @@ def _report(store: Store, run: str, clock: datetime) -> RoundsReport:
     return RoundsReport(
         run,
         rounds_id,
-        list(manifest.roster or recorded.peers),
+        roster_of(manifest, recorded),
         not manifest.roster,
         manifest.quorum,
         manifest.deadline,
         manifest.start,
         [evaluated[s] for s in steps],
     )
+
+
+def roster_of(manifest: RoundsManifest, recorded: RunManifest) -> list[str]:
+    """The expected peers: the roster, else every peer seen, including one whose dumps so
+    far all failed to ingest (it is expected too, not forgotten)."""
+    if manifest.roster:
+        return list(manifest.roster)
+    failed_ingests = {f.peer for f in manifest.failures if f.source == "ingest"}
+    return sorted({*recorded.peers, *failed_ingests})
 
 
 def step_rounds(
@@ -275,7 +285,7 @@ def step_rounds(
 ) -> dict[int, StepRound]:
     """Each step's round, from the run's dumps and aggregates and the rounds manifest."""
     clock = _now(now)
-    expected = list(manifest.roster or recorded.peers)
+    expected = roster_of(manifest, recorded)
     wanted = set(steps)
     used: dict[int, set[str]] = {}
     entries = [a for a in recorded.aggregates if a.step in wanted]
@@ -379,12 +389,23 @@ def record_ingest_failures(
     if not marks:
         return 0
 
+    def news(current: RoundsManifest) -> list[PeerFailure]:
+        """The marks that change something: none held yet, or an ingest mark for another reason."""
+        out = []
+        for mark in marks:
+            held = current.failure(mark.step, mark.peer)
+            if held is None or (held.source == "ingest" and held.reason != mark.reason):
+                out.append(mark)
+        return out
+
+    _, now_held = read_rounds(store, run)
+    if not news(now_held):  # a dump that stays broken adds no new rounds version every night
+        return 0
+
     def change(current: RoundsManifest) -> RoundsManifest:
         new = current
-        for mark in marks:
-            held = new.failure(mark.step, mark.peer)
-            if held is None or held.source == "ingest":
-                new = new.with_failure(mark)
+        for mark in news(current):
+            new = new.with_failure(mark)
         return new
 
     _update(store, run, change, message=f"rounds of run {run}: {len(marks)} failed ingests")

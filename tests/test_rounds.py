@@ -267,3 +267,20 @@ def test_the_claim_ttl_is_a_setting(sample: SampleRun, tmp_path: Path) -> None:
     assert not refused  # taken for a dead aggregation's
     with pytest.raises(gp.InvalidInputError, match="claim-ttl"):
         claim_aggregation(store, "r", "avg", [0], ttl=-1)
+
+
+def test_a_dump_that_stays_broken_adds_no_rounds_version(sample: SampleRun, tmp_path: Path) -> None:
+    store = _store(tmp_path, sample, keep={(0, "peer0"), (0, "peer1")})
+    bad = tmp_path / "bad" / "step=0000" / "peer=peer2.safetensors"
+    bad.parent.mkdir(parents=True)
+    bad.write_bytes(b"truncated")
+    pattern = str(tmp_path / "bad/step={step}/peer={peer}.safetensors")
+    assert not gp.ingest(store, pattern, run="r").ok
+    first = store.refs.get("rounds/r")
+    assert not gp.ingest(store, pattern, run="r").ok  # the same failure, the next night
+    assert store.refs.get("rounds/r") == first
+    # peer2 never delivered a dump, yet the inferred roster knows it: step 0 waits for it.
+    report = gp.rounds(store, run="r")
+    assert report.roster == ["peer0", "peer1", "peer2"]
+    assert not report.step(0).ready
+    assert "failed to ingest: peer2" in report.step(0).reason

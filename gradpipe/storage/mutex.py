@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from gradpipe.config import get_seconds
@@ -45,16 +45,19 @@ class _MutexLease(Lease):
 @contextlib.contextmanager
 def store_mutex(
     store: Store, name: str, purpose: str, *, wait: float | None = None
-) -> Iterator[None]:
+) -> Iterator[Callable[[], None]]:
     """Hold the mutex ``name`` of ``store`` while the block runs.
 
     Waits up to ``wait`` seconds (default ``gradpipe.lock.wait``) for the
     holder, then raises :class:`~gradpipe.errors.LockedError` naming it.
+    Yields a check to call before each unit of work: it raises
+    :class:`~gradpipe.errors.LockedError` if the holder's object lapsed (not
+    refreshed within the ttl: another contender may have taken the mutex).
     """
     parse_name(name, what="mutex name")
     lease = _acquire(store, name, purpose, get_seconds("lock.wait") if wait is None else wait)
     try:
-        yield
+        yield lease.check
     finally:
         lease.release()
 
@@ -62,12 +65,27 @@ def store_mutex(
 def _acquire(store: Store, name: str, purpose: str, wait: float) -> _MutexLease:
     """Hold only once no other live contender is listed (as the store's exclusive lock).
 
-    A contender that sees an older one steps back entirely; one that sees only
-    younger ones keeps its object and waits for them to go. So whatever the
-    clocks say, a holder (which saw nobody) is never joined by a second one.
+    A contender that sees an older one steps back entirely and queues again;
+    one that sees only younger ones keeps its object and waits for them to
+    go. So whatever the clocks say, a holder (which saw nobody) is never
+    joined by a second one. No object (nor its heartbeat) outlives a failure.
     """
     deadline = time.monotonic() + wait
-    lease = _MutexLease(store, name, purpose)
+    while True:
+        lease = _MutexLease(store, name, purpose)
+        try:
+            held = _contend(store, lease, wait, deadline)
+        except BaseException:
+            lease.release()
+            raise
+        if held:
+            return lease
+        lease.release()  # an older contender: step back entirely
+        _sleep(deadline)
+
+
+def _contend(store: Store, lease: _MutexLease, wait: float, deadline: float) -> bool:
+    """Write ``lease``'s object and wait: True once it holds, False to step back."""
     lease.write()
     lease.start_heartbeat()
     while True:
@@ -85,19 +103,14 @@ def _acquire(store: Store, name: str, purpose: str, wait: float) -> _MutexLease:
             if order < lease.order:
                 older.append(entry)
         if not others:
-            return lease
+            return True
         if time.monotonic() >= deadline:
-            lease.release()
             holder = others[0].key.rsplit("/", 1)[-1]
             raise LockedError(
-                f"'{purpose}' waited {wait:.0f} s for another holder of {name!r} on store "
-                f"{store.url} ({holder}, refreshed {now - others[0].mtime:.0f} s ago) and gave up"
+                f"'{lease.purpose}' waited {wait:.0f} s for another holder of "
+                f"{lease.folder.rsplit('/', 1)[-1]!r} on store {store.url} ({holder}, refreshed "
+                f"{now - others[0].mtime:.0f} s ago) and gave up"
             )
-        if older:  # step back entirely and queue again behind it
-            lease.release()
-            _sleep(deadline)
-            lease = _MutexLease(store, name, purpose)
-            lease.write()
-            lease.start_heartbeat()
-            continue
+        if older:
+            return False
         _sleep(deadline)

@@ -10,6 +10,7 @@ silent overwrite.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,16 +85,45 @@ def load_nodes(text: str, file: str) -> Node:
         raise WorkflowError(
             f"{file}: the file is empty; a workflow needs version, store and stages"
         )
-    return _convert(root, file, yaml.SafeLoader(""))
+    return _Converter(file).convert(root)
 
 
-def _convert(node: yaml.Node, file: str, loader: yaml.SafeLoader) -> Node:
-    line, column = node.start_mark.line + 1, node.start_mark.column + 1
-    if isinstance(node, yaml.MappingNode):
+class _Converter:
+    """PyYAML nodes to :class:`Node` values, for one file."""
+
+    def __init__(self, file: str) -> None:
+        self.file = file
+        self.loader = yaml.SafeLoader("")
+        #: The nodes being converted: an alias of one inside itself would recurse for ever.
+        self.open: set[int] = set()
+
+    def convert(self, node: yaml.Node) -> Node:
+        line, column = node.start_mark.line + 1, node.start_mark.column + 1
+        if id(node) in self.open:
+            raise WorkflowError(
+                f"{self.file}:{line}:{column}: an alias refers to a node that holds it"
+            )
+        if isinstance(node, yaml.MappingNode):
+            return self._nested(node, lambda: self._mapping(node, line, column))
+        if isinstance(node, yaml.SequenceNode):
+            return self._nested(node, lambda: self._sequence(node, line, column))
+        return self._scalar(node, line, column)
+
+    def _sequence(self, node: yaml.SequenceNode, line: int, column: int) -> Node:
+        return Node([self.convert(item) for item in node.value], self.file, line, column)
+
+    def _nested(self, node: yaml.Node, build: Callable[[], Node]) -> Node:
+        self.open.add(id(node))
+        try:
+            return build()
+        finally:
+            self.open.discard(id(node))
+
+    def _mapping(self, node: yaml.MappingNode, line: int, column: int) -> Node:
         values: dict[str, Node] = {}
         keys: dict[str, Node] = {}
         for key_node, value_node in node.value:
-            key = _convert(key_node, file, loader)
+            key = self.convert(key_node)
             if not isinstance(key.value, str):
                 raise key.error(f"a key must be a string, not {key.kind}")
             if key.value in values:
@@ -101,19 +131,20 @@ def _convert(node: yaml.Node, file: str, loader: yaml.SafeLoader) -> Node:
                 raise key.error(
                     f"{key.value!r} appears twice in this mapping (first at {first.where})"
                 )
-            values[key.value] = _convert(value_node, file, loader)
+            values[key.value] = self.convert(value_node)
             keys[key.value] = key
-        return Node(values, file, line, column, keys)
-    if isinstance(node, yaml.SequenceNode):
-        return Node([_convert(item, file, loader) for item in node.value], file, line, column)
-    try:
-        value = loader.construct_object(node)
-    except yaml.constructor.ConstructorError as exc:
-        raise WorkflowError(f"{file}:{line}:{column}: {exc.problem}") from None
-    if not isinstance(value, str | int | float | bool) and value is not None:
-        # Timestamps and binary: YAML types a workflow never needs; say so rather than guess.
-        raise WorkflowError(
-            f"{file}:{line}:{column}: {type(value).__name__} values are not supported here; "
-            "quote it to make it a string"
-        )
-    return Node(value, file, line, column)
+        return Node(values, self.file, line, column, keys)
+
+    def _scalar(self, node: yaml.Node, line: int, column: int) -> Node:
+        where = f"{self.file}:{line}:{column}"
+        try:
+            value = self.loader.construct_object(node)
+        except yaml.constructor.ConstructorError as exc:
+            raise WorkflowError(f"{where}: {exc.problem}") from None
+        if not isinstance(value, str | int | float | bool) and value is not None:
+            # Timestamps and binary: YAML types a workflow never needs; say so rather than guess.
+            raise WorkflowError(
+                f"{where}: {type(value).__name__} values are not supported here; "
+                "quote it to make it a string"
+            )
+        return Node(value, self.file, line, column)

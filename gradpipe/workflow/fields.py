@@ -27,6 +27,7 @@ __all__ = [
     "Field",
     "Float",
     "Int",
+    "LocalPath",
     "NumberMap",
     "Options",
     "PathOrUrl",
@@ -55,7 +56,7 @@ def substitute(node: Node, ctx: Context) -> str:
         if match.group(1) == "$":
             return "$"
         name, default = match.group(2), match.group(3)
-        if name not in ctx.env and default is not None:
+        if default is not None and not ctx.env.get(name):  # as the shell: unset or empty
             return default
         if name not in ctx.env:
             raise node.error(f"environment variable {name} is not set (used as ${{{name}}})")
@@ -109,6 +110,24 @@ class PathOrUrl(Field):
         if "://" in value or Path(value).is_absolute():
             return value
         return str(ctx.base / value)
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "string", "description": self.help}
+
+
+@dataclass(frozen=True)
+class LocalPath(Field):
+    """A path on this machine (relative to the workflow file's folder): outputs, sample data."""
+
+    help: str = ""
+
+    def parse(self, node: Node, ctx: Context) -> str:
+        value = PathOrUrl(self.help).parse(node, ctx)
+        if "://" in value:
+            raise node.error(
+                f"{node.value!r}: a local path is needed here ({self.help}), not a URL"
+            )
+        return value
 
     def schema(self) -> dict[str, Any]:
         return {"type": "string", "description": self.help}

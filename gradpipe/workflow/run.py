@@ -223,17 +223,22 @@ def run_workflow(
 
     try:
         with (
-            store_mutex(store, _mutex_name(workflow), f"workflow {title}", wait=workflow.wait),
+            store_mutex(
+                store, _mutex_name(workflow), f"workflow {title}", wait=workflow.wait
+            ) as still_held,
             job_runner(report=performance_report, client=client, scheduler=scheduler) as active,
         ):
             for stage, outcome in zip(workflow.stages, report.stages, strict=True):
                 if stage.index not in wanted:
                     continue
+                still_held()  # a lapsed mutex may have passed to another run: stop here
                 _run_stage(stage, outcome, StageContext(store, active), sleep)
                 if outcome.state in ("error", "broken"):
                     break
-    except LockedError as exc:  # another run held the workflow for longer than `wait`
-        report.error = str(exc)
+    except Exception as exc:  # the mutex (held elsewhere, lapsed) or the cluster, not a stage
+        if _classify(exc) != "broken":
+            raise
+        report.error = _message(exc)
     report.seconds = time.perf_counter() - started
     return report
 
@@ -303,16 +308,14 @@ def _classify(exc: BaseException) -> str:
     """``broken`` for what a retry may cure (storage, network, cluster), else ``error``."""
     if isinstance(exc, StorageError | LockedError | ConnectionError | TimeoutError):
         return "broken"
-    if isinstance(exc, InvalidInputError | NotFoundError):
+    # The file as written (a bad value, an unknown run, an output folder that is not there).
+    written = (InvalidInputError, NotFoundError, FileNotFoundError, NotADirectoryError)
+    if isinstance(exc, (*written, IsADirectoryError)):
         return "error"
-    if isinstance(exc, GradpipeError):  # integrity, conflicts that outlived their retries
-        return "broken"
-    if isinstance(exc, OSError):  # a filesystem or a socket, not the file as written
-        return "broken"
-    module = type(exc).__module__
-    if module.startswith("distributed"):  # KilledWorker, CommClosedError, ...
-        return "broken"
-    return "error"
+    # Integrity, conflicts that outlived their retries; a filesystem or a socket; the
+    # cluster (KilledWorker, CommClosedError, ...): what a later attempt may not meet.
+    infrastructure = isinstance(exc, GradpipeError | OSError)
+    return "broken" if infrastructure or type(exc).__module__.startswith("distributed") else "error"
 
 
 def _message(exc: BaseException) -> str:

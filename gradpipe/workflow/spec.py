@@ -36,6 +36,7 @@ from gradpipe.workflow.fields import (
     Field,
     Float,
     Int,
+    LocalPath,
     NumberMap,
     Options,
     PathOrUrl,
@@ -114,7 +115,7 @@ STAGES: Final[dict[str, StageSpec]] = {
         "write gradpipe's sample training run (gradient dumps and training states) to a "
         "folder, unless it is there already: data to try a workflow on",
         {
-            "dir": PathOrUrl("the folder to write (local)"),
+            "dir": LocalPath("the folder to write"),
             "steps": Int("training steps", low=1),
             "peers": Int("peers", low=1),
         },
@@ -179,9 +180,9 @@ STAGES: Final[dict[str, StageSpec]] = {
         {
             "run": _RUN,
             "aggregate": Str("an aggregate of the run instead of its dumps", _NAME),
-            "csv": PathOrUrl("a CSV file of per-(step, peer, tensor) records (local)"),
-            "json": PathOrUrl("a JSON file of the records and totals (local)"),
-            "plot": PathOrUrl("a PNG of ratios, density and norms (local; needs matplotlib)"),
+            "csv": LocalPath("a CSV file of per-(step, peer, tensor) records"),
+            "json": LocalPath("a JSON file of the records and totals"),
+            "plot": LocalPath("a PNG of ratios, density and norms (needs matplotlib)"),
         },
         ("run",),
     ),
@@ -190,7 +191,7 @@ STAGES: Final[dict[str, StageSpec]] = {
         "in step order (steps not newer than the chain's newest are passed over)",
         {
             "name": Str("the snapshot chain", _NAME),
-            "pattern": PathOrUrl("state files (safetensors, npz, .pt) with a {step} field"),
+            "pattern": LocalPath("state files (safetensors, npz, .pt) with a {step} field"),
             "delta": Choice(("int", "xor"), "how changed chunks are stored (default int)"),
         },
         ("name", "pattern"),

@@ -134,7 +134,7 @@ def _aggregate(ctx: StageContext, p: dict[str, Any]) -> Report:
 
 
 def _snapshot(ctx: StageContext, p: dict[str, Any]) -> Report:
-    from gradpipe.errors import GradpipeError, InvalidInputError, NotFoundError
+    from gradpipe.errors import InvalidInputError, NotFoundError
     from gradpipe.formats.state_file import STATE_FILE_KEY, read_state_file
     from gradpipe.graph.discover import parse_pattern
     from gradpipe.snapshot import snapshot, snapshot_versions
@@ -161,12 +161,16 @@ def _snapshot(ctx: StageContext, p: dict[str, Any]) -> Report:
             continue
         try:
             state, info = read_state_file(path)
-            meta = {STATE_FILE_KEY: json.dumps(info.to_dict(), separators=(",", ":"))}
-            delta = p.get("delta", "int")
-            snapshot_id = snapshot(ctx.store, name, state, step=step, metadata=meta, delta=delta)
-        except (GradpipeError, OSError) as exc:
+        except (InvalidInputError, OSError) as exc:  # this file: later steps must wait for it
             report.failures.append({"path": path, "step": step, "reason": str(exc)})
-            continue
+            break  # the chain only moves forward: taking step+1 would pass this one over
+        meta = {STATE_FILE_KEY: json.dumps(info.to_dict(), separators=(",", ":"))}
+        delta = p.get("delta", "int")
+        # newer_only: another writer of the chain may have moved it past this step meanwhile;
+        # storage errors propagate, so the stage is retried (it is idempotent).
+        snapshot_id = snapshot(
+            ctx.store, name, state, step=step, metadata=meta, delta=delta, newer_only=True
+        )
         report.taken.append({"step": step, "id": snapshot_id, "path": path})
         newest = step
     return report

@@ -54,3 +54,27 @@ def test_a_dead_holder_is_ignored_and_a_live_one_times_out(tmp_path: Path) -> No
             ):
                 pass  # pragma: no cover - never entered
     assert list(store.backend.list("locks/mutex")) == []
+
+
+def test_a_holder_whose_object_lapsed_is_told(tmp_path: Path) -> None:
+    store = gp.open_store(tmp_path / "s", mode="w")
+    with (
+        dask.config.set({"gradpipe.lock.ttl": "1s", "gradpipe.lock.poll": "10ms"}),
+        store_mutex(store, "nightly", "first", wait=0) as still_held,
+    ):
+        still_held()  # fresh
+        [entry] = store.backend.list("locks/mutex/nightly")
+        store.backend.delete(entry.key)  # taken for dead by another contender
+        time.sleep(0.6)  # the heartbeat finds its object gone
+        with pytest.raises(gp.LockedError, match="lapsed"):
+            still_held()
+
+
+def test_a_failed_contender_leaves_no_object(tmp_path: Path) -> None:
+    store = gp.open_store(tmp_path / "s", mode="w")
+    with dask.config.set({"gradpipe.lock.poll": "10ms"}), store_mutex(store, "n", "first", wait=0):
+        other = gp.open_store(tmp_path / "s", mode="r+")
+        for _ in range(3):
+            with pytest.raises(gp.LockedError), store_mutex(other, "n", "second", wait=0):
+                pass  # pragma: no cover - never entered
+        assert len(list(store.backend.list("locks/mutex/n"))) == 1  # the holder's only

@@ -276,3 +276,50 @@ def test_two_runs_at_once_do_no_work_twice(sample: SampleRun, tmp_path: Path) ->
     steps = [i.step for i in gp.snapshot_log(store, "model")]
     assert steps == sorted(set(steps))  # no step snapshotted twice
     assert gp.verify(store).ok
+
+
+def test_a_state_file_that_cannot_be_read_holds_the_chain_back(
+    sample: SampleRun, tmp_path: Path
+) -> None:
+    states = tmp_path / "state"
+    shutil.copytree(Path(sample.directory) / "state", states)
+    (states / "step=0001.safetensors").write_bytes(b"not a state")
+    path = _write(
+        tmp_path,
+        """
+        version: 1
+        store: {url: archive, create: true}
+        stages:
+          - snapshot: {name: model, pattern: "state/step={step}.safetensors"}
+        """,
+    )
+    report = gp.run_workflow(path)
+    assert report.exit_status == 1
+    snap = report.stages[0].report or {}
+    assert [t["step"] for t in snap["taken"]] == [0]  # not 2: step 1 must come first
+    assert [f["step"] for f in snap["failures"]] == [1]
+    shutil.copy(Path(sample.directory) / "state" / "step=0001.safetensors", states)
+    again = gp.run_workflow(path)  # fixed: the chain goes on from step 1
+    assert again.exit_status == 0
+    assert [t["step"] for t in (again.stages[0].report or {})["taken"]] == [1, 2]
+
+
+def test_an_output_folder_that_is_not_there_is_exit_2_without_retries(
+    sample: SampleRun, tmp_path: Path
+) -> None:
+    path = _write(
+        tmp_path,
+        f"""
+        version: 1
+        store: {{url: archive, create: true}}
+        backoff: 100
+        stages:
+          - ingest: {{pattern: "{sample.dump_pattern}", run: exp}}
+          - stats: {{run: exp, csv: no/such/folder/stats.csv}}
+        """,
+    )
+    waits: list[float] = []
+    report = gp.run_workflow(path, sleep=waits.append)
+    assert report.exit_status == 2
+    assert report.stages[1].state == "error"
+    assert waits == []

@@ -188,3 +188,15 @@ def test_the_schema_refuses_what_the_checker_refuses(
 def test_a_missing_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(WorkflowError, match="no such workflow file"):
         load_workflow(tmp_path / "nope.yaml")
+
+
+def test_outputs_are_local_and_empty_variables_take_their_default() -> None:
+    with pytest.raises(WorkflowError, match="local path"):
+        _parse(HEAD + "stats: {run: r, csv: s3://b/stats.csv}")
+    text = 'version: 1\nstore: "${ROOT:-/srv}/archive"\nstages: [gc: {}]'
+    assert _parse(text, env={"ROOT": ""}).store_url == "/srv/archive"  # as the shell
+
+
+def test_an_alias_inside_itself_is_an_error() -> None:
+    with pytest.raises(WorkflowError, match="3:9: an alias refers to a node that holds it"):
+        _parse("version: 1\nstore: a\nstages: &a [*a]")
