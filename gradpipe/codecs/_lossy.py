@@ -26,6 +26,7 @@ use elementwise numpy and exact integer products, never a BLAS sum of floats.
 from __future__ import annotations
 
 import struct
+from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar, Final, Self
 
@@ -79,21 +80,21 @@ class LossyCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
 
     # --- what subclasses provide --------------------------------------------------
     @property
+    @abstractmethod
     def name(self) -> str:
         """The codec's name in the registry (``"bf16"``, ``"topk-0.1"``...)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def error_bound(self, size: int | None = None) -> ErrorBound:
         """What the codec promises for a chunk of ``size`` values (some bounds depend on it)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _encode_body(self, values: np.ndarray) -> list[bytes]:
         """The body of a frame for 1-D finite values of ``dtype``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _decode_body(self, body: memoryview, count: int) -> np.ndarray:
         """``count`` decoded values (any float dtype; cast to ``dtype`` by the caller)."""
-        raise NotImplementedError
 
     def _options(self) -> dict[str, Any]:
         """The config entries after ``id`` and ``dtype``."""

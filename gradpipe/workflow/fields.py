@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,16 +66,18 @@ def substitute(node: Node, ctx: Context) -> str:
     return _ENV.sub(one, text)
 
 
-class Field:
+class Field(ABC):
     """One value type: ``parse`` checks a node and returns the value the stage gets."""
 
     help: str = ""
 
+    @abstractmethod
     def parse(self, node: Node, ctx: Context) -> Any:
-        raise NotImplementedError
+        """The value of ``node``, checked (raises :class:`WorkflowError` where it is wrong)."""
 
+    @abstractmethod
     def schema(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """This type as JSON Schema."""
 
     def _wrong(self, node: Node, wanted: str) -> WorkflowError:
         return node.error(f"expected {wanted}, got {node.kind} ({node.plain()!r})")
