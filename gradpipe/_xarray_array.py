@@ -20,13 +20,19 @@ integers, False for bools. A chunk stored as all-zero reads as zeros.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from xarray.backends import BackendArray
 from xarray.core import indexing
 
-from gradpipe.core.chunk_select import ChunkPart, contiguous_run, select_chunks
+from gradpipe.core.chunk_select import (
+    ChunkPart,
+    Index,
+    contiguous_run,
+    select_chunks,
+    selected_length,
+)
 from gradpipe.core.dtypes import is_float, parse_dtype
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.storage.reads import ChunkRead, decode_windows
@@ -120,19 +126,24 @@ class TensorStack(BackendArray):
 
     def _read(self, key: tuple[Any, ...]) -> np.ndarray:
         """The outer selection ``key`` (ints, slices, 1-D integer arrays), read."""
-        picks = [_positions(k, n) for k, n in zip(key, self.shape, strict=True)]
-        dropped = tuple(i for i, k in enumerate(key) if isinstance(k, int | np.integer))
         nlead = len(self.lead)
+        # Lead axes as index arrays (a few steps and peers); tensor axes keep a
+        # step-1 slice as it is, which select_chunks cuts without an index array.
+        picks: list[Index] = [
+            _positions(k, n) if axis < nlead else _tensor_positions(k, n)
+            for axis, (k, n) in enumerate(zip(key, self.shape, strict=True))
+        ]
+        dropped = tuple(i for i, k in enumerate(key) if isinstance(k, int | np.integer))
         # Every selected element of a position with a tensor is written by one
         # of its chunk parts (zeros for an all-zero chunk): only positions
         # without one are filled, so the output is not written twice.
-        out = np.empty([len(p) for p in picks], dtype=self.dtype)
+        out = np.empty([selected_length(p) for p in picks], dtype=self.dtype)
         fill = fill_value(self.tensor_dtype)
         tensor_out = out.shape[nlead:]
         reads: list[ChunkRead] = []
         places: list[tuple[np.ndarray, ChunkPart, np.ndarray | None]] = []
         parts_by_grid: dict[tuple[int, ...], list[ChunkPart]] = {}
-        for out_lead, lead in _lead_positions(picks[:nlead]):
+        for out_lead, lead in _lead_positions(cast(list[np.ndarray], picks[:nlead])):
             manifest = self.manifests[int(np.ravel_multi_index(lead, self.lead)) if nlead else 0]
             # A C-contiguous view (0-d for a scalar tensor): the lead axes come first.
             index: tuple[Any, ...] = (*out_lead, Ellipsis)
@@ -191,6 +202,15 @@ def _positions(key: Any, n: int) -> np.ndarray:
         return np.arange(n, dtype=np.intp)[key]
     picked = np.atleast_1d(np.asarray(key, dtype=np.intp))
     return np.where(picked < 0, picked + n, picked)
+
+
+def _tensor_positions(key: Any, n: int) -> Index:
+    """One tensor axis of an outer indexer: a step-1 slice in range, else an index array."""
+    if isinstance(key, slice):
+        start, stop, step = key.indices(n)
+        if step == 1:
+            return slice(start, max(start, stop))
+    return _positions(key, n)
 
 
 def _lead_positions(

@@ -28,8 +28,8 @@ small events under the scheduler's topic ``gradpipe``
 the span they run in (:mod:`gradpipe.meter`). The plugin replays the events the
 scheduler already holds when it starts, so a page registered after the work
 still shows it. Nothing here runs, or is imported, when no distributed client
-is used. The page is mounted at the server's root: a scheduler started with
-``--dashboard-prefix`` serves distributed's routes under it, but not these.
+is used. A scheduler started with ``--dashboard-prefix /dask`` serves these
+under the prefix too (``/dask/gradpipe``), as it does its own routes.
 """
 
 from __future__ import annotations
@@ -50,7 +50,14 @@ from gradpipe.meter import RAW, READ, WRITE
 if TYPE_CHECKING:
     from distributed import Scheduler
 
-__all__ = ["JSON_ROUTE", "NAME", "PAGE_ROUTE", "GradpipeDashboard", "dask_setup"]
+__all__ = [
+    "JSON_ROUTE",
+    "NAME",
+    "PAGE_ROUTE",
+    "GradpipeDashboard",
+    "dask_setup",
+    "route_prefix",
+]
 
 #: The plugin's name on the scheduler (registering it twice keeps the first).
 NAME: Final = "gradpipe-dashboard"
@@ -201,16 +208,33 @@ class JSONHandler(_Handler):
 
 
 def _mount_routes(scheduler: Scheduler) -> None:
-    """Add the routes to the scheduler's dashboard server, once per scheduler."""
+    """Add the routes to the scheduler's dashboard server, once per scheduler.
+
+    Under the prefix distributed's own routes have (``--dashboard-prefix``).
+    """
     app = getattr(scheduler, "http_application", None)
     if app is None or getattr(app, "_gradpipe_routes", False):
         return
+    prefix = route_prefix(app)
     handlers = [
-        (PAGE_ROUTE, PageHandler, {"dask_server": scheduler}),
-        (JSON_ROUTE, JSONHandler, {"dask_server": scheduler}),
+        (prefix + PAGE_ROUTE, PageHandler, {"dask_server": scheduler}),
+        (prefix + JSON_ROUTE, JSONHandler, {"dask_server": scheduler}),
     ]
     app.add_handlers(r".*", handlers)
     app._gradpipe_routes = True
+
+
+def route_prefix(app: Any) -> str:
+    """The path prefix of distributed's routes on ``app`` ("" at the root, else "/prefix").
+
+    The scheduler does not keep the ``http_prefix`` it was started with; its
+    ``/health`` route, which every scheduler serves, carries it.
+    """
+    for rule in getattr(getattr(app, "wildcard_router", None), "rules", ()):
+        pattern = getattr(getattr(rule.matcher, "regex", None), "pattern", "")
+        if pattern.endswith("/health$"):
+            return pattern.removesuffix("/health$").rstrip("/")
+    return ""
 
 
 # --- Prometheus -------------------------------------------------------------------------

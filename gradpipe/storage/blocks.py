@@ -113,10 +113,9 @@ def decode_block(
     frame is damaged or its bytes do not hash to ``block_id``.
     """
     where = f"block {block_id}" + (f" ({context})" if context else "")
-    header, start = _read_header(frame, where)
+    header, start = _header_bytes(frame, where)
     try:
-        size = int(header["size"])
-        codecs = [numcodecs.get_codec(dict(c)) for c in header["codecs"]]
+        size, codecs = _decoding(header)
     except UnsupportedFormatError:
         raise
     except (GradpipeError, KeyError, TypeError, ValueError) as exc:
@@ -156,6 +155,19 @@ def frame_codec_ids(frame: bytes, *, where: str = "block") -> list[str]:
 
 
 @functools.lru_cache(maxsize=1024)
+def _decoding(header: bytes) -> tuple[int, tuple[Any, ...]]:
+    """The logical size and the codec chain a frame header names.
+
+    Cached by the header's bytes: the chunks of a tensor share their header
+    byte for byte, and a codec is configuration only (numcodecs and zarr share
+    one instance across threads the same way), so a read of many chunks builds
+    each chain once instead of once per chunk.
+    """
+    doc = from_json_bytes(header, what="block header")
+    return int(doc["size"]), tuple(numcodecs.get_codec(dict(c)) for c in doc["codecs"])
+
+
+@functools.lru_cache(maxsize=1024)
 def _codec_ids(header: bytes) -> tuple[str, ...]:
     # Frames of one dtype, size and codec share their header byte for byte:
     # statistics over thousands of inline chunks parse each kind once.
@@ -179,15 +191,6 @@ def _header_bytes(frame: bytes, where: str) -> tuple[bytes, int]:
     if start > len(frame):
         raise IntegrityError(f"{where} is truncated inside its header")
     return bytes(frame[_PREFIX.size : start]), start
-
-
-def _read_header(frame: bytes, where: str) -> tuple[Any, int]:
-    """The parsed JSON header of a frame and where its payload starts."""
-    header, start = _header_bytes(frame, where)
-    try:
-        return from_json_bytes(header, what=where), start
-    except GradpipeError as exc:
-        raise IntegrityError(f"{where} has a damaged header: {exc}") from None
 
 
 def _bytes_array(buf: Any) -> np.ndarray:

@@ -98,3 +98,20 @@ def test_empty_and_out_of_range_selections() -> None:
         select_chunks((4, 4), (1, 4), [np.array([4]), np.arange(4)])
     with pytest.raises(InvalidInputError, match="selection of 1 axes"):
         select_chunks((4, 4), (1, 4), [np.arange(4)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases(), st.data())
+def test_a_slice_selects_as_its_index_array_does(
+    case: tuple[np.ndarray, tuple[int, ...], list[np.ndarray]], data: st.DataObject
+) -> None:
+    # What a dask block asks for: step-1 slices, cut along the grid without index arrays.
+    array, chunk_shape, _ = case
+    slices: list[slice | np.ndarray] = []
+    for n in array.shape:
+        start = data.draw(st.integers(0, n - 1))
+        slices.append(slice(start, data.draw(st.integers(start + 1, n))))
+    arrays = [np.arange(s.start, s.stop) for s in slices if isinstance(s, slice)]
+    by_slice = select_chunks(array.shape, chunk_shape, slices)
+    by_array = select_chunks(array.shape, chunk_shape, arrays)
+    assert by_slice == by_array

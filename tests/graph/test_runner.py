@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import gradpipe as gp
 from gradpipe.testing import SampleRun, TrainingConfig, write_sample_run
 
 distributed = pytest.importorskip("distributed")
+from gradpipe.dashboard import JSON_ROUTE  # noqa: E402  (needs distributed)
 
 GRAPH = {"x": 1, "y": 2, "z": (sum, ["x", "y"])}
 
@@ -95,6 +98,14 @@ def test_a_runner_closes_the_cluster_it_started(
         ]
         assert [r.dashboard for r in reports] == [link, link]
         assert client.status == "running"
+        # the in-process cluster's dashboard has the gradpipe page, showing both ingests
+        page = runner.gradpipe_page_link
+        assert page == link.removesuffix("/status") + "/gradpipe"
+        with urllib.request.urlopen(page, timeout=30) as reply:
+            assert "gradpipe" in reply.read().decode()
+        with urllib.request.urlopen(page.replace("/gradpipe", JSON_ROUTE), timeout=30) as reply:
+            doc = json.load(reply)
+        assert sorted(op["run"] for op in doc["operations"] if op["kind"] == "ingest") == ["a", "b"]
     assert all(r.ok for r in reports)
     assert client.status == "closed"
     assert runner.client is not None  # still named, but closed: get() refuses
