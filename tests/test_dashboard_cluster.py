@@ -106,7 +106,9 @@ def _until(what: str, check: Callable[[], Any], cluster: Cluster | None = None) 
 
 
 @contextlib.contextmanager
-def dask_cluster(root: Path, *, preload: str | None, workers: int = 2) -> Iterator[Cluster]:
+def dask_cluster(
+    root: Path, *, preload: str | None, workers: int = 2, prefix: str = ""
+) -> Iterator[Cluster]:
     from distributed import Client
 
     root.mkdir(parents=True, exist_ok=True)
@@ -114,6 +116,7 @@ def dask_cluster(root: Path, *, preload: str | None, workers: int = 2) -> Iterat
     args = [str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", "0"]
     args += ["--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(scheduler_file)]
     args += ["--preload", preload] if preload else []
+    args += ["--dashboard-prefix", prefix] if prefix else []
     procs = [_spawn(args, root / "scheduler.log")]
     client = None
     try:
@@ -124,7 +127,7 @@ def dask_cluster(root: Path, *, preload: str | None, workers: int = 2) -> Iterat
             cluster,
         )
         cluster.address = identity["address"]
-        cluster.http = f"http://127.0.0.1:{identity['services']['dashboard']}"
+        cluster.http = f"http://127.0.0.1:{identity['services']['dashboard']}{prefix}"
         for i in range(workers):
             worker = [str(BIN / "dask"), "worker", cluster.address, "--nthreads", "1"]
             worker += ["--no-dashboard", "--host", "127.0.0.1", "--death-timeout", "60"]
@@ -335,6 +338,26 @@ def test_register_plugin_on_a_running_scheduler(sample: SampleRun, tmp_path: Pat
         assert doc["operations"][1]["commit"] == agg.run_id
         assert "gradpipe_operations_total" in cluster.get("/metrics")
         assert ">restore<" in cluster.get("/gradpipe")
+
+
+def test_a_dashboard_prefix_moves_the_page_with_dasks_own(
+    sample: SampleRun, tmp_path: Path
+) -> None:
+    # `dask scheduler --dashboard-prefix /dask`: every route under the prefix, ours too.
+    with dask_cluster(
+        tmp_path / "cluster", preload="gradpipe.dashboard", workers=1, prefix="/dask"
+    ) as cluster:
+        store = gp.open_store(tmp_path / "store", mode="w")
+        report = gp.ingest(store, sample.dump_pattern, run="prefixed", client=cluster.client)
+        assert report.ok, report.summary()
+        [op] = [op for op in cluster.doc()["operations"] if op["run"] == "prefixed"]
+        assert (op["kind"], op["state"]) == ("ingest", "done")
+        assert ">prefixed<" in cluster.get("/gradpipe")
+        assert "gradpipe_operations_total" in cluster.get("/metrics")
+        root = cluster.http.removesuffix("/dask")
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(root + "/gradpipe", timeout=10)
+        assert missing.value.code == 404
 
 
 # --- a browser ----------------------------------------------------------------------

@@ -139,7 +139,7 @@ def contiguous_run(box: Sequence[Index], shape: Sequence[int]) -> tuple[int, int
 def selected_length(selection: Index) -> int:
     """How many positions one axis of a selection picks."""
     if isinstance(selection, slice):
-        return max(0, selection.stop - selection.start)
+        return max(0, int(selection.stop) - int(selection.start))
     return len(selection)
 
 
