@@ -19,6 +19,7 @@ integers, False for bools. A chunk stored as all-zero reads as zeros.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -34,7 +35,7 @@ from gradpipe.core.chunk_select import (
     selected_length,
 )
 from gradpipe.core.dtypes import is_float, parse_dtype
-from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.core.tensor_manifest import TensorManifest, TensorRef, resolve_tensor
 from gradpipe.storage.reads import ChunkRead, decode_windows
 
 if TYPE_CHECKING:
@@ -57,9 +58,11 @@ class TensorStack(BackendArray):
     ----------
     store : Store
         Where the chunks are.
-    manifests : sequence of TensorManifest or None
+    manifests : sequence of TensorManifest, TensorRef or None
         One per lead position, in C order of the lead axes; None where there
-        is no tensor (it reads as the fill value).
+        is no tensor (it reads as the fill value). A ``TensorRef`` (a tensor
+        kept in its dump's manifest, not decoded yet) is decoded on the first
+        read that touches it.
     lead : tuple of int
         The shape of the lead axes.
     dtype, shape : str, tuple of int
@@ -76,7 +79,7 @@ class TensorStack(BackendArray):
     def __init__(
         self,
         store: Store,
-        manifests: Sequence[TensorManifest | None],
+        manifests: Sequence[TensorManifest | TensorRef | None],
         *,
         lead: tuple[int, ...],
         dtype: str,
@@ -85,7 +88,7 @@ class TensorStack(BackendArray):
         name: str,
         token: str,
     ) -> None:
-        if len(manifests) != int(np.prod(lead, dtype=np.int64)) or len(labels) != len(manifests):
+        if len(manifests) != math.prod(lead) or len(labels) != len(manifests):
             raise ValueError(f"{len(manifests)} manifests for lead axes {lead}")
         self.store = store
         self.manifests = list(manifests)
@@ -144,13 +147,14 @@ class TensorStack(BackendArray):
         places: list[tuple[np.ndarray, ChunkPart, np.ndarray | None]] = []
         parts_by_grid: dict[tuple[int, ...], list[ChunkPart]] = {}
         for out_lead, lead in _lead_positions(cast(list[np.ndarray], picks[:nlead])):
-            manifest = self.manifests[int(np.ravel_multi_index(lead, self.lead)) if nlead else 0]
+            cell = self.manifests[int(np.ravel_multi_index(lead, self.lead)) if nlead else 0]
             # A C-contiguous view (0-d for a scalar tensor): the lead axes come first.
             index: tuple[Any, ...] = (*out_lead, Ellipsis)
             target = out[index]
-            if manifest is None:
+            if cell is None:
                 target[...] = fill
                 continue
+            manifest = resolve_tensor(cell)  # decoded on the first read that needs it
             parts = parts_by_grid.get(manifest.chunk_shape)
             if parts is None:
                 parts = select_chunks(self.tensor_shape, manifest.chunk_shape, picks[nlead:])

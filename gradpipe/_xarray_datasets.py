@@ -42,7 +42,7 @@ from gradpipe._xarray_array import TensorStack
 from gradpipe.core.aggregate_manifest import AggregateManifest, stale_reason
 from gradpipe.core.run_manifest import DumpManifest
 from gradpipe.core.snapshot_manifest import SnapshotManifest
-from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.core.tensor_manifest import TensorManifest, TensorRef, embedded_tensor
 from gradpipe.errors import NotFoundError
 
 if TYPE_CHECKING:
@@ -213,10 +213,10 @@ def snapshot_dataset(
         if key in drops:
             continue
         dtype, shape = schema[key]
-        cells: list[TensorManifest | None] = []
+        cells: list[TensorManifest | TensorRef | None] = []
         other: list[int] = []
         for version, manifest in enumerate(manifests):
-            tensor: TensorManifest | None = None
+            tensor: TensorManifest | TensorRef | None = None
             if key in manifest.tensors:
                 tensor = _snapshot_tensor(store, manifest, key)
             if tensor is not None and (tensor.dtype, tensor.shape) != (dtype, shape):
@@ -283,7 +283,7 @@ def _tensor_variables(
 def _stack(
     store: Store,
     name: str,
-    grid: Sequence[TensorManifest | None],
+    grid: Sequence[TensorManifest | TensorRef | None],
     *,
     lead: tuple[int, ...],
     dims: tuple[str, ...],
@@ -300,8 +300,12 @@ def _stack(
     tensor_dims = tuple(f"{name}_dim{i}" for i in range(len(shape)))
     # The chunk grid most of the stored tensors have (all of them, unless
     # chunk-bytes changed between ingests): one dask block per stored chunk.
-    grids = Counter(m.chunk_shape for m in grid if m is not None)
-    chunk_shape = grids.most_common(1)[0][0] if grids else shape
+    shapes = [m.chunk_shape for m in grid if m is not None]
+    if shapes and shapes.count(shapes[0]) == len(shapes):
+        chunk_shape = shapes[0]
+    else:
+        grids = Counter(shapes)
+        chunk_shape = grids.most_common(1)[0][0] if grids else shape
     preferred = dict.fromkeys(dims, 1)
     preferred |= {d: c for d, c, n in zip(tensor_dims, chunk_shape, shape, strict=True) if n}
     attrs = {"tensor": name, "dtype": dtype, "chunk_shape": list(chunk_shape), **(extra or {})}
@@ -312,21 +316,24 @@ def _stack(
 
 def _tensor_of(
     store: Store, tensors: DumpManifest | AggregateManifest, name: str
-) -> TensorManifest | None:
-    """The manifest of tensor ``name`` in a dump or aggregate (None if it has none)."""
+) -> TensorManifest | TensorRef | None:
+    """The manifest of tensor ``name`` in a dump or aggregate, decoded when first read
+    (None if it has none)."""
     tensor_id = tensors.tensor_ids.get(name)
     if tensor_id is None:
         return None
-    embedded = tensors.embedded.get(tensor_id)
+    embedded = embedded_tensor(tensors.embedded, tensor_id)
     if embedded is not None:
         return embedded
     # Written by an older gradpipe (format 1): the tensor is a manifest of its own.
     return store.get_typed(tensor_id, TensorManifest, context=f"tensor {name!r}")
 
 
-def _snapshot_tensor(store: Store, manifest: SnapshotManifest, key: str) -> TensorManifest:
+def _snapshot_tensor(
+    store: Store, manifest: SnapshotManifest, key: str
+) -> TensorManifest | TensorRef:
     tensor_id = manifest.tensors[key]
-    found = manifest.embedded.get(tensor_id)
+    found = embedded_tensor(manifest.embedded, tensor_id)
     if found is not None:
         return found
     where = f"snapshot {manifest.name!r} at step {manifest.step}, {key}"

@@ -22,7 +22,7 @@ from gradpipe.core.encoding import to_json_bytes
 from gradpipe.core.ids import hash_bytes, parse_id
 from gradpipe.core.manifest import Manifest
 from gradpipe.core.names import parse_name
-from gradpipe.core.tensor_manifest import EmbeddedTensors, TensorManifest
+from gradpipe.core.tensor_manifest import EmbeddedTensors, LazyTensors, TensorManifest
 from gradpipe.errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -164,9 +164,7 @@ class AggregateManifest(EmbeddedTensors, Manifest):
             tensors=tuple((str(n), str(t)) for n, t in data["tensors"]),
             key=str(data["key"]),
             provenance={str(k): str(v) for k, v in data["provenance"].items()},
-            embedded={
-                parse_id(t): TensorManifest.from_dict(m) for t, m in data["embedded"].items()
-            },
+            embedded=LazyTensors(data["embedded"]),
         )
 
 

@@ -29,7 +29,7 @@ from gradpipe.core.run_shards import (
     scan,
     upsert,
 )
-from gradpipe.core.tensor_manifest import EmbeddedTensors, TensorManifest
+from gradpipe.core.tensor_manifest import EmbeddedTensors, LazyTensors, TensorManifest
 from gradpipe.errors import InvalidInputError
 
 __all__ = [
@@ -109,10 +109,7 @@ class DumpManifest(EmbeddedTensors, Manifest):
             tensors=tuple((str(n), str(t)) for n, t in data["tensors"]),
             metadata={str(k): str(v) for k, v in data["metadata"].items()},
             source={str(k): str(v) for k, v in data["source"].items()},
-            embedded={
-                parse_id(t): TensorManifest.from_dict(m)
-                for t, m in data.get("embedded", {}).items()
-            },
+            embedded=LazyTensors(data.get("embedded", {})),
         )
 
 

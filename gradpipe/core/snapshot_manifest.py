@@ -19,7 +19,7 @@ from gradpipe.core.encoding import decode_float, encode_float
 from gradpipe.core.ids import parse_id
 from gradpipe.core.manifest import Manifest
 from gradpipe.core.names import parse_name
-from gradpipe.core.tensor_manifest import EmbeddedTensors, TensorManifest
+from gradpipe.core.tensor_manifest import EmbeddedTensors, LazyTensors, TensorManifest
 from gradpipe.errors import InvalidInputError
 
 __all__ = ["SnapshotManifest"]
@@ -124,7 +124,5 @@ class SnapshotManifest(EmbeddedTensors, Manifest):
             metadata={str(k): str(v) for k, v in data["metadata"].items()},
             state=state,
             tensors={str(k): str(v) for k, v in data["tensors"].items()},
-            embedded={
-                parse_id(t): TensorManifest.from_dict(m) for t, m in data["embedded"].items()
-            },
+            embedded=LazyTensors(data["embedded"]),
         )

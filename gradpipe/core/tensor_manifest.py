@@ -33,9 +33,16 @@ from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.ids import parse_id
 from gradpipe.core.lossy import LossyInfo
 from gradpipe.core.manifest import Manifest
-from gradpipe.errors import InvalidInputError
+from gradpipe.errors import IntegrityError, InvalidInputError
 
-__all__ = ["EmbeddedTensors", "TensorManifest"]
+__all__ = [
+    "EmbeddedTensors",
+    "LazyTensors",
+    "TensorManifest",
+    "TensorRef",
+    "embedded_tensor",
+    "resolve_tensor",
+]
 
 
 @dataclass(frozen=True)
@@ -233,6 +240,120 @@ def _grid_size(dtype: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...])
 def _chunk_counts(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> tuple[int, ...]:
     """Elements per chunk, in chunk order."""
     return tuple(stop - start for start, stop in chunk_ranges(shape, chunk_shape))
+
+
+class TensorRef:
+    """A tensor manifest kept inside a stored manifest, not decoded yet.
+
+    Its grid (``dtype``, ``shape``, ``chunk_shape``) is read from the stored
+    JSON at once; the rest (chunk ids, statistics, inline frames: nearly all
+    of the decoding cost) when :meth:`manifest` is first called. Opening a run
+    of many dumps as a dataset needs the grids of every tensor of every dump
+    but the chunks of only those it reads.
+    """
+
+    __slots__ = ("_decoded", "_raw", "chunk_shape", "dtype", "shape", "tensor_id")
+
+    def __init__(self, tensor_id: str, raw: Mapping[str, Any]) -> None:
+        self.tensor_id = tensor_id
+        self._raw = raw
+        self._decoded: TensorManifest | None = None
+        dtype = raw["dtype"]
+        if not isinstance(dtype, str):
+            raise TypeError(f"tensor {tensor_id} has a dtype of type {type(dtype).__name__}")
+        self.dtype: str = dtype
+        self.shape: tuple[int, ...] = _ints(raw["shape"], "shape", tensor_id)
+        self.chunk_shape: tuple[int, ...] = _ints(raw["chunk_shape"], "chunk shape", tensor_id)
+
+    def manifest(self) -> TensorManifest:
+        """The decoded manifest (decoded once; raises IntegrityError if malformed)."""
+        decoded = self._decoded
+        if decoded is None:
+            try:
+                decoded = TensorManifest.from_dict(dict(self._raw))
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise IntegrityError(
+                    f"tensor {self.tensor_id}, kept in a stored manifest, is malformed: {exc!r}"
+                ) from None
+            self._decoded = decoded  # two threads may both decode: equal results
+        return decoded
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (TensorRef, (self.tensor_id, self._raw))  # the stored form travels, not the cache
+
+    def __repr__(self) -> str:
+        return f"TensorRef({self.tensor_id!r}, {self.dtype}, shape={self.shape})"
+
+
+def _ints(value: Any, what: str, tensor_id: str) -> tuple[int, ...]:
+    """A stored list of ints as a tuple: a run has a few dozen shapes, each checked once."""
+    try:
+        ints = tuple(value)
+        if ints in _CHECKED_INTS:
+            return ints
+    except TypeError:  # not iterable, or holds lists: unhashable
+        ints = ()
+    else:
+        if type(value) is list and all(type(n) is int for n in ints):
+            if len(_CHECKED_INTS) < 4096:
+                _CHECKED_INTS.add(ints)
+            return ints
+    raise TypeError(f"tensor {tensor_id} has a malformed {what} {value!r}")
+
+
+_CHECKED_INTS: set[tuple[int, ...]] = set()
+
+
+class LazyTensors(Mapping[str, TensorManifest]):
+    """The tensor manifests embedded in a stored manifest, each decoded on first access.
+
+    What :meth:`from_dict` of a dump, aggregate or snapshot builds: reading a
+    manifest costs its JSON and one :class:`TensorRef` per tensor; looking a
+    tensor up decodes it (once). Membership, iteration and :meth:`ref` decode
+    nothing.
+    """
+
+    __slots__ = ("refs",)
+
+    def __init__(self, raw: Mapping[str, Any]) -> None:
+        if not isinstance(raw, Mapping):
+            raise TypeError("embedded tensors are not an object")
+        # The ids need no check here: every container checks that its embedded
+        # tensors are among the (checked) ids it lists.
+        self.refs: dict[str, TensorRef] = {t: TensorRef(t, m) for t, m in raw.items()}
+
+    def __getitem__(self, tensor_id: str) -> TensorManifest:
+        return self.refs[tensor_id].manifest()
+
+    def __contains__(self, tensor_id: object) -> bool:
+        return tensor_id in self.refs
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.refs)
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def ref(self, tensor_id: str) -> TensorRef | None:
+        """Tensor ``tensor_id``'s grid and a way to decode it, or None if not embedded."""
+        return self.refs.get(tensor_id)
+
+    def __repr__(self) -> str:
+        return f"LazyTensors({len(self.refs)} tensors)"
+
+
+def embedded_tensor(
+    embedded: Mapping[str, TensorManifest], tensor_id: str
+) -> TensorManifest | TensorRef | None:
+    """An embedded tensor without decoding it where that can wait (None if not embedded)."""
+    if isinstance(embedded, LazyTensors):
+        return embedded.ref(tensor_id)
+    return embedded.get(tensor_id)
+
+
+def resolve_tensor(tensor: TensorManifest | TensorRef) -> TensorManifest:
+    """The decoded manifest of what :func:`embedded_tensor` gave."""
+    return tensor.manifest() if isinstance(tensor, TensorRef) else tensor
 
 
 class EmbeddedTensors:

@@ -154,6 +154,8 @@ def _parse(
             raise frame
         data = decode_block(frame, manifest_id, context=context)
         manifest = decode_manifest(bytes(data), what=f"manifest {manifest_id} ({context})")
+        for _ in manifest.embedded_manifests():  # decoded lazily elsewhere; a walk checks all
+            pass
     except NotFoundError as exc:
         return Problem("missing", manifest_id, context, str(exc))
     except IntegrityError as exc:

@@ -1,0 +1,111 @@
+"""Tensor manifests kept inside a dump (or aggregate, or snapshot) decode when first used."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xarray as xr
+
+import gradpipe as gp
+from gradpipe.core.encoding import to_json_bytes
+from gradpipe.core.ids import hash_bytes
+from gradpipe.core.manifest import decode_manifest, encode_manifest
+from gradpipe.core.run_manifest import DumpManifest
+from gradpipe.core.tensor_manifest import LazyTensors, TensorManifest, TensorRef
+from gradpipe.errors import IntegrityError
+from gradpipe.storage.blocks import encode_block
+from gradpipe.storage.walk import Problem, _parse
+
+
+def _store(tmp_path: Path) -> tuple[gp.Store, str]:
+    store = gp.open_store(tmp_path / "store", mode="w")
+    for step in range(2):
+        path = tmp_path / f"step={step}" / "peer=p.npz"
+        path.parent.mkdir()
+        np.savez(path, w=np.arange(12, dtype=np.float32) + step, b=np.ones(3, np.float32))
+    report = gp.ingest(store, str(tmp_path / "step={step}" / "peer={peer}.npz"), run="r")
+    assert report.ok, report.summary()
+    [entry] = [e for e in gp.open_run(store, "r") if e.step == 0]
+    return store, entry.dump
+
+
+def test_a_stored_dump_decodes_its_tensors_only_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, dump_id = _store(tmp_path)
+    dump = store.get_typed(dump_id, DumpManifest)
+    assert isinstance(dump.embedded, LazyTensors)
+    decoded: list[str] = []
+    original = TensorManifest.from_dict.__func__  # type: ignore[attr-defined]
+
+    def counting(cls: type[TensorManifest], data: dict[str, object]) -> TensorManifest:
+        decoded.append(str(data["dtype"]))
+        return original(cls, data)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(TensorManifest, "from_dict", classmethod(counting))
+    ds = xr.open_dataset(tmp_path / "store", engine="gradpipe", run="r")
+    assert decoded == []  # opening needs the grids only
+    ref = dump.embedded.ref(dump.tensor_ids["w"])
+    assert ref is not None
+    assert (ref.dtype, ref.shape) == ("float32", (12,))
+    assert dump.tensor_ids["w"] in dump.embedded
+    assert decoded == []
+    np.testing.assert_array_equal(ds["w"].isel(step=1, peer=0).values, np.arange(12) + 1)
+    assert decoded == ["float32"]  # the one tensor read
+    manifest = dump.embedded[dump.tensor_ids["w"]]
+    assert manifest is dump.embedded[dump.tensor_ids["w"]]  # decoded once
+    assert decode_manifest(encode_manifest(dump)) == dump  # equal to its eager decoding
+
+
+def test_a_ref_pickles_as_its_stored_form(tmp_path: Path) -> None:
+    store, dump_id = _store(tmp_path)
+    dump = store.get_typed(dump_id, DumpManifest)
+    assert isinstance(dump.embedded, LazyTensors)
+    ref = dump.embedded.ref(dump.tensor_ids["b"])
+    assert ref is not None
+    ref.manifest()
+    copy = pickle.loads(pickle.dumps(ref))
+    assert isinstance(copy, TensorRef)
+    assert copy._decoded is None
+    assert copy.manifest() == ref.manifest()
+    assert pickle.loads(pickle.dumps(dump)) == dump
+
+
+def test_a_malformed_embedded_tensor_is_found_by_reads_and_walks(tmp_path: Path) -> None:
+    # A writer's bug (or a hostile user) stores a dump whose JSON hashes right but one of
+    # whose tensors is malformed: its grid parses, its chunk list does not.
+    store, dump_id = _store(tmp_path)
+    good = store.get_typed(dump_id, DumpManifest)
+    doc = {"type": "dump", "format": 2, **good.to_dict()}
+    tensor_id = good.tensor_ids["w"]
+    doc["embedded"][tensor_id]["chunks"]["block"] = ["not an id"]
+    data = to_json_bytes(doc)
+    bad = decode_manifest(data)  # the grid is fine: reading the dump works
+    assert isinstance(bad, DumpManifest)
+    with pytest.raises(IntegrityError, match=f"tensor {tensor_id}.*malformed"):
+        bad.embedded[tensor_id]
+    # gc and verify walk every manifest they read in full: theirs is a problem report
+    frame = encode_block(data)
+    found = _parse(hash_bytes(data), "a test", frame, None)
+    assert isinstance(found, Problem)
+    assert found.kind == "corrupt", found
+    assert tensor_id in found.detail
+
+
+def test_a_malformed_grid_fails_the_read_of_the_dump() -> None:
+    doc = {
+        "type": "dump",
+        "format": 2,
+        "run": "r",
+        "step": 0,
+        "peer": "p",
+        "tensors": [["w", "b3:" + "ab" * 32]],
+        "metadata": {},
+        "source": {},
+        "embedded": {"b3:" + "ab" * 32: {"dtype": "float32", "shape": [1.5], "chunk_shape": [1]}},
+    }
+    with pytest.raises(IntegrityError, match="malformed shape"):
+        decode_manifest(to_json_bytes(doc))
