@@ -36,6 +36,7 @@ from gradpipe.core.chunk_select import (
 )
 from gradpipe.core.dtypes import is_float, parse_dtype
 from gradpipe.core.tensor_manifest import TensorManifest, TensorRef, resolve_tensor
+from gradpipe.errors import IntegrityError
 from gradpipe.storage.reads import ChunkRead, decode_windows
 
 if TYPE_CHECKING:
@@ -154,7 +155,11 @@ class TensorStack(BackendArray):
             if cell is None:
                 target[...] = fill
                 continue
-            manifest = resolve_tensor(cell)  # decoded on the first read that needs it
+            try:
+                manifest = resolve_tensor(cell)  # decoded on the first read that needs it
+            except IntegrityError as exc:
+                label = self.labels[int(np.ravel_multi_index(lead, self.lead)) if nlead else 0]
+                raise IntegrityError(f"tensor {self.name!r} of {label}: {exc}") from None
             parts = parts_by_grid.get(manifest.chunk_shape)
             if parts is None:
                 parts = select_chunks(self.tensor_shape, manifest.chunk_shape, picks[nlead:])

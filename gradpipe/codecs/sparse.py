@@ -261,8 +261,9 @@ def _bitmap_indices(bitmap: np.ndarray, method: int, count: int) -> np.ndarray:
     if method == _ZSTD:
         bits = np.empty(packed_size, dtype=np.uint8)
         bitmap = decompress_exact(bitmap, bits, "gradpipe_sparse: bitmap")
+    elif count % 8:
+        bitmap = bitmap.copy()  # a view of the frame: not ours to write
     if count % 8:  # bits past ``count`` in the last byte are not elements
-        bitmap = bitmap.copy()
         bitmap[-1] &= (1 << (count % 8)) - 1
     where = np.flatnonzero(bitmap)
     if where.size > packed_size // 4:  # dense: one pass over the unpacked mask is cheaper

@@ -256,7 +256,7 @@ class TensorRef:
 
     def __init__(self, tensor_id: str, raw: Mapping[str, Any]) -> None:
         self.tensor_id = tensor_id
-        self._raw = raw
+        self._raw: Mapping[str, Any] | None = raw
         self._decoded: TensorManifest | None = None
         dtype = raw["dtype"]
         if not isinstance(dtype, str):
@@ -264,44 +264,36 @@ class TensorRef:
         self.dtype: str = dtype
         self.shape: tuple[int, ...] = _ints(raw["shape"], "shape", tensor_id)
         self.chunk_shape: tuple[int, ...] = _ints(raw["chunk_shape"], "chunk shape", tensor_id)
+        _grid_size(dtype, self.shape, self.chunk_shape)  # a valid grid (checked once per grid)
 
     def manifest(self) -> TensorManifest:
         """The decoded manifest (decoded once; raises IntegrityError if malformed)."""
         decoded = self._decoded
         if decoded is None:
             try:
-                decoded = TensorManifest.from_dict(dict(self._raw))
+                decoded = TensorManifest.from_dict(dict(self._raw or {}))
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise IntegrityError(
                     f"tensor {self.tensor_id}, kept in a stored manifest, is malformed: {exc!r}"
                 ) from None
-            self._decoded = decoded  # two threads may both decode: equal results
+            # Two threads may both decode: equal results. The stored form goes:
+            # a dataset that read a tensor holds it once, decoded.
+            self._decoded, self._raw = decoded, None
         return decoded
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (TensorRef, (self.tensor_id, self._raw))  # the stored form travels, not the cache
+        raw = self._raw if self._raw is not None else self.manifest().to_dict()
+        return (TensorRef, (self.tensor_id, raw))  # the stored form travels, not the decoding
 
     def __repr__(self) -> str:
         return f"TensorRef({self.tensor_id!r}, {self.dtype}, shape={self.shape})"
 
 
 def _ints(value: Any, what: str, tensor_id: str) -> tuple[int, ...]:
-    """A stored list of ints as a tuple: a run has a few dozen shapes, each checked once."""
-    try:
-        ints = tuple(value)
-        if ints in _CHECKED_INTS:
-            return ints
-    except TypeError:  # not iterable, or holds lists: unhashable
-        ints = ()
-    else:
-        if type(value) is list and all(type(n) is int for n in ints):
-            if len(_CHECKED_INTS) < 4096:
-                _CHECKED_INTS.add(ints)
-            return ints
-    raise TypeError(f"tensor {tensor_id} has a malformed {what} {value!r}")
-
-
-_CHECKED_INTS: set[tuple[int, ...]] = set()
+    """A stored list of ints as a tuple (not bools, not floats that equal ints)."""
+    if type(value) is not list or not all(type(n) is int for n in value):
+        raise TypeError(f"tensor {tensor_id} has a malformed {what} {value!r}")
+    return tuple(value)
 
 
 class LazyTensors(Mapping[str, TensorManifest]):

@@ -135,11 +135,14 @@ def _recorded_parent(
 ) -> DumpManifest | None:
     """The recorded parent's manifest; None (no parent) if it cannot be read."""
     try:
-        return store.get_typed(
+        manifest = store.get_typed(
             parent.dump_id,
             DumpManifest,
             context=f"run {run!r}, step {parent.step}, peer {dump.peer!r}",
         )
+        for _ in manifest.embedded_manifests():  # its tensors decode lazily: check them here
+            pass
+        return manifest
     except GradpipeError:
         # A damaged parent (being repaired, say) must not fail its successor,
         # nor lend it blocks that are gone: the successor is stored in full.

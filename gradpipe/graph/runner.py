@@ -284,9 +284,7 @@ def runner(
             threads_per_worker=workers or os.cpu_count() or 1,
             processes=False,
             dashboard_address="127.0.0.1:0",
-            # the gradpipe page (/gradpipe) beside Dask's own, loaded by name: the
-            # dashboard module sits above the graph layer
-            scheduler_kwargs={"preload": ["gradpipe.dashboard"]},
+            scheduler_kwargs=_with_dashboard_preload(),
         )
         made = Runner(workers=workers, progress=progress)
         try:
@@ -301,6 +299,27 @@ def runner(
         with contextlib.suppress(ValueError):
             return Runner(default_client(), workers=workers, progress=progress)
     return Runner(workers=workers, progress=progress)
+
+
+def _with_dashboard_preload() -> dict[str, Any]:
+    """Scheduler arguments that add the gradpipe page (/gradpipe) to the configured preloads.
+
+    Given by name (the dashboard module sits above the graph layer). A
+    ``preload`` argument replaces ``distributed.scheduler.preload`` from the
+    config, so the configured ones are passed along, with their arguments.
+    """
+    import dask
+
+    preload = dask.config.get("distributed.scheduler.preload", None) or []
+    preload = [preload] if isinstance(preload, str) else list(preload)
+    argv = list(dask.config.get("distributed.scheduler.preload-argv", None) or [])
+    if "gradpipe.dashboard" in preload:
+        return {}
+    if not argv:
+        argv = [[] for _ in preload]
+    elif isinstance(argv[0], str):  # one argument list shared by every configured preload
+        argv = [list(argv) for _ in preload]
+    return {"preload": [*preload, "gradpipe.dashboard"], "preload_argv": [*argv, []]}
 
 
 def check_runner_options(given: Runner | None, **options: Unpack[RunnerOptions]) -> None:

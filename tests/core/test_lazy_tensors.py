@@ -95,17 +95,59 @@ def test_a_malformed_embedded_tensor_is_found_by_reads_and_walks(tmp_path: Path)
     assert tensor_id in found.detail
 
 
-def test_a_malformed_grid_fails_the_read_of_the_dump() -> None:
+@pytest.mark.parametrize(
+    ("shape", "chunk_shape", "match"),
+    [
+        ([1.5], [1], "malformed shape"),
+        ([4.0], [4], "malformed shape"),  # a float equal to an int is not one
+        ([True], [1], "malformed shape"),
+        ([4], [], "malformed|chunk"),
+        ([4], [0], "chunk"),
+        ([-3], [1], "shape|negative|dimension"),
+    ],
+)
+def test_a_malformed_grid_fails_the_read_of_the_dump(
+    shape: list[object], chunk_shape: list[object], match: str
+) -> None:
+    tensor_id = "b3:" + "ab" * 32
     doc = {
         "type": "dump",
         "format": 2,
         "run": "r",
         "step": 0,
         "peer": "p",
-        "tensors": [["w", "b3:" + "ab" * 32]],
+        "tensors": [["w", tensor_id]],
         "metadata": {},
         "source": {},
-        "embedded": {"b3:" + "ab" * 32: {"dtype": "float32", "shape": [1.5], "chunk_shape": [1]}},
+        "embedded": {tensor_id: {"dtype": "float32", "shape": shape, "chunk_shape": chunk_shape}},
     }
-    with pytest.raises(IntegrityError, match="malformed shape"):
+    with pytest.raises(IntegrityError, match=match):
         decode_manifest(to_json_bytes(doc))
+
+
+def test_a_malformed_tensor_read_through_a_dataset_names_its_dump(tmp_path: Path) -> None:
+    from xarray.core.indexing import BasicIndexer
+
+    from gradpipe._xarray_array import TensorStack
+
+    store, dump_id = _store(tmp_path)
+    good = store.get_typed(dump_id, DumpManifest)
+    doc = {"type": "dump", "format": 2, **good.to_dict()}
+    tensor_id = good.tensor_ids["w"]
+    doc["embedded"][tensor_id]["chunks"]["block"] = ["not an id"]
+    bad = decode_manifest(to_json_bytes(doc))
+    assert isinstance(bad, DumpManifest)
+    assert isinstance(bad.embedded, LazyTensors)
+    ref = bad.embedded.ref(tensor_id)
+    stack = TensorStack(
+        store,
+        [ref],
+        lead=(1,),
+        dtype="float32",
+        shape=(12,),
+        labels=["run 'r', step 0, peer 'p'"],
+        name="w",
+        token="t",
+    )
+    with pytest.raises(IntegrityError, match=r"tensor 'w' of run 'r', step 0, peer 'p'.*malformed"):
+        stack[BasicIndexer((0, slice(None)))]

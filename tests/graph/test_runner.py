@@ -160,3 +160,35 @@ def test_an_operation_refuses_a_runner_with_runner_options(tmp_path: Path) -> No
 def test_a_client_and_an_address_are_refused_together() -> None:
     with pytest.raises(gp.InvalidInputError, match="not both"):
         gp.runner(object(), scheduler="tcp://127.0.0.1:1")  # type: ignore[arg-type]
+
+
+def test_the_dashboard_cluster_keeps_the_configured_preloads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dask
+
+    from gradpipe.graph.runner import _with_dashboard_preload
+
+    (tmp_path / "gp_test_preload.py").write_text(
+        "def dask_setup(scheduler, *args):\n    scheduler.gp_test_preload_args = args\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = {
+        "distributed.scheduler.preload": ["gp_test_preload"],
+        "distributed.scheduler.preload-argv": [],
+    }
+    with dask.config.set(config), gp.runner(dashboard=True, workers=1) as runner:
+        assert runner._cluster is not None
+        scheduler = runner._cluster.scheduler
+        assert scheduler.gp_test_preload_args == ()  # the user's preload ran
+        page = runner.gradpipe_page_link
+        assert page is not None
+        with urllib.request.urlopen(page, timeout=30) as reply:
+            assert reply.status == 200  # and so did ours
+    with dask.config.set({**config, "distributed.scheduler.preload-argv": ["--x"]}):
+        assert _with_dashboard_preload() == {
+            "preload": ["gp_test_preload", "gradpipe.dashboard"],
+            "preload_argv": [["--x"], []],
+        }
+    with dask.config.set({"distributed.scheduler.preload": ["gradpipe.dashboard"]}):
+        assert _with_dashboard_preload() == {}
