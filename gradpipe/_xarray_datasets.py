@@ -24,14 +24,12 @@ where every value is a number, else strings ("" where missing).
 
 from __future__ import annotations
 
-import functools
-import gc
 import json
 import re
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Final, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 import xarray as xr
@@ -40,6 +38,7 @@ from xarray.core import indexing
 from gradpipe._version import __version__
 from gradpipe._xarray_array import TensorStack
 from gradpipe.core.aggregate_manifest import AggregateManifest, stale_reason
+from gradpipe.core.gc_pause import gc_paused
 from gradpipe.core.run_manifest import DumpManifest
 from gradpipe.core.snapshot_manifest import SnapshotManifest
 from gradpipe.core.tensor_manifest import TensorManifest, TensorRef, embedded_tensor
@@ -54,37 +53,11 @@ __all__ = ["aggregate_dataset", "run_dataset", "snapshot_dataset"]
 #: Manifests asked for per batched read: a few MiB of JSON at most per batch.
 MANIFEST_BATCH: Final = 256
 
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def _gc_paused(build: Callable[P, R]) -> Callable[P, R]:
-    """Run ``build`` without cyclic garbage collection.
-
-    Decoding the manifests of a large run creates millions of small objects
-    that all stay alive; every collection would walk them all again (measured:
-    2.5x the CPU time of opening a run of 2,000 dumps x 105 tensors). They
-    hold no cycles, so nothing is lost by collecting afterwards.
-    """
-
-    @functools.wraps(build)
-    def paused(*args: P.args, **kwargs: P.kwargs) -> R:
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return build(*args, **kwargs)
-        finally:
-            if enabled:
-                gc.enable()
-
-    return paused
-
-
 _INT = re.compile(r"[+-]?[0-9]+")
 _FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*([eE][+-]?[0-9]+)?|\.[0-9]+([eE][+-]?[0-9]+)?|nan|inf)")
 
 
-@_gc_paused
+@gc_paused
 def run_dataset(store: Store, run: Run, *, drop: Iterable[str] = ()) -> xr.Dataset:
     """The dataset of a run: one variable per tensor name over ``(step, peer)``."""
     steps, peers = run.steps, run.peers
@@ -126,7 +99,7 @@ def run_dataset(store: Store, run: Run, *, drop: Iterable[str] = ()) -> xr.Datas
     return xr.Dataset(data, coords=_without(coords, drop), attrs=attrs)
 
 
-@_gc_paused
+@gc_paused
 def aggregate_dataset(store: Store, run: Run, name: str, *, drop: Iterable[str] = ()) -> xr.Dataset:
     """The dataset of aggregate ``name`` of a run: one variable per tensor over ``(step,)``."""
     entries = [a for a in run.aggregates if a.name == name]
@@ -175,7 +148,7 @@ def aggregate_dataset(store: Store, run: Run, name: str, *, drop: Iterable[str] 
     return xr.Dataset(variables, coords=_without(coords, drop), attrs=attrs)
 
 
-@_gc_paused
+@gc_paused
 def snapshot_dataset(
     store: Store,
     name: str,

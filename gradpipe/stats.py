@@ -35,6 +35,7 @@ import xarray as xr
 from gradpipe.codecs.delta import DeltaCodec
 from gradpipe.codecs.policy import policy_codec_id
 from gradpipe.core.aggregate_manifest import AggregateManifest
+from gradpipe.core.gc_pause import gc_paused
 from gradpipe.core.ids import id_from_block_key
 from gradpipe.core.names import parse_name
 from gradpipe.core.run_manifest import DumpManifest
@@ -145,6 +146,7 @@ class _Cell:
     tensors: Mapping[str, TensorManifest]
 
 
+@gc_paused
 def compression_stats(
     store: Store,
     *,

@@ -32,6 +32,15 @@ def _store(tmp_path: Path) -> tuple[gp.Store, str]:
     return store, entry.dump
 
 
+def _with_a_malformed_chunk_list(store: gp.Store, dump_id: str) -> tuple[bytes, str]:
+    """The dump's JSON with tensor ``w``'s chunk list broken (its grid intact), and w's id."""
+    good = store.get_typed(dump_id, DumpManifest)
+    doc = {"type": "dump", "format": 2, **good.to_dict()}
+    tensor_id = good.tensor_ids["w"]
+    doc["embedded"][tensor_id]["chunks"]["block"] = ["not an id"]
+    return to_json_bytes(doc), tensor_id
+
+
 def test_a_stored_dump_decodes_its_tensors_only_when_asked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -78,11 +87,7 @@ def test_a_malformed_embedded_tensor_is_found_by_reads_and_walks(tmp_path: Path)
     # A writer's bug (or a hostile user) stores a dump whose JSON hashes right but one of
     # whose tensors is malformed: its grid parses, its chunk list does not.
     store, dump_id = _store(tmp_path)
-    good = store.get_typed(dump_id, DumpManifest)
-    doc = {"type": "dump", "format": 2, **good.to_dict()}
-    tensor_id = good.tensor_ids["w"]
-    doc["embedded"][tensor_id]["chunks"]["block"] = ["not an id"]
-    data = to_json_bytes(doc)
+    data, tensor_id = _with_a_malformed_chunk_list(store, dump_id)
     bad = decode_manifest(data)  # the grid is fine: reading the dump works
     assert isinstance(bad, DumpManifest)
     with pytest.raises(IntegrityError, match=f"tensor {tensor_id}.*malformed"):
@@ -131,11 +136,8 @@ def test_a_malformed_tensor_read_through_a_dataset_names_its_dump(tmp_path: Path
     from gradpipe._xarray_array import TensorStack
 
     store, dump_id = _store(tmp_path)
-    good = store.get_typed(dump_id, DumpManifest)
-    doc = {"type": "dump", "format": 2, **good.to_dict()}
-    tensor_id = good.tensor_ids["w"]
-    doc["embedded"][tensor_id]["chunks"]["block"] = ["not an id"]
-    bad = decode_manifest(to_json_bytes(doc))
+    data, tensor_id = _with_a_malformed_chunk_list(store, dump_id)
+    bad = decode_manifest(data)
     assert isinstance(bad, DumpManifest)
     assert isinstance(bad.embedded, LazyTensors)
     ref = bad.embedded.ref(tensor_id)
