@@ -27,7 +27,7 @@ from functools import lru_cache
 from typing import Any, ClassVar
 
 from gradpipe.core.chain import ChainInfo, DeltaLink
-from gradpipe.core.chunk_stats import ChunkStats, merge_stats
+from gradpipe.core.chunk_stats import ChunkStats, merge_stats, stats_from_columns
 from gradpipe.core.chunking import chunk_count, chunk_ranges, parse_chunk_shape, parse_shape
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.ids import parse_id
@@ -202,11 +202,7 @@ class TensorManifest(Manifest):
         columns = data["chunks"]
         blocks = tuple(None if b is None else parse_id(b) for b in columns["block"])
         counts = _chunk_counts(shape, chunk_shape)
-        keys = [k for k in columns if k not in ("block", "delta")]
-        stats = tuple(
-            ChunkStats.from_dict({k: columns[k][i] for k in keys}, count=count)
-            for i, count in enumerate(counts)
-        )
+        stats = stats_from_columns(columns, counts)
         inline = {}
         for index, text in data.get("inline", {}).items():
             if not (isinstance(index, str) and index.isdigit() and str(int(index)) == index):
