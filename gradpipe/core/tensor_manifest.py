@@ -239,7 +239,7 @@ def _chunk_counts(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> tuple
 
 
 class TensorRef:
-    """A tensor manifest kept inside a stored manifest, not decoded yet.
+    """A tensor manifest kept inside a stored manifest, not decoded yet (docs/design/014).
 
     Its grid (``dtype``, ``shape``, ``chunk_shape``) is read from the stored
     JSON at once; the rest (chunk ids, statistics, inline frames: nearly all
