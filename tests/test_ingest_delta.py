@@ -244,6 +244,43 @@ def test_later_ingest_chains_on_recorded_steps(
     assert verify(store).ok
 
 
+def test_a_recorded_parent_with_a_malformed_tensor_means_storing_in_full(
+    kit: types.ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A parent whose embedded tensor does not decode (its dump read fine: tensors decode
+    lazily) lends the successor nothing; the successor is stored in full, not failed."""
+    from gradpipe.core.tensor_manifest import TensorRef
+    from gradpipe.errors import IntegrityError
+
+    want = parameters(steps=4)
+    store_url = str(tmp_path / "store")
+    root = dump_root(store_url)
+    store = gp.open_store(store_url, mode="w")
+    assert ingest(store, write_dumps(root, {k: v for k, v in want.items() if k[0] < 2}), run="r").ok
+    damaged = {tensor_id(store, "r", 1, "a", name) for name in ("w", "bias")}
+    decode = TensorRef.manifest
+
+    def malformed(ref: TensorRef) -> TensorManifest:
+        if ref.tensor_id in damaged:
+            raise IntegrityError(f"tensor {ref.tensor_id}, kept in a stored manifest, is malformed")
+        return decode(ref)
+
+    monkeypatch.setattr(TensorRef, "manifest", malformed)
+    later = {k: v for k, v in want.items() if k[0] >= 2}
+    report = ingest(store, write_dumps(root, later), run="r", delta=True)
+    assert report.ok, report.summary()
+    assert report.ingested == 4
+    monkeypatch.undo()
+    full = info(store, "r", 2, "a", "w")  # its parent lent nothing: a keyframe
+    assert full.chain is not None
+    assert full.chain.parent is None
+    assert not full.deltas
+    chain = info(store, "r", 2, "b", "w").chain
+    assert chain is not None
+    assert chain.parent == tensor_id(store, "r", 1, "b", "w")
+    check_exports(kit, store, "r", want, tmp_path)
+
+
 def test_rerun_is_a_no_op(tmp_path: Path) -> None:
     pattern = write_dumps(str(tmp_path / "d"), parameters(steps=3))
     store = gp.open_store(str(tmp_path / "store"), mode="w")
