@@ -21,6 +21,7 @@ from gradpipe.cli._common import (
     Commands,
     MissingStoreError,
     UsageError,
+    json_text,
 )
 from gradpipe.errors import GradpipeError, InvalidInputError, UnsupportedFormatError
 
@@ -89,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _report(prog, _message(exc), _public_type(exc), as_json=args.json)
         return exit_status(exc)
     if args.json:
-        print(json.dumps(result.doc, indent=2, default=str))
+        print(json_text(result.doc))
     else:
         print(result.text)
     return int(result.status)

@@ -9,12 +9,18 @@ and with ``--by`` the ``summary`` rows.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-from gradpipe.cli._common import EXIT_FAILED, EXIT_OK, CommandResult, Commands, open_store_arg
+from gradpipe.cli._common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    CommandResult,
+    Commands,
+    json_text,
+    open_store_arg,
+)
 from gradpipe.errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -100,7 +106,7 @@ def run_stats(args: argparse.Namespace) -> CommandResult:
         plot_stats(ds, args.plot)
         doc["plot"] = args.plot
     if args.format == "json":
-        text = _json_text(doc)
+        text = json_text(doc)
     elif args.format == "csv":
         rows = summary if by else records
         text = records_csv(rows).rstrip("\n")
@@ -132,21 +138,6 @@ def _default_table(ds: xr.Dataset) -> list[dict[str, Any]]:
     from gradpipe.stats import stats_records, summarize_stats
 
     return list(stats_records(summarize_stats(ds, by="tensor")))
-
-
-def _json_text(doc: dict[str, Any]) -> str:
-    """``doc`` as indented JSON, its records one compact line each.
-
-    ``json.dumps`` with ``indent`` runs in pure Python; the records of a long
-    run (a quarter of a million) go through the C encoder one line at a time.
-    """
-    records = doc["records"]
-    text = json.dumps({**doc, "records": []}, indent=2)
-    if not records:
-        return text
-    lines = ",\n".join("    " + json.dumps(r) for r in records)
-    head, tail = text.split('"records": []', 1)
-    return f'{head}"records": [\n{lines}\n  ]{tail}'
 
 
 def _json_safe(record: dict[str, Any]) -> dict[str, Any]:
