@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -238,6 +239,9 @@ def _chunk_counts(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> tuple
     return tuple(stop - start for start, stop in chunk_ranges(shape, chunk_shape))
 
 
+_DECODING = threading.Lock()
+
+
 class TensorRef:
     """A tensor manifest kept inside a stored manifest, not decoded yet (docs/design/014).
 
@@ -265,20 +269,28 @@ class TensorRef:
     def manifest(self) -> TensorManifest:
         """The decoded manifest (decoded once; raises IntegrityError if malformed)."""
         decoded = self._decoded
-        if decoded is None:
-            try:
-                decoded = TensorManifest.from_dict(dict(self._raw or {}))
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                raise IntegrityError(
-                    f"tensor {self.tensor_id}, kept in a stored manifest, is malformed: {exc!r}"
-                ) from None
-            # Two threads may both decode: equal results. The stored form goes:
-            # a dataset that read a tensor holds it once, decoded.
-            self._decoded, self._raw = decoded, None
+        if decoded is not None:
+            return decoded
+        # One decoder at a time: the chunks of one tensor are read by concurrent dask
+        # tasks, and decoding holds the GIL anyway, so the lock costs no parallelism.
+        with _DECODING:
+            decoded = self._decoded
+            if decoded is None:
+                try:
+                    decoded = TensorManifest.from_dict(dict(self._raw or {}))
+                except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                    raise IntegrityError(
+                        f"tensor {self.tensor_id}, kept in a stored manifest, is malformed: {exc!r}"
+                    ) from None
+                # The stored form goes: a dataset that read a tensor holds it once.
+                self._decoded, self._raw = decoded, None
         return decoded
 
     def __reduce__(self) -> tuple[Any, ...]:
-        raw = self._raw if self._raw is not None else self.manifest().to_dict()
+        with _DECODING:
+            raw = self._raw
+        if raw is None:
+            raw = self.manifest().to_dict()
         return (TensorRef, (self.tensor_id, raw))  # the stored form travels, not the decoding
 
     def __repr__(self) -> str:

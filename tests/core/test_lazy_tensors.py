@@ -153,3 +153,41 @@ def test_a_malformed_tensor_read_through_a_dataset_names_its_dump(tmp_path: Path
     )
     with pytest.raises(IntegrityError, match=r"tensor 'w' of run 'r', step 0, peer 'p'.*malformed"):
         stack[BasicIndexer((0, slice(None)))]
+
+
+def test_concurrent_reads_decode_a_tensor_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The chunks of one tensor are read by concurrent dask tasks: each must get the
+    # manifest, decoded once, never a half-made one or a "malformed" from a cleared form.
+    import threading
+    import time
+
+    from gradpipe.core.chunk_stats import ChunkStats
+
+    stats = (ChunkStats(count=4, nonzero=3), ChunkStats(count=2, nonzero=0))
+    raw = TensorManifest("float32", (6,), (4,), ("b3:" + "ab" * 32, None), stats).to_dict()
+    ref = TensorRef("b3:" + "cd" * 32, raw)
+    calls: list[int] = []
+    original = TensorManifest.from_dict.__func__  # type: ignore[attr-defined]
+
+    def slow(cls: type[TensorManifest], data: dict[str, object]) -> TensorManifest:
+        calls.append(1)
+        time.sleep(0.05)  # every thread arrives while the first decodes
+        return original(cls, data)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(TensorManifest, "from_dict", classmethod(slow))
+    barrier = threading.Barrier(8)
+    got: list[object] = []
+
+    def read() -> None:
+        barrier.wait()
+        got.append(ref.manifest())
+
+    threads = [threading.Thread(target=read) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1
+    assert len(got) == 8
+    assert all(m is got[0] for m in got)
+    assert pickle.loads(pickle.dumps(ref)).manifest() == got[0]
