@@ -148,7 +148,8 @@ class TensorStack(BackendArray):
         places: list[tuple[np.ndarray, ChunkPart, np.ndarray | None]] = []
         parts_by_grid: dict[tuple[int, ...], list[ChunkPart]] = {}
         for out_lead, lead in _lead_positions(cast(list[np.ndarray], picks[:nlead])):
-            cell = self.manifests[int(np.ravel_multi_index(lead, self.lead)) if nlead else 0]
+            position = int(np.ravel_multi_index(lead, self.lead)) if nlead else 0
+            cell, label = self.manifests[position], self.labels[position]
             # A C-contiguous view (0-d for a scalar tensor): the lead axes come first.
             index: tuple[Any, ...] = (*out_lead, Ellipsis)
             target = out[index]
@@ -158,13 +159,11 @@ class TensorStack(BackendArray):
             try:
                 manifest = resolve_tensor(cell)  # decoded on the first read that needs it
             except IntegrityError as exc:
-                label = self.labels[int(np.ravel_multi_index(lead, self.lead)) if nlead else 0]
                 raise IntegrityError(f"tensor {self.name!r} of {label}: {exc}") from None
             parts = parts_by_grid.get(manifest.chunk_shape)
             if parts is None:
                 parts = select_chunks(self.tensor_shape, manifest.chunk_shape, picks[nlead:])
                 parts_by_grid[manifest.chunk_shape] = parts
-            label = self.labels[int(np.ravel_multi_index(lead, self.lead)) if nlead else 0]
             for part in parts:
                 block = manifest.blocks[part.chunk]
                 if block is None:  # an all-zero chunk takes no block

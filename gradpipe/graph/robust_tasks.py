@@ -17,7 +17,6 @@ step are small values the aggregate records in its ``params``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,17 +60,6 @@ __all__ = [
 ]
 
 
-def _read_peers(
-    store: Store,
-    sources: Sequence[Sequence[ChunkSource]],
-    start: int,
-    stop: int,
-    dtype: str,
-    contexts: Sequence[str],
-) -> list[np.ndarray]:
-    return read_group(store, sources, start, stop, dtype, contexts)
-
-
 # --- coordinate-wise: median, trimmed mean -------------------------------------------
 @_isolated
 def robust_chunk(
@@ -87,7 +75,7 @@ def robust_chunk(
     context: str,
 ) -> ChunkOut:
     """One chunk of every peer, reduced coordinate-wise (median or trimmed mean), written."""
-    chunks = _read_peers(store, sources, start, stop, dtype, contexts)
+    chunks = read_group(store, sources, start, stop, dtype, contexts)
     if method == AggregationMethod.MEDIAN:
         result = median(chunks, tensor=context)
     else:
@@ -107,7 +95,7 @@ def read_distances(
     contexts: list[str],
 ) -> ExactSum:
     """One chunk's share of the peers' pairwise squared distances, as an exact sum."""
-    chunks = _read_peers(store, sources, start, stop, dtype, contexts)
+    chunks = read_group(store, sources, start, stop, dtype, contexts)
     return ExactSum.of(pairwise_sq_distances_partial(chunks))
 
 
