@@ -19,6 +19,13 @@ in place) and written by one background thread, which writes the saves of
 this process one after another, in the order they were asked for. Saves still
 pending when the interpreter exits are finished first.
 
+Host copies go into staging buffers that later saves of the same state reuse
+(page-locked for GPU tensors), so a save allocates nothing once the first one
+is made. A GPU tensor is copied by a non-blocking device-to-host copy on a
+side stream that waits for the training stream's work so far; the call waits
+once for all of them, so the training loop is held only for the copies.
+:func:`release_staging` gives the buffers back.
+
 torch is an optional dependency (the ``torch`` extra); ``import gradpipe``
 does not import this module.
 """
@@ -42,7 +49,7 @@ if TYPE_CHECKING:
 
     from gradpipe.storage.store import Store
 
-__all__ = ["load_state", "save_state"]
+__all__ = ["load_state", "release_staging", "save_state"]
 
 
 class _Writer:
@@ -179,8 +186,9 @@ def save_state(
     state: dict[str, Any] = {"model": model.state_dict()}
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
-    # A blocking save may read CPU tensors in place: the caller waits for it.
-    host = from_torch(_to_host(state, copy=not blocking), path=f"save_state {name!r}")
+    # A blocking save may read CPU tensors in place: the caller waits for it. The previous
+    # save has finished (waited for above), so its staging buffers are free to reuse.
+    host = from_torch(_STAGING.stage(state, copy=not blocking), path=f"save_state {name!r}")
     future = _WRITER.submit(
         lambda executor: executor.submit(
             snapshot,
@@ -258,17 +266,71 @@ def load_state(
     return SnapshotInfo.of(snapshot_id, manifest)
 
 
-def _to_host(obj: Any, *, copy: bool) -> Any:
-    """``obj`` with every tensor detached in host memory; a copy of each if ``copy``."""
-    import torch
+class _Staging:
+    """Host buffers for the tensors of a save, reused by the next save of the same shapes.
 
-    def move(t: torch.Tensor) -> torch.Tensor:
-        t = t.detach()
-        if copy or t.device.type != "cpu":
-            return t.to("cpu", memory_format=torch.contiguous_format, copy=True)
-        return t
+    Buffers are keyed by a tensor's place in the state (its order in the walk),
+    dtype, shape and device kind; a save of other shapes replaces them, so they
+    never hold more than one state. GPU tensors land in page-locked memory,
+    copied on one side stream per device and waited for once.
+    """
 
-    return _map_tensors(obj, move)
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def stage(self, state: Any, *, copy: bool) -> Any:
+        """``state`` with every tensor in host memory (CPU tensors copied if ``copy``)."""
+        import torch
+
+        with self._lock:
+            old, self._buffers = self._buffers, {}
+            streams: dict[torch.device, torch.cuda.Stream] = {}
+            position = iter(range(1 << 62))
+
+            def move(t: torch.Tensor) -> torch.Tensor:
+                t = t.detach()
+                if t.device.type == "cpu" and not copy:
+                    return t
+                key = (next(position), t.dtype, tuple(t.shape), t.device.type)
+                buffer = old.pop(key, None)
+                if buffer is None:
+                    buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+                self._buffers[key] = buffer
+                if t.device.type != "cuda":
+                    buffer.copy_(t)
+                    return buffer
+                stream = streams.get(t.device)
+                if stream is None:
+                    stream = streams[t.device] = torch.cuda.Stream(t.device)
+                    # The copies must see what the training stream has queued so far.
+                    stream.wait_stream(torch.cuda.current_stream(t.device))
+                with torch.cuda.stream(stream):
+                    buffer.copy_(t, non_blocking=True)
+                return buffer
+
+            try:
+                host = _map_tensors(state, move)
+            finally:
+                for stream in streams.values():
+                    stream.synchronize()
+            return host
+
+    def release(self) -> None:
+        with self._lock:
+            self._buffers = {}
+
+
+_STAGING = _Staging()
+
+
+def release_staging() -> None:
+    """Give back the host buffers :func:`save_state` keeps for the next save.
+
+    Waits for a background save still writing from them first.
+    """
+    _WRITER.wait_for_pending()
+    _STAGING.release()
 
 
 def _to_device(obj: Any, device: str | torch.device) -> Any:
