@@ -17,6 +17,10 @@ front) and returns an :class:`xarray.Dataset` whose tensor variables are
   ``version``, and on ``version`` ``step``, ``time``, ``loss``,
   ``snapshot_id`` and every metadata key.
 
+Tensor names, array keys and metadata keys are shown as
+:mod:`gradpipe.core.view_names` says: reversibly escaped where they would
+clash, each tensor variable with its name in ``attrs["tensor"]``.
+
 Metadata (strings in a dump) becomes a typed coordinate: int64 where every
 value is an integer (float64 with NaN when some position has none), float64
 where every value is a number, else strings ("" where missing).
@@ -42,6 +46,7 @@ from gradpipe.core.gc_pause import gc_paused
 from gradpipe.core.run_manifest import DumpManifest
 from gradpipe.core.snapshot_manifest import SnapshotManifest
 from gradpipe.core.tensor_manifest import TensorManifest, TensorRef, embedded_tensor
+from gradpipe.core.view_names import coordinate_name, dim_name, variable_name
 from gradpipe.errors import NotFoundError
 
 if TYPE_CHECKING:
@@ -52,6 +57,13 @@ __all__ = ["aggregate_dataset", "run_dataset", "snapshot_dataset"]
 
 #: Manifests asked for per batched read: a few MiB of JSON at most per batch.
 MANIFEST_BATCH: Final = 256
+#: Names a tensor of a run or an aggregate is not shown as: their coordinates and
+#: dimensions. One set for both, so a tensor has one name in a run and its aggregates.
+RUN_RESERVED: Final = frozenset(
+    {"step", "peer", "present", "dump_id", "source", "aggregate_id", "method", "stale", "weight"}
+)
+#: Names an array key of a snapshot chain is not shown as.
+SNAPSHOT_RESERVED: Final = frozenset({"version", "step", "time", "loss", "snapshot_id"})
 
 _INT = re.compile(r"[+-]?[0-9]+")
 _FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*([eE][+-]?[0-9]+)?|\.[0-9]+([eE][+-]?[0-9]+)?|nan|inf)")
@@ -90,7 +102,7 @@ def run_dataset(store: Store, run: Run, *, drop: Iterable[str] = ()) -> xr.Datas
         token=f"run {run.id}",
         drop=set(drop),
     )
-    taken = {*variables, *coords, "present", *dims}
+    taken = {*_names_of(variables), *coords, "present"}
     coords |= _record_coords(
         [None if d is None else d.metadata for d in cells], dims, lead, taken, drop=set(drop)
     )
@@ -143,7 +155,8 @@ def aggregate_dataset(store: Store, run: Run, name: str, *, drop: Iterable[str] 
         drop=set(drop),
     )
     params = [{f"param_{k}": v for k, v in m.params.items()} for m in found]
-    coords |= _record_coords(params, ("step",), lead, {*variables, *coords}, drop=set(drop))
+    taken = {*_names_of(variables), *coords}
+    coords |= _record_coords(params, ("step",), lead, taken, drop=set(drop))
     attrs = _attrs("aggregate", store, run=run.name, run_id=run.id, name=name)
     return xr.Dataset(variables, coords=_without(coords, drop), attrs=attrs)
 
@@ -183,7 +196,8 @@ def snapshot_dataset(
     drops = set(drop)
     variables: dict[str, xr.Variable] = {}
     for key in order:
-        if key in drops:
+        shown = variable_name(key, SNAPSHOT_RESERVED)
+        if key in drops or shown in drops:
             continue
         dtype, shape = schema[key]
         cells: list[TensorManifest | TensorRef | None] = []
@@ -197,9 +211,10 @@ def snapshot_dataset(
                 tensor = None
             cells.append(tensor)
         labels = [f"snapshot {name!r} at step {m.step}" for m in manifests]
-        variables[_free(key, {"version", *coords})] = _stack(
+        variables[shown] = _stack(
             store,
             key,
+            shown,
             cells,
             lead=lead,
             dims=("version",),
@@ -209,9 +224,8 @@ def snapshot_dataset(
             token=f"snapshot {versions[-1][0] if versions else ''}",
             extra={"other_shape_versions": other} if other else {},
         )
-    coords |= _record_coords(
-        [m.metadata for m in manifests], ("version",), lead, {*variables, *coords}, drop=drops
-    )
+    taken = {*_names_of(variables), *coords}
+    coords |= _record_coords([m.metadata for m in manifests], ("version",), lead, taken, drop=drops)
     head = versions[-1][0] if versions else ""
     attrs = _attrs("snapshot", store, name=name, snapshot_id=head)
     return xr.Dataset(variables, coords=_without(coords, drop), attrs=attrs)
@@ -229,19 +243,24 @@ def _tensor_variables(
     token: str,
     drop: set[str],
 ) -> dict[str, xr.Variable]:
-    """One variable per tensor name of a grid of tensor sets (dumps or aggregates)."""
+    """One variable per tensor name of a grid of tensor sets (dumps or aggregates).
+
+    A variable's name is the tensor's shown name (:func:`variable_name`): ``drop``
+    may give either.
+    """
     out: dict[str, xr.Variable] = {}
-    reserved = {*dims, "present", "dump_id", "source", "aggregate_id", "method", "stale", "weight"}
     for name in order:
-        if name in drop:
+        shown = variable_name(name, RUN_RESERVED)
+        if name in drop or shown in drop:
             continue
         grid = [None if c is None else _tensor_of(store, c, name) for c in cells]
         first = next((m for m in grid if m is not None), None)
         if first is None:
             continue
-        out[_free(name, reserved)] = _stack(
+        out[shown] = _stack(
             store,
             name,
+            shown,
             grid,
             lead=lead,
             dims=dims,
@@ -256,6 +275,7 @@ def _tensor_variables(
 def _stack(
     store: Store,
     name: str,
+    shown: str,
     grid: Sequence[TensorManifest | TensorRef | None],
     *,
     lead: tuple[int, ...],
@@ -266,11 +286,11 @@ def _stack(
     token: str,
     extra: Mapping[str, Any] | None = None,
 ) -> xr.Variable:
-    """A lazily indexed variable of one tensor name, chunked as it is stored."""
+    """A lazily indexed variable of tensor ``name`` (shown as ``shown``), chunked as stored."""
     array = TensorStack(
         store, grid, lead=lead, dtype=dtype, shape=shape, labels=labels, name=name, token=token
     )
-    tensor_dims = tuple(f"{name}_dim{i}" for i in range(len(shape)))
+    tensor_dims = tuple(dim_name(shown, i) for i in range(len(shape)))
     # The chunk grid most of the stored tensors have (all of them, unless
     # chunk-bytes changed between ingests): one dask block per stored chunk.
     shapes = [m.chunk_shape for m in grid if m is not None]
@@ -337,11 +357,13 @@ def _record_coords(
     out: dict[str, xr.Variable] = {}
     for key in keys:
         values = [None if r is None else r.get(key) for r in records]
-        name = _free(key if key not in taken else f"metadata_{key}", taken)
+        name = coordinate_name(key, taken)
         if key in drop or name in drop:
             continue
         taken.add(name)
-        out[name] = xr.Variable(dims, _column(values).reshape(lead))
+        # A renamed or escaped key keeps its own name beside it.
+        attrs = {} if name == key else {"key": key}
+        out[name] = xr.Variable(dims, _column(values).reshape(lead), attrs=attrs)
     return out
 
 
@@ -394,11 +416,9 @@ def _time(text: str) -> np.datetime64:
     return np.datetime64(parsed, "us")
 
 
-def _free(name: str, taken: set[str]) -> str:
-    """``name``, or ``name_`` (``name__``...) where it is taken by a coordinate or dimension."""
-    while name in taken:
-        name += "_"
-    return name
+def _names_of(variables: Mapping[str, xr.Variable]) -> set[str]:
+    """The variables' names and dimensions: what a coordinate may not be called."""
+    return {*variables, *(str(d) for v in variables.values() for d in v.dims)}
 
 
 def _without(coords: dict[str, xr.Variable], drop: Iterable[str]) -> dict[str, xr.Variable]:

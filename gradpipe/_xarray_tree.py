@@ -4,57 +4,55 @@ A DataTree variable name cannot hold ``/`` (it would read as a path), and
 tensor names often do: a training-state file ingested as a run has
 ``params/w``, ``exp_avg/w``, ``step/w``. :func:`nest` puts each such tensor
 in the group its name spells (``params``, variable ``w``) below the dataset's
-own group, which keeps the coordinates: children inherit them. A group or
-variable name that would clash with a name it inherits (the coordinate
-``step`` and a group ``step``) gets a ``_`` appended; every variable keeps
-its full tensor name in ``attrs["tensor"]`` and every such group the prefix
-it stands for in ``attrs["tensor_prefix"]``.
+own group, which keeps the coordinates: children inherit them. Where a group
+on the way would not be a plain name of its own (``..``, ``""``, a name taken
+by a coordinate, a dimension or another variable: ``step/w`` beside the
+coordinate ``step``), the tensor stays in the dataset's group with its ``/``
+escaped (``step%2Fw``); :func:`gradpipe.core.view_names.tree_layout` has the
+rules. Every variable keeps its full tensor name in ``attrs["tensor"]`` and
+every child group the prefix it stands for in ``attrs["tensor_prefix"]``.
+
+A variable whose escaped name is another's (possible only for datasets not
+built by gradpipe's views, whose names are escaped already) is left out with
+a warning naming it; the rest of the tree opens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import warnings
 
 import xarray as xr
+
+from gradpipe.core.view_names import tree_layout
 
 __all__ = ["nest"]
 
 
 def nest(path: str, dataset: xr.Dataset) -> dict[str, xr.Dataset]:
     """``dataset`` at ``path``, with its ``/``-named variables moved into child groups."""
-    nested = [k for k in dataset.data_vars if "/" in str(k)]
-    if not nested:
+    names = [*dataset.coords, *dataset.data_vars]
+    if not any(isinstance(k, str) and "/" in k for k in names):
         return {path: dataset}
-    inherited: set[Hashable] = {*dataset.coords, *dataset.dims}
-    # Original group (tuple of segments) -> {leaf name: variable}.
-    groups: dict[tuple[str, ...], dict[str, xr.Variable]] = {}
-    for key in nested:
-        *prefix, leaf = (s or "_" for s in str(key).split("/"))
-        groups.setdefault(tuple(prefix), {})[leaf] = dataset[key].variable
-    top = dataset.drop_vars(nested)
-    names_at: dict[tuple[str, ...], set[Hashable]] = {(): set(top.variables)}
-    for group, variables in groups.items():
-        names_at.setdefault(group, set()).update(variables)
-    resolved: dict[tuple[str, ...], str] = {(): path}
-    children: dict[tuple[str, ...], set[str]] = {}
+    coords = set(dataset.coords)
+    layout = tree_layout(list(dataset.data_vars), list(dataset.coords), set(dataset.dims))
+    for name in layout.left_out:
+        warnings.warn(
+            f"{path}: variable {name!r} is left out of the DataTree: its name with '/' "
+            f"escaped ({str(name).replace('/', '%2F')!r}) is another variable's; open the "
+            f"dataset itself (xr.open_dataset) to see it",
+            UserWarning,
+            stacklevel=2,
+        )
+    # Variables, not DataArrays: a DataArray would bring its coordinates back unescaped.
+    top = xr.Dataset(
+        {shown: dataset[k].variable for shown, k in layout.top.items() if k in dataset.data_vars},
+        coords={shown: dataset[k].variable for shown, k in layout.top.items() if k in coords},
+        attrs=dataset.attrs,
+    )
     out: dict[str, xr.Dataset] = {path: top}
-    for group in sorted(groups, key=len):
-        for depth in range(1, len(group) + 1):
-            part = group[:depth]
-            if part in resolved:
-                continue
-            parent = part[:-1]
-            taken = {*inherited, *names_at.get(parent, set()), *children.get(parent, set())}
-            segment = _free(part[-1], taken)
-            children.setdefault(parent, set()).add(segment)
-            resolved[part] = f"{resolved[parent]}/{segment}"
-            out.setdefault(resolved[part], xr.Dataset(attrs={"tensor_prefix": "/".join(part)}))
-        variables = {_free(leaf, inherited): v for leaf, v in groups[group].items()}
-        out[resolved[group]] = xr.Dataset(variables, attrs={"tensor_prefix": "/".join(group)})
+    for group in sorted(layout.groups, key=len):  # parents first
+        data = {leaf: dataset[name].variable for leaf, name in layout.groups[group].items()}
+        # Group segments are plain names (no escapes): the prefix is the tensor names' own.
+        prefix = "/".join(group)
+        out[f"{path}/{prefix}"] = xr.Dataset(data, attrs={"tensor_prefix": prefix})
     return out
-
-
-def _free(name: str, taken: set[Hashable]) -> str:
-    while name in taken:
-        name += "_"
-    return name

@@ -156,7 +156,8 @@ def open_dataset(
         The run (for ``kind="run"`` and ``"aggregate"``).
     kind : {"run", "aggregate", "snapshot"}
         ``"run"``: dims ``(step, peer, <tensor>_dim0, ...)``, one variable per
-        tensor name, ``present`` for the (step, peer) pairs with a dump;
+        tensor name (escaped where it would clash: :mod:`gradpipe.core.view_names`;
+        ``attrs["tensor"]`` holds it), ``present`` for the (step, peer) pairs with a dump;
         ``"aggregate"``: aggregate ``name`` of the run, dims ``(step, ...)``;
         ``"snapshot"``: the snapshot chain ``name``, dims ``(version, ...)``.
     name : str
@@ -264,7 +265,9 @@ def tree_groups(store: Store, *, drop: Iterable[str] = ()) -> dict[str, xr.Datas
 
     Each node of :data:`TREE_NODES` gives its datasets; a tensor whose name
     has ``/`` in it (``params/w``) is put in a child group (``.../params``,
-    variable ``w``), since a DataTree variable name cannot hold one.
+    variable ``w``), since a DataTree variable name cannot hold one, or, where
+    that group would not be a plain name of its own, keeps its place with the
+    ``/`` escaped (``step%2Fw``): :mod:`gradpipe._xarray_tree`.
     """
     import xarray as xr
 

@@ -12,13 +12,15 @@ import importlib.metadata
 import io
 import json
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
 import tomllib
 import types
 import uuid
-from collections.abc import Iterator
+import warnings
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +29,11 @@ import dask.config
 import numpy as np
 import pytest
 import xarray as xr
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import gradpipe as gp
+from gradpipe._xarray_datasets import RUN_RESERVED
 from gradpipe.core.dtypes import dtype_name
 from gradpipe.core.ids import block_key
 from gradpipe.errors import InvalidInputError, NotFoundError
@@ -601,7 +606,6 @@ def test_open_datatree_gives_the_whole_store(
             "/runs",
             "/runs/states",
             "/runs/states/params",
-            "/runs/states/step_",
             "/aggregates/states/sum",
             "/snapshots/train",
             "/stats/states",
@@ -617,7 +621,10 @@ def test_open_datatree_gives_the_whole_store(
         assert_same_bits(
             params["w"].values, np.stack([[state["params/w"]], [state["params/w"] + 1]])
         )
-        assert tree["runs/states/step_"]["w"].values.tolist() == [[3.0], [4.0]]
+        # A group "step" would clash with the coordinate: the tensor stays, '/' escaped.
+        assert "/runs/states/step" not in tree.groups
+        assert run["step%2Fw"].attrs["tensor"] == "step/w"
+        assert run["step%2Fw"].values.tolist() == [[3.0], [4.0]]
         agg = tree["aggregates/states/sum"]
         assert agg["loss"].dims == ("step", "loss_dim0")
         stats = tree["stats/states"].to_dataset()
@@ -657,3 +664,223 @@ def test_xarray_guesses_the_engine_of_a_local_store(
     assert not entry.guess_can_open("s3://bucket/archive")  # never a request to guess
     ds = xr.open_dataset(store.url, run="r")  # no engine given
     assert_same_bits(ds["big"].values, expected(dumps, "big"))
+
+
+# --- tensor names -----------------------------------------------------------------
+#: Pieces of tensor names that clash with what a view names itself (coordinates,
+#: dimensions, path steps, escapes) and with each other once escaped or suffixed.
+NAME_PIECES = (
+    *("/", ".", "..", "%", "%2F", "%25", "%73", "%2E", "_", "_dim0", "_dim1", "dim0"),
+    *("step", "peer", "present", "dump_id", "source", "version", "weight", "method"),
+    *("loss", "time", "snapshot_id", "metadata_", "lr", "w", "a", "b", "é", " "),
+)
+tensor_names = st.one_of(
+    st.lists(st.sampled_from(NAME_PIECES), min_size=1, max_size=5).map("".join),
+    st.text(alphabet="/.%_ab", min_size=1, max_size=8),
+)
+#: Names whose shown forms clashed (or broke the DataTree) before they were escaped.
+CLASHING_NAMES = (
+    ["a/../b", "x"],
+    ["a/./b", "a/b"],
+    [".."],
+    ["a//b", "a/_/b"],
+    ["step", "step_"],
+    ["w", "w_dim0"],
+    ["a/b", "a/b/c"],
+    ["a/step", "a/step/x"],
+    ["peer", "weight", "weight_", "%77eight"],
+    ["lr/x", "a/b%2Fc", "a/b/c"],
+)
+
+
+def commit_named_dumps(
+    store: gp.Store, run: str, dumps: Dumps, metadata: dict[str, str] | None = None
+) -> None:
+    """``dumps`` committed as the ingest commits them, without files (fast: many per test)."""
+    from gradpipe.core.manifest import manifest_id
+    from gradpipe.core.run_manifest import DumpEntry, DumpManifest, TensorSchema
+    from gradpipe.graph.discover import DumpFile
+    from gradpipe.graph.ingest_tasks import DumpResult, commit_run
+    from gradpipe.storage.blocks import WriteStats
+
+    manifests, results, files = [], [], []
+    for (step, peer), tensors in dumps.items():
+        kept = {name: store.write_tensor(array) for name, array in tensors.items()}
+        ids = {name: manifest_id(t) for name, t in kept.items()}
+        path = f"named/{step}/{peer}"
+        manifests.append(
+            DumpManifest(
+                run,
+                step,
+                peer,
+                tuple(ids.items()),
+                metadata=dict(metadata or {}),
+                source={"path": path, "fingerprint": path},
+                embedded={ids[n]: t for n, t in kept.items()},
+            )
+        )
+        schema = {n: TensorSchema(dtype_name(a.dtype), a.shape) for n, a in tensors.items()}
+        files.append(DumpFile(step, peer, path, 16, path))
+        results.append((DumpEntry(step, peer, "", path), schema))
+    dump_ids = store.put_manifests(manifests)
+    done = [
+        DumpResult(DumpEntry(e.step, e.peer, i, e.fingerprint), s, WriteStats(), 16, {})
+        for (e, s), i in zip(results, dump_ids, strict=True)
+    ]
+    with store.writing(f"commit named dumps into run {run}") as lease:
+        commit_run(store, run, files, done, "named dumps", False, lease.key if lease else None)
+
+
+def named_values(names: list[str]) -> Dumps:
+    """Two steps of peer ``p`` and one of ``q``: tensor ``i`` has ``i + 1`` values ``i + step``."""
+    return {
+        (step, peer): {n: np.full(i + 1, i + 10 * step, dtype="f4") for i, n in enumerate(names)}
+        for step, peer in ((0, "p"), (1, "p"), (1, "q"))
+    }
+
+
+def assert_every_tensor_shown(
+    variables: dict[str, xr.DataArray], dumps: Dumps, where: str, lead: str = "run"
+) -> None:
+    """Each tensor of ``dumps`` is exactly one of ``variables``, its name in ``attrs``."""
+    from gradpipe.core.view_names import original_name
+
+    by_tensor: dict[str, list[str]] = {}
+    for key, variable in variables.items():
+        if "tensor" in variable.attrs:
+            by_tensor.setdefault(variable.attrs["tensor"], []).append(key)
+    tensors = dumps[(0, "p")]
+    assert sorted(by_tensor) == sorted(tensors), where
+    for name, (key,) in by_tensor.items():
+        assert original_name(key) == name, (where, key)  # the shown name is reversible
+        variable = variables[key]
+        assert variable.dims[-1].endswith("_dim0"), (where, key)
+        if lead == "run":
+            got = variable.transpose("step", "peer", ...).values
+            assert_same_bits(got[0, 0], tensors[name], f"{where} {key}")
+            assert_same_bits(got[1, 1], dumps[(1, "q")][name], f"{where} {key}")
+            assert np.isnan(got[0, 1]).all(), (where, key)  # (0, "q") has no dump
+        else:
+            assert_same_bits(variable.isel({lead: 0}).values, tensors[name], f"{where} {key}")
+
+
+def tree_variables(tree: xr.DataTree, under: str) -> dict[str, xr.DataArray]:
+    """Every variable of ``under`` and the groups below it, by path (``params/w``).
+
+    Each is looked up by its path, as a user would, and no group is a path step.
+    """
+    out = {}
+    for node in tree[under].subtree:
+        assert node.name not in ("", ".", ".."), node.path
+        prefix = node.relative_to(tree[under])
+        for key in node.to_dataset(inherit=False).data_vars:
+            path = str(key) if prefix == "." else f"{prefix}/{key}"
+            out[path] = tree[f"{under}/{path}"]
+            assert out[path].attrs == node[key].attrs, path
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    names=st.lists(tensor_names, min_size=1, max_size=6, unique=True),
+    keys=st.lists(tensor_names, max_size=3, unique=True),
+)
+@example(names=["a/../b", "x"], keys=[])
+@example(names=["w", "w_dim0", "a/b", "a/b/c", "lr/x"], keys=["w_dim0", "lr", "a%2Fb", "x/y"])
+def test_every_tensor_name_is_shown_once_and_the_tree_opens(
+    names: list[str], keys: list[str], gradpipe_engine: None
+) -> None:
+    """Whatever the names, each tensor is one variable (name in attrs) and the DataTree opens."""
+    check_names_shown(names, keys)
+
+
+@pytest.mark.parametrize("names", CLASHING_NAMES, ids=repr)
+def test_names_that_clashed_are_all_shown(names: list[str], gradpipe_engine: None) -> None:
+    """The examples of issue 18: a dropped tensor, a ``..`` group, a tree that did not open."""
+    check_names_shown(names, [])
+
+
+def check_names_shown(names: list[str], keys: list[str]) -> None:
+    """Run, snapshot and DataTree of tensors ``names`` with metadata ``keys``: all shown."""
+    store = gp.open_store(f"memory://names-{uuid.uuid4().hex}", mode="w")
+    dumps = named_values(names)
+    metadata = {k: str(i) for i, k in enumerate(keys)}
+    commit_named_dumps(store, "r", dumps, metadata)
+    gp.snapshot(store, "s", dumps[(0, "p")], step=0, metadata=metadata)
+    ds = gp.open_dataset(store, run="r")
+    assert_every_tensor_shown(dict(ds.data_vars), dumps, "dataset")
+    assert len(ds.coords) == 4 + len(keys)  # step, peer, dump_id, source + every metadata key
+    for name in names:
+        shown = next(k for k, v in ds.data_vars.items() if v.attrs.get("tensor") == name)
+        if _ordinary(name, RUN_RESERVED):
+            assert shown == name  # an ordinary name is shown as it is
+    snap = gp.open_dataset(store, kind="snapshot", name="s")
+    assert_every_tensor_shown(dict(snap.data_vars), dumps, "snapshot", lead="version")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is left out
+        tree = xr.open_datatree(store, engine=GradpipeBackendEntrypoint)
+    assert_every_tensor_shown(tree_variables(tree, "runs/r"), dumps, "tree")
+    assert_every_tensor_shown(
+        tree_variables(tree, "snapshots/s"), dumps, "tree snapshot", lead="version"
+    )
+    assert len(tree["runs/r"].coords) == 4 + len(keys)
+
+
+def _ordinary(name: str, reserved: Collection[str]) -> bool:
+    return not (
+        "%" in name
+        or name in reserved
+        or name in (".", "..")
+        or re.search(r"_dim[0-9]+\Z", name) is not None
+    )
+
+
+def test_aggregate_shows_tensors_named_like_its_coordinates(gradpipe_engine: None) -> None:
+    """``peer`` and ``weight`` are coordinates of an aggregate; tensors so named are kept."""
+    names = ["peer", "weight", "weight_", "%77eight", "w", "w_dim0", "method/x"]
+    store = gp.open_store(f"memory://names-{uuid.uuid4().hex}", mode="w")
+    dumps = named_values(names)
+    commit_named_dumps(store, "r", dumps)
+    assert gp.aggregate(store, run="r", method="mean", steps=[0], force=True).ok
+    ds = gp.open_dataset(store, run="r", kind="aggregate", name="mean")
+    mean: Dumps = {(0, "p"): dumps[(0, "p")]}  # step 0 has one dump: the mean is that dump
+    assert_every_tensor_shown(dict(ds.data_vars), mean, "aggregate", lead="step")
+    assert ds["peer"].values.tolist() == ["p"]  # the coordinate, not the tensor
+    assert ds["weight"].dims == ("step", "peer")
+    tree = xr.open_datatree(store, engine=GradpipeBackendEntrypoint)
+    assert_every_tensor_shown(
+        tree_variables(tree, "aggregates/r/mean"), mean, "tree aggregate", lead="step"
+    )
+
+
+def test_tensors_drop_by_their_name_or_shown_name() -> None:
+    store = gp.open_store(f"memory://names-{uuid.uuid4().hex}", mode="w")
+    commit_named_dumps(store, "r", named_values(["step", "a", "b"]))
+    ds = gp.open_dataset(store, run="r", drop_variables=["step", "a"])  # tensor "step", not the dim
+    assert sorted(ds.data_vars) == ["b", "present"]
+    assert ds["step"].values.tolist() == [0, 1]
+    ds = gp.open_dataset(store, run="r", drop_variables=["%73tep"])
+    assert sorted(ds.data_vars) == ["a", "b", "present"]
+
+
+def test_a_name_the_tree_cannot_show_is_left_out_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A node whose coordinate ``a/b`` escapes to its own ``a%2Fb``: left out, named; the rest
+    opens. (gradpipe's own datasets escape ``%``, so only a node from elsewhere can.)"""
+    import gradpipe.xarray as gx
+
+    def odd_nodes(store: gp.Store, drop: set[str]) -> dict[str, xr.Dataset]:
+        odd = xr.Dataset(
+            {"a%2Fb": ("x", [1, 2]), "c": ("x", [5, 6])}, coords={"a/b": ("x", [3, 4])}
+        )
+        return {"odd": odd}
+
+    monkeypatch.setattr(gx, "TREE_NODES", (*gx.TREE_NODES, odd_nodes))
+    store = gp.open_store(f"memory://names-{uuid.uuid4().hex}", mode="w")
+    commit_named_dumps(store, "r", named_values(["wide"]))
+    with pytest.warns(UserWarning, match=r"/odd: variable 'a/b' is left out .*'a%2Fb'"):
+        tree = xr.open_datatree(store, engine=GradpipeBackendEntrypoint)
+    assert tree["odd/a%2Fb"].values.tolist() == [1, 2]
+    assert tree["odd/c"].values.tolist() == [5, 6]
+    assert "wide" in tree["runs/r"].data_vars
