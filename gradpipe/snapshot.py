@@ -11,6 +11,9 @@ deltas about half their size, with a full keyframe every K versions. The
 whole snapshot is one manifest, published by one compare-and-swap of the ref
 ``snapshots/<name>``: a crash at any point leaves the previous snapshot as it
 was, and a second writer that lost the race rebuilds against the winner.
+A snapshot whose step's newest version already holds the same state (a job
+killed after its commit landed, run again) writes nothing
+(:mod:`gradpipe.snapshot_content`).
 
 Retention (``prune``) lives in :mod:`gradpipe.snapshot_prune`.
 """
@@ -24,7 +27,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import numpy as np
 
@@ -43,6 +46,7 @@ from gradpipe.core.state import (
 )
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import ConflictError, IntegrityError, InvalidInputError, NotFoundError
+from gradpipe.snapshot_content import holds_state, written_content
 from gradpipe.storage._pools import read_threads
 from gradpipe.storage.chains import ChainParent, write_version
 from gradpipe.storage.tensors import read_tensors
@@ -54,6 +58,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SnapshotInfo",
+    "SnapshotWrite",
     "commit_snapshot",
     "find_snapshot",
     "restore",
@@ -64,6 +69,7 @@ __all__ = [
     "snapshot_ref",
     "snapshot_tensor",
     "snapshot_versions",
+    "write_snapshot",
 ]
 
 #: Rebuilds after losing the race for the ref to another writer of the same name.
@@ -210,6 +216,21 @@ def _recalled(store: Store, name: str, snapshot_id: str | None) -> dict[str, np.
 
 
 # --- writing --------------------------------------------------------------------
+@dataclass(frozen=True)
+class SnapshotWrite:
+    """What :func:`write_snapshot` did: the version that holds the state, and whether it is new.
+
+    ``written`` is False when the step's newest version already held the same
+    state, loss and metadata (``found == "recorded"``), or, with
+    ``newer_only``, when the chain was at that step or later already
+    (``found == "not newer"``); ``id`` is then that version's.
+    """
+
+    id: str
+    written: bool
+    found: Literal["", "recorded", "not newer"] = ""
+
+
 def snapshot(
     store: Store,
     name: str,
@@ -224,6 +245,15 @@ def snapshot(
     newer_only: bool = False,
 ) -> str:
     """Save ``state`` as the next snapshot of ``name``; returns its id.
+
+    Saving a step again with the state, loss and metadata its newest version
+    holds writes nothing and returns that version's id (a job killed after its
+    commit landed may run again); another state at the same step is a new
+    version of the step, which :func:`restore` then returns. The step's newest
+    version is looked for back from the head while the steps are not below it:
+    after the chain went back to an earlier step (training resumed from an
+    older snapshot), its steps are retaken and recorded anew.
+    :func:`write_snapshot` also says whether it wrote.
 
     Parameters
     ----------
@@ -260,6 +290,39 @@ def snapshot(
     ConflictError
         When other writers of the same name kept winning the race.
     """
+    return write_snapshot(
+        store,
+        name,
+        state,
+        step=step,
+        loss=loss,
+        metadata=metadata,
+        delta=delta,
+        threshold=threshold,
+        keyframe_interval=keyframe_interval,
+        newer_only=newer_only,
+    ).id
+
+
+def write_snapshot(
+    store: Store,
+    name: str,
+    state: Mapping[Any, Any],
+    *,
+    step: int,
+    loss: float | None = None,
+    metadata: Mapping[str, str] | None = None,
+    delta: str = "int",
+    threshold: float = 0.0,
+    keyframe_interval: int = DEFAULT_KEYFRAME_INTERVAL,
+    newer_only: bool = False,
+) -> SnapshotWrite:
+    """:func:`snapshot`, saying whether it wrote a version or found the state recorded.
+
+    Both checks are made against the head every compare-and-swap is made
+    from, so of writers of the same state and step racing, one writes it and
+    the others find it.
+    """
     parse_name(name, what="snapshot name")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise InvalidInputError(f"snapshot step must be an integer >= 0, not {step!r}")
@@ -274,9 +337,13 @@ def snapshot(
             head_id = _head(store, name)
             head = None if head_id is None else _get(store, head_id, name)
             if newer_only and head_id is not None and head is not None and head.step >= step:
-                return head_id
+                return SnapshotWrite(head_id, written=False, found="not newer")
+            recorded = _recorded(store, name, (head_id, head), step, (flat, loss, meta))
+            if recorded is not None:
+                return SnapshotWrite(recorded, written=False, found="recorded")
             written = _write(store, name, flat, head, head_id=head_id, options=options)
             known = _recalled(store, name, head_id)
+            by_key = {k: written.embedded[t] for k, t in written.tensors.items()}
             try:
                 snapshot_id = commit_snapshot(
                     store,
@@ -288,14 +355,15 @@ def snapshot(
                     embedded=written.embedded,
                     loss=loss,
                     metadata=meta,
+                    content=written_content(flat, loss, meta, by_key),
                 )
             except ConflictError:
-                continue  # another snapshot of this name landed first: chain on it
+                continue  # another snapshot of this name landed first: chain on it (or find it)
             if delta != "sparse":  # a lossy version stores other values than it was given
                 _remember(
                     store, name, snapshot_id, written=written, arrays=flat.arrays, known=known
                 )
-            return snapshot_id
+            return SnapshotWrite(snapshot_id, written=True)
     raise ConflictError(
         f"snapshot {name!r}: other writers moved {ref} {_MAX_ATTEMPTS} times in a row; retry"
     )
@@ -312,13 +380,15 @@ def commit_snapshot(
     embedded: Mapping[str, TensorManifest],
     loss: float | None = None,
     metadata: Mapping[str, str] | None = None,
+    content: str | None = None,
 ) -> str:
     """Store a snapshot manifest over written tensors and move ``snapshots/<name>`` to it.
 
     ``previous`` is the head the tensors were written against; the ref moves
     only if it still points there (one compare-and-swap), else
     :class:`ConflictError` and nothing is visible. The caller holds the
-    store's writing lease from its first block write to here.
+    store's writing lease from its first block write to here. ``content`` is
+    the state's content id (:mod:`gradpipe.snapshot_content`), if known.
     """
     manifest = SnapshotManifest(
         name=name,
@@ -330,12 +400,40 @@ def commit_snapshot(
         embedded=dict(embedded),
         loss=None if loss is None else float(loss),
         metadata=dict(metadata or {}),
+        content=content,
     )
     snapshot_id = store.put_manifest(manifest)
     store.refs.set(
         snapshot_ref(name), snapshot_id, expected=previous, message=f"snapshot step {step}"
     )
     return snapshot_id
+
+
+def _recorded(
+    store: Store,
+    name: str,
+    head: tuple[str | None, SnapshotManifest | None],
+    step: int,
+    given: tuple[FlatState, float | None, Mapping[str, str]],
+) -> str | None:
+    """The id of the newest version at ``step`` if it holds the ``given`` state, else None.
+
+    Looked for back from ``head`` while the steps are not below ``step``, so a
+    snapshot of a new step reads no other manifest; a chain that went back to
+    an earlier step since (a resumed run) retakes its later steps.
+    """
+    snapshot_id, manifest = head
+    seen: set[str] = set()
+    while snapshot_id is not None and manifest is not None and manifest.step >= step:
+        if manifest.step == step:
+            tensors = {k: snapshot_tensor(store, manifest, k) for k in manifest.tensors}
+            return snapshot_id if holds_state(manifest, tensors, *given) else None
+        if snapshot_id in seen:
+            raise IntegrityError(f"snapshot {name!r}: its history loops at {snapshot_id}")
+        seen.add(snapshot_id)
+        snapshot_id = manifest.previous
+        manifest = None if snapshot_id is None else _get(store, snapshot_id, name)
+    return None
 
 
 @dataclass(frozen=True)

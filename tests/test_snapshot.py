@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import tempfile
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -11,6 +12,8 @@ from typing import Any
 import dask.config
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import gradpipe as gp
 from gradpipe.core.dtypes import DTYPE_NAMES
@@ -418,3 +421,226 @@ def test_newer_only_writes_each_step_once_even_when_racing(tmp_path: Path) -> No
     # Without newer_only the same step is a new version.
     gp.snapshot(inner, "m", state, step=2)
     assert [v.step for v in gp.snapshot_log(inner, "m")] == [1, 2, 2]
+
+
+# --- a step recorded once: re-running a snapshot that landed writes nothing ------------
+def _objects(root: Path) -> dict[str, bytes]:
+    """Every object of a local store but its lock files (leases come and go)."""
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and "locks" not in p.relative_to(root).parts
+    }
+
+
+@pytest.mark.parametrize(
+    ("delta", "threshold"), [("int", 0.0), ("xor", 0.0), ("sparse", 1e-3)], ids=str
+)
+def test_a_snapshot_run_again_records_its_step_once(
+    tmp_path: Path, small: None, delta: str, threshold: float
+) -> None:
+    """A job killed after its commit landed, run again: nothing is written, the id comes back."""
+    from gradpipe.snapshot import write_snapshot
+
+    store = gp.open_store(tmp_path / "store", mode="w")
+    states = drifting(3, seed=9)
+    options: dict[str, Any] = {"delta": delta, "threshold": threshold}
+    ids = [
+        gp.snapshot(store, "run", s, step=i, loss=0.5 / (i + 1), metadata={"host": "n1"}, **options)
+        for i, s in enumerate(states)
+    ]
+    if delta == "sparse":
+        assert gp.snapshot_log(store, "run")[1].lossy  # stored values differ from the given ones
+    before = _objects(tmp_path / "store")
+    # The newest step again, then older ones (re-running a job after later steps landed).
+    for i in (2, 1, 0):
+        again = write_snapshot(
+            store, "run", states[i], step=i, loss=0.5 / (i + 1), metadata={"host": "n1"}, **options
+        )
+        assert again.id == ids[i]
+        assert not again.written
+        assert (
+            gp.snapshot(
+                store,
+                "run",
+                states[i],
+                step=i,
+                loss=0.5 / (i + 1),
+                metadata={"host": "n1"},
+                **options,
+            )
+            == ids[i]
+        )
+    assert [v.id for v in gp.snapshot_log(store, "run")] == ids
+    assert _objects(tmp_path / "store") == before  # not a block, manifest or ref entry
+    nxt = write_snapshot(store, "run", states[0], step=3, **options)  # a new step is written
+    assert nxt.written
+    assert [v.step for v in gp.snapshot_log(store, "run")] == [0, 1, 2, 3]
+    if delta != "sparse":
+        assert same(gp.restore(store, "run", step=2), states[2])
+    assert gp.verify(store).ok
+
+
+def test_the_same_step_with_other_content_is_a_new_version(tmp_path: Path, small: None) -> None:
+    """A step taken again with another state, loss or metadata is recorded again (as before)."""
+    store = gp.open_store(tmp_path / "store", mode="w")
+    states = drifting(2, seed=10)
+    first = gp.snapshot(store, "run", states[0], step=5, loss=1.0, metadata={"try": "1"})
+    changed = [
+        (states[1], 1.0, {"try": "1"}),  # other arrays
+        (states[1], 0.5, {"try": "1"}),  # another loss
+        (states[1], 0.5, {"try": "2"}),  # other metadata
+        ({**states[1], "loader": {"epoch": 9, "position": 0}}, 0.5, {"try": "2"}),  # skeleton
+    ]
+    ids = [first]
+    for state, loss, meta in changed:
+        ids.append(gp.snapshot(store, "run", state, step=5, loss=loss, metadata=meta))
+    assert len(set(ids)) == len(ids)
+    assert [v.id for v in gp.snapshot_log(store, "run")] == ids
+    assert same(gp.restore(store, "run", step=5), changed[-1][0])  # the newest of the step
+    # The first state again: the step's newest version holds another, so it is recorded.
+    again = gp.snapshot(store, "run", states[0], step=5, loss=1.0, metadata={"try": "1"})
+    assert again not in ids
+    assert same(gp.restore(store, "run", step=5), states[0])
+    # A run resumed from an earlier step retakes its steps: each is a new version, even with
+    # the state the chain holds at that step further back (the versions since the chain went
+    # back below the step are the ones compared).
+    gp.snapshot(store, "run", states[1], step=6)
+    gp.snapshot(store, "run", states[0], step=4)
+    gp.snapshot(store, "run", states[1], step=6)
+    assert [v.step for v in gp.snapshot_log(store, "run")] == [5, 5, 5, 5, 5, 5, 6, 4, 6]
+    assert gp.verify(store).ok
+
+
+def test_identical_writers_racing_record_the_step_once(tmp_path: Path, small: None) -> None:
+    """The check is made against the head each compare-and-swap is made from."""
+    from gradpipe.snapshot import write_snapshot
+    from gradpipe.testing.faults import Fault, faulty_store
+
+    inner = gp.open_store(str(tmp_path / "store"), mode="w")
+    states = drifting(2, seed=11)
+    gp.snapshot(inner, "m", states[0], step=0)
+    theirs: list[str] = []
+
+    def the_other_writer() -> None:  # the same state and step lands while ours is about to swap
+        theirs.append(gp.snapshot(inner, "m", states[1], step=1, loss=0.25))
+
+    store, backend = faulty_store(
+        inner, Fault("swap", "refs/snapshots/m", calls={1}, lose=None, action=the_other_writer)
+    )
+    ours = write_snapshot(store, "m", states[1], step=1, loss=0.25)
+    assert len(backend.fired("swap")) == 1
+    assert (ours.id, ours.written) == (theirs[0], False)  # lost the race, found the step there
+    assert [v.step for v in gp.snapshot_log(inner, "m")] == [0, 1]
+    assert same(gp.restore(inner, "m"), states[1])
+
+
+def test_identical_writers_in_threads_record_the_step_once(
+    tmp_path: Path, small: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    module = sys.modules["gradpipe.snapshot"]
+    url = f"file://{tmp_path}/store"
+    gp.open_store(url, mode="w")
+    states = drifting(4, seed=12)
+    # Both writers build each snapshot against the same head before either publishes.
+    barrier = threading.Barrier(2, timeout=30)
+    real = module._write
+
+    def raced(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        barrier.wait()
+        return out
+
+    monkeypatch.setattr(module, "_write", raced)
+    got: dict[int, list[str]] = {0: [], 1: []}
+    errors: list[BaseException] = []
+
+    def writer(k: int) -> None:
+        store = gp.open_store(url, mode="a")
+        try:
+            for i, state in enumerate(states):
+                got[k].append(gp.snapshot(store, "run", state, step=i))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    log = gp.snapshot_log(gp.open_store(url, mode="r"), "run")
+    assert [v.step for v in log] == [0, 1, 2, 3]
+    assert got[0] == got[1] == [v.id for v in log]  # each writer got the one version
+
+
+@pytest.mark.parametrize("lossy", [False, True], ids=["exact", "lossy"])
+def test_versions_from_before_content_ids_are_compared_by_their_chunks(
+    tmp_path: Path, small: None, lossy: bool
+) -> None:
+    """A version without a content id: exact ones are told by their chunk ids; lossy ones not."""
+    from dataclasses import replace
+
+    from gradpipe.core.snapshot_manifest import SnapshotManifest
+    from gradpipe.snapshot import snapshot_ref, write_snapshot
+
+    store = gp.open_store(tmp_path / "store", mode="w")
+    states = drifting(2, seed=13)
+    options: dict[str, Any] = {"delta": "sparse", "threshold": 1e-3} if lossy else {}
+    gp.snapshot(store, "run", states[0], step=0, **options)
+    new_id = gp.snapshot(store, "run", states[1], step=1, loss=0.5, **options)
+    manifest = store.get_typed(new_id, SnapshotManifest)
+    assert manifest.content is not None
+    assert manifest.lossy is lossy
+    old = replace(manifest, content=None)  # as gradpipe wrote it before content ids
+    assert "content" not in old.to_dict()
+    old_id = store.put_manifest(old)
+    store.refs.set(snapshot_ref("run"), old_id, expected=new_id)
+    again = write_snapshot(store, "run", states[1], step=1, loss=0.5, **options)
+    assert (again.id == old_id, again.written) == (not lossy, lossy)
+    assert not write_snapshot(store, "run", states[1], step=1, loss=0.5, **options).written
+    steps = [v.step for v in gp.snapshot_log(store, "run")]
+    assert steps == ([0, 1, 1] if lossy else [0, 1])
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPE_NAMES),
+    size=st.integers(0, 3000),
+    seed=st.integers(0, 2**16),
+    zeros=st.sampled_from([None, slice(None), slice(0, 1500)]),
+    layout=st.sampled_from(["contiguous", "strided", "swapped", "2d"]),
+    changed=st.booleans(),
+)
+def test_any_array_saved_again_at_its_step_is_found(
+    dtype: str, size: int, seed: int, zeros: slice | None, layout: str, changed: bool
+) -> None:
+    """The content id a version records is the one the same values give again: every dtype,
+    all-zero chunks, views and byte orders, as a first version or as deltas against one."""
+    from gradpipe.snapshot import write_snapshot
+
+    values = special_values(dtype, size, seed=seed)
+    if zeros is not None:
+        values[zeros] = 0
+    if layout == "strided":
+        values = np.repeat(values, 2)[::2]  # same values, not contiguous
+    elif layout == "swapped" and values.dtype.itemsize > 1 and values.dtype.kind != "V":
+        values = values.astype(values.dtype.newbyteorder())  # same values, other byte order
+    elif layout == "2d" and size % 3 == 0:
+        values = values.reshape(3, -1)
+    earlier = special_values(dtype, size, seed=seed + 1).reshape(values.shape)
+    with tempfile.TemporaryDirectory() as root, dask.config.set(SMALL):
+        store = gp.open_store(root, mode="w")
+        if changed:  # written as a delta against an earlier version where it pays
+            gp.snapshot(store, "p", {"a": earlier, "n": 1}, step=0)
+        first = write_snapshot(store, "p", {"a": values, "n": 1}, step=1)
+        again = write_snapshot(store, "p", {"a": values.copy(), "n": 1}, step=1)
+        assert first.written
+        assert (again.id, again.written) == (first.id, False)
+        other = values.copy()
+        if other.size:
+            other.reshape(-1).view(np.uint8)[-1] ^= 1  # one bit of the last element
+            assert write_snapshot(store, "p", {"a": other, "n": 1}, step=1).written

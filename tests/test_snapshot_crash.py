@@ -5,11 +5,13 @@ about a second. The command is killed as soon as its first new block appears,
 and at seeded fractions of an uninterrupted snapshot's wall time. After each
 kill: the ref names the previous snapshot or the complete new one (never a
 part), every snapshot of the chain restores bit-exact, ``verify`` is clean,
-and the same command run again completes the chain.
+and the same command run again completes the chain, recording the step once
+also when the kill came after the commit landed.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -49,6 +51,11 @@ def _snapshot_cmd(store: Path, path: Path, step: int) -> list[str]:
     return [str(BIN / "gradpipe"), "snapshot", str(store), "ckpt", str(path), "--step", str(step)]
 
 
+def _ref(store: Path) -> bytes:
+    path = store / "refs" / "snapshots" / "ckpt"
+    return path.read_bytes() if path.exists() else b""
+
+
 def _blocks(store: Path) -> int:
     return sum(len(files) for _, _, files in os.walk(store / "blocks"))
 
@@ -63,16 +70,22 @@ def test_sigkill_mid_snapshot_leaves_the_previous_one(tmp_path: Path) -> None:
     subprocess.run(_snapshot_cmd(timing_store, files[1], 1), check=True, env=ENV)
     wall = time.perf_counter() - start
     rng = random.Random(SEED)
-    moments: list[float | None] = [None] + [rng.uniform(0.2, 1.0) * wall for _ in range(4)]
+    # "first block": as soon as a new block lands; "landed": as soon as the ref moved.
+    moments: list[float | str] = ["first block", "landed"]
+    moments += [rng.uniform(0.2, 1.0) * wall for _ in range(4)]
     for n, moment in enumerate(moments):
         store_path = tmp_path / f"store{n}"
         subprocess.run(_snapshot_cmd(store_path, files[0], 0), check=True, env=ENV)
-        before = _blocks(store_path)
+        before, ref = _blocks(store_path), _ref(store_path)
         proc = subprocess.Popen(_snapshot_cmd(store_path, files[1], 1), env=ENV)
-        if moment is None:  # as soon as the first new block lands
+        if moment == "first block":
             while _blocks(store_path) == before and proc.poll() is None:
                 time.sleep(0.001)
+        elif moment == "landed":
+            while _ref(store_path) == ref and proc.poll() is None:
+                time.sleep(0.001)
         else:
+            assert isinstance(moment, float)
             time.sleep(moment)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -80,14 +93,24 @@ def test_sigkill_mid_snapshot_leaves_the_previous_one(tmp_path: Path) -> None:
         store = gp.open_store(store_path, mode="r")
         steps = [v.step for v in gp.snapshot_log(store, "ckpt")]
         assert steps in ([0], [0, 1]), what
+        if moment == "landed":
+            assert steps == [0, 1], what
         for step in steps:
             got = gp.restore(store, "ckpt", step=step)
             assert sorted(got) == sorted(want[step]), what
             for name, arr in want[step].items():
                 assert got[name].tobytes() == arr.tobytes(), what
         assert gp.verify(store).ok, what
-        subprocess.run(_snapshot_cmd(store_path, files[1], 1), check=True, env=ENV)
+        again = subprocess.run(
+            [*_snapshot_cmd(store_path, files[1], 1), "--json"],
+            check=True,
+            env=ENV,
+            capture_output=True,
+            text=True,
+        )
         store = gp.open_store(store_path, mode="r")
+        assert [v.step for v in gp.snapshot_log(store, "ckpt")] == [0, 1], what  # once
+        assert json.loads(again.stdout)["written"] is (steps == [0]), what
         got = gp.restore(store, "ckpt")
         assert got["layer.weight"].tobytes() == want[1]["layer.weight"].tobytes(), what
         assert gp.verify(store).ok, what

@@ -239,6 +239,21 @@ def test_a_chain_of_steps_takes_less_than_full_copies(tmp_path: Path) -> None:
     assert sum(i.stored_bytes for i in log) < 0.9 * sum(i.full_bytes for i in log)
 
 
+def test_a_save_run_again_records_its_step_once(tmp_path: Path) -> None:
+    """A job killed after its save landed saves the step again on restart: no new version."""
+    store = gp.open_store(str(tmp_path / "store"), mode="w")
+    model, opt = make(seed=0)
+    loss = train_step(model, opt, 0)
+    first = gpt.save_state(store, "run", model, opt, step=0, loss=loss)
+    assert gpt.save_state(store, "run", model, opt, step=0, loss=loss) == first
+    again = gpt.save_state(store, "run", model, opt, step=0, loss=loss, blocking=False)
+    assert again.result() == first
+    assert [i.id for i in gp.snapshot_log(store, "run")] == [first]
+    train_step(model, opt, 1)  # other values at the same step: a new version, as before
+    assert gpt.save_state(store, "run", model, opt, step=0, loss=loss) != first
+    assert [i.step for i in gp.snapshot_log(store, "run")] == [0, 0]
+
+
 def test_background_saves_round_trip_on_every_store(store: gp.Store) -> None:
     model, opt = make(seed=0)
     futures = []

@@ -23,7 +23,8 @@ def register(commands: Commands) -> None:
     p = commands.add(
         "snapshot",
         run_snapshot,
-        "save a training-state file as the next snapshot of NAME (a delta against the last)",
+        "save a training-state file as the next snapshot of NAME (a delta against the last); "
+        "run again with the same file and step, it writes nothing",
     )
     p.add_argument("name", metavar="NAME")
     p.add_argument(
@@ -106,14 +107,14 @@ def _metadata(pairs: list[str]) -> dict[str, str]:
 def run_snapshot(args: argparse.Namespace) -> CommandResult:
     from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
     from gradpipe.formats.state_file import STATE_FILE_KEY, read_state_file
-    from gradpipe.snapshot import snapshot
+    from gradpipe.snapshot import write_snapshot
 
     metadata = _metadata(args.meta)
     state, info = read_state_file(args.state_file)  # before opening the store
     metadata[STATE_FILE_KEY] = json.dumps(info.to_dict(), separators=(",", ":"))
     store = open_store_arg(args, "a")
     interval = args.keyframe_interval or DEFAULT_KEYFRAME_INTERVAL
-    snapshot_id = snapshot(
+    done = write_snapshot(
         store,
         args.name,
         state,
@@ -127,9 +128,14 @@ def run_snapshot(args: argparse.Namespace) -> CommandResult:
     from gradpipe.snapshot import SnapshotInfo
 
     # This snapshot's own manifest (another writer may have landed on top since).
+    snapshot_id = done.id
     manifest = store.get_typed(snapshot_id, SnapshotManifest, context=f"snapshot {args.name!r}")
     info_doc = SnapshotInfo.of(snapshot_id, manifest)
     doc = {"store": store.url, "file": args.state_file, **info_doc.to_dict()}
+    doc["written"] = done.written
+    if not done.written:  # the same file and step, run again: exit 0, as ingest does
+        text = f"snapshot {args.name!r} step {args.step} already recorded as {snapshot_id}: "
+        return CommandResult(doc, text + "nothing written")
     text = (
         f"snapshot {args.name!r} step {args.step}: {info_doc.logical_bytes / 2**20:.1f} MiB "
         f"of state, stored {info_doc.stored_bytes / 2**20:.1f} MiB "

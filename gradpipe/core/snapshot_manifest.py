@@ -6,7 +6,9 @@ manifest per array, embedded, written as the next version of the same array
 in the previous snapshot. ``previous`` links the versions of a name, newest
 first, the way a commit links its parent: the ref ``snapshots/<name>``
 points at the newest, and everything older stays reachable from it until
-``prune`` writes a shorter chain.
+``prune`` writes a shorter chain. ``content`` is the id of what the caller
+gave, without time or history (see :mod:`gradpipe.snapshot_content`): the
+same state saved at the same step again is found by it, not written twice.
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ __all__ = ["SnapshotManifest"]
 
 @dataclass(frozen=True)
 class SnapshotManifest(EmbeddedTensors, Manifest):
-    """One snapshot: step, time, loss, metadata, the state's skeleton and its tensors."""
+    """One snapshot: step, time, loss, metadata, the state's skeleton and its tensors.
+
+    ``content`` (None in versions written before it was kept) identifies the
+    state, loss and metadata alone, so two versions of one content share it.
+    """
 
     type: ClassVar[str] = "snapshot"
 
@@ -40,13 +46,15 @@ class SnapshotManifest(EmbeddedTensors, Manifest):
     embedded: Mapping[str, TensorManifest] = field(default_factory=dict)
     loss: float | None = None
     metadata: dict[str, str] = field(default_factory=dict)
+    content: str | None = None
 
     def __post_init__(self) -> None:
         parse_name(self.name, what="snapshot name")
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
             raise InvalidInputError(f"snapshot step must be an integer >= 0, not {self.step!r}")
-        if self.previous is not None:
-            parse_id(self.previous)
+        for ref in (self.previous, self.content):
+            if ref is not None:
+                parse_id(ref)
         for tensor_id in self.tensors.values():
             parse_id(tensor_id)
         listed = set(self.tensors.values())
@@ -98,7 +106,7 @@ class SnapshotManifest(EmbeddedTensors, Manifest):
         return 3
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "name": self.name,
             "step": self.step,
             "time": self.time,
@@ -109,6 +117,9 @@ class SnapshotManifest(EmbeddedTensors, Manifest):
             "tensors": dict(self.tensors),
             "embedded": {t: m.to_dict() for t, m in self.embedded.items()},
         }
+        if self.content is not None:  # absent, an older version keeps its bytes and its id
+            out["content"] = self.content
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SnapshotManifest:
@@ -125,4 +136,5 @@ class SnapshotManifest(EmbeddedTensors, Manifest):
             state=state,
             tensors={str(k): str(v) for k, v in data["tensors"].items()},
             embedded=LazyTensors(data["embedded"]),
+            content=None if data.get("content") is None else str(data["content"]),
         )

@@ -137,7 +137,7 @@ def _snapshot(ctx: StageContext, p: dict[str, Any]) -> Report:
     from gradpipe.errors import InvalidInputError, NotFoundError
     from gradpipe.formats.state_file import STATE_FILE_KEY, read_state_file
     from gradpipe.graph.discover import parse_pattern
-    from gradpipe.snapshot import snapshot, snapshot_versions
+    from gradpipe.snapshot import snapshot_versions, write_snapshot
 
     name, pattern = p["name"], p["pattern"]
     if "://" in pattern:
@@ -166,12 +166,16 @@ def _snapshot(ctx: StageContext, p: dict[str, Any]) -> Report:
             break  # the chain only moves forward: taking step+1 would pass this one over
         meta = {STATE_FILE_KEY: json.dumps(info.to_dict(), separators=(",", ":"))}
         delta = p.get("delta", "int")
-        # newer_only: another writer of the chain may have moved it past this step meanwhile;
-        # storage errors propagate, so the stage is retried (it is idempotent).
-        snapshot_id = snapshot(
+        # newer_only: another writer of the chain may have moved it to or past this step
+        # meanwhile (then this one writes nothing and passes the step over); storage errors
+        # propagate, so the stage is retried (it is idempotent).
+        done = write_snapshot(
             ctx.store, name, state, step=step, metadata=meta, delta=delta, newer_only=True
         )
-        report.taken.append({"step": step, "id": snapshot_id, "path": path})
+        if done.written:
+            report.taken.append({"step": step, "id": done.id, "path": path})
+        else:
+            report.passed.append(step)
         newest = step
     return report
 

@@ -114,6 +114,38 @@ def test_npz_and_python_made_snapshots(tmp_path: Path) -> None:
     assert all(got[k].tobytes() == v.tobytes() for k, v in tensors.items())
 
 
+def test_a_snapshot_command_run_again_writes_nothing_and_says_so(tmp_path: Path) -> None:
+    """Killed after its commit landed, the same command again: exit 0, no second version."""
+    store = str(tmp_path / "store")
+    weights = _weights(2)
+    paths = []
+    for step, tensors in enumerate(weights):
+        path = tmp_path / f"s{step}.safetensors"
+        save_file(tensors, str(path), metadata={"format": "pt"})
+        paths.append(path)
+    argv = ["snapshot", store, "ckpt", str(paths[0]), "--step", "7", "--loss", "0.5"]
+    status, first = run_cli_json(*argv)
+    assert status == 0, first
+    assert first["written"] is True
+    status, again = run_cli_json(*argv)
+    assert status == 0, again
+    assert again["written"] is False
+    assert again["id"] == first["id"]
+    assert again["step"] == 7
+    text = run_cli(*argv)
+    assert text.status == 0
+    assert f"snapshot 'ckpt' step 7 already recorded as {first['id']}: nothing written" in text.out
+    assert [v.id for v in gp.snapshot_log(gp.open_store(store), "ckpt")] == [first["id"]]
+    # Another file at the same step is a new version of the step (a step taken again).
+    status, other = run_cli_json("snapshot", store, "ckpt", str(paths[1]), "--step", "7")
+    assert status == 0, other
+    assert other["written"] is True
+    assert [v.step for v in gp.snapshot_log(gp.open_store(store), "ckpt")] == [7, 7]
+    out = tmp_path / "back.safetensors"
+    assert run_cli("restore", store, "ckpt", "--step", "7", "-o", str(out)).status == 0
+    assert out.read_bytes() == paths[1].read_bytes()
+
+
 @pytest.mark.parametrize(
     ("argv", "status", "word"),
     [

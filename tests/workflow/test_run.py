@@ -304,6 +304,43 @@ def test_a_state_file_that_cannot_be_read_holds_the_chain_back(
     assert [t["step"] for t in (again.stages[0].report or {})["taken"]] == [1, 2]
 
 
+def test_a_step_another_writer_took_meanwhile_is_passed_over_not_taken(
+    sample: SampleRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A racing copy of the stage lands a step between this one's look at the chain and write."""
+    import gradpipe.formats.state_file as state_file
+
+    path = _write(
+        tmp_path,
+        f"""
+        version: 1
+        store: {{url: archive, create: true}}
+        stages:
+          - snapshot: {{name: model, pattern: "{sample.state_pattern}"}}
+        """,
+    )
+    store = gp.open_store(tmp_path / "archive", mode="w")
+    real = state_file.read_state_file
+    others: list[str] = []
+
+    def read_then_race(file: str) -> Any:
+        state, info = real(file)
+        if not others:  # the other copy writes the same step, as the stage would
+            meta = {state_file.STATE_FILE_KEY: json.dumps(info.to_dict(), separators=(",", ":"))}
+            others.append(gp.snapshot(store, "model", state, step=0, metadata=meta))
+        return state, info
+
+    monkeypatch.setattr(state_file, "read_state_file", read_then_race)
+    report = gp.run_workflow(path)
+    assert report.exit_status == 0, report.summary()
+    snap = report.stages[0].report or {}
+    assert [t["step"] for t in snap["taken"]] == list(range(1, TINY.steps))
+    assert snap["passed"] == [0]
+    log = gp.snapshot_log(store, "model")
+    assert [i.step for i in log] == list(range(TINY.steps))
+    assert log[0].id == others[0]
+
+
 def test_an_output_folder_that_is_not_there_is_exit_2_without_retries(
     sample: SampleRun, tmp_path: Path
 ) -> None:
