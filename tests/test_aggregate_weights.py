@@ -147,3 +147,32 @@ def test_the_cli_exits_1_on_a_result_that_does_not_fit_and_takes_tiny_weights(
     )  # fmt: skip
     assert outcome.status == 2
     assert "peer 'a': weight '1e-400' is outside float64's range" in outcome.err
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ('{"a": 1' + "0" * 400 + "}", "peer 'a': weight '10000000000000000000...0000000000' is"),
+        ('{"a": 1e400}', "peer 'a': weight '1e400' is outside float64's range"),
+        ('{"a": 2, "b": 1e-400}', "peer 'b': weight '1e-400' is outside float64's range"),
+        ('{"a": "3"}', "peer 'a' has weight '3', not a number"),
+        ('{"a": NaN}', "peer 'a' has weight nan, not a number"),
+        ('{"a": 0}', "peer 'a' has weight 0.0; weights must be finite and > 0"),
+    ],
+)
+def test_weights_beyond_float64_are_refused_as_written(text: str, words: str) -> None:
+    from gradpipe.cli.aggregate import parse_weights_arg
+
+    with pytest.raises(gp.InvalidInputError) as caught:
+        parse_weights_arg(text)
+    assert words in str(caught.value)
+    assert parse_weights_arg('{"a": 5e-324, "b": 1.7976931348623157e308}') == {
+        "a": 5e-324,
+        "b": 1.7976931348623157e308,
+    }
+
+
+def test_python_weights_beyond_float64_are_refused_naming_the_peer(tmp_path: Path) -> None:
+    store = _run(tmp_path, _arrays())
+    with pytest.raises(gp.InvalidInputError, match=r"step 3, peer 'b': weight 1000.* float64"):
+        gp.aggregate(store, run="r", method="fedavg", weights={"a": 1, "b": 10**400, "c": 1})

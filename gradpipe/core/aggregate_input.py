@@ -64,7 +64,8 @@ def parse_weights(
         except (TypeError, ValueError, OverflowError):
             peer = _peer_name(peers, i)
             raise InvalidInputError(
-                f"{_prefix(where(step=step, peer=peer))}weight {w!r} is not a float64 number "
+                f"{_prefix(where(step=step, peer=peer))}weight {_shown(repr(w))} is not a "
+                "float64 number "
                 "> 0 (at most 1.8e308); fix the peer's num_examples or the weights given"
             ) from None
     if not values:
@@ -83,6 +84,11 @@ def parse_weights(
     return tuple(values)
 
 
+def _shown(text: str) -> str:
+    """``text``, shortened in the middle when long (a 400-digit number)."""
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-10:]}"
+
+
 def parse_weight_text(text: str, *, what: str = "weight") -> float:
     """A weight written as text (``num_examples`` metadata, ``--weights`` JSON) as a float64.
 
@@ -93,7 +99,7 @@ def parse_weight_text(text: str, *, what: str = "weight") -> float:
     >>> parse_weight_text("1e-320")
     1e-320
     """
-    shown = repr(text if len(text) <= 40 else f"{text[:20]}...{text[-10:]}")
+    shown = repr(_shown(text))
     try:
         exact = Decimal(text.strip())
     except InvalidOperation:
