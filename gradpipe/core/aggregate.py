@@ -214,7 +214,12 @@ def _coefficient(weight: float, scale: float, shift: int) -> tuple[float, int]:
     weights would give, times the exact power of two. Below it ``c`` is the
     product of the mantissas, so no bit is lost to underflow before the term.
     """
-    shifted = math.ldexp(weight, shift)
+    try:
+        shifted = math.ldexp(weight, shift)
+    except OverflowError:
+        raise InvalidInputError(
+            f"weight {weight!r} times 2**{shift} overflows float64; pass weight_shift(weights)"
+        ) from None
     product = shifted * scale
     if product == 0.0 and scale == 0.0:
         return 0.0, 0
@@ -243,7 +248,7 @@ def _peer_items(
         # c_i = weight_i * scale_i * 2**shift: the term is fl64(c_i * x_i), one rounding at most
         # (two when c_i is below the normal range: the mantissa's product, then the exponent's).
         coefficient, exponent = _coefficient(weight, float(scale), shift)
-        shifted = math.ldexp(weight, shift)
+        shifted = math.ldexp(weight, shift)  # finite: _coefficient checked it
         items.append(Item(peer, 1, shifted, chunk.reshape(-1), coefficient, exponent))
     return items
 

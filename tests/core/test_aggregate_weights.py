@@ -235,6 +235,8 @@ def test_partials_of_different_shifts_do_not_combine() -> None:
         combine([left, right])
     with pytest.raises(InvalidInputError, match="weight shift"):
         partial_of(chunks, shift=1.5)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="overflows float64; pass weight_shift"):
+        partial_of(chunks, weights=[1e300, 1.0], shift=100)
 
 
 # --- results that do not fit the output dtype -----------------------------------------
