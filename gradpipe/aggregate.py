@@ -21,7 +21,12 @@ from typing import Any, Final
 from gradpipe.aggregate_report import AggregateReport, StepOutcome
 from gradpipe.aggregate_server import SERVER_METHODS, apply_server_steps, parse_server_options
 from gradpipe.core.aggregate import AggregationMethod
-from gradpipe.core.aggregate_input import check_byzantine, parse_weights, where
+from gradpipe.core.aggregate_input import (
+    check_byzantine,
+    parse_weight_text,
+    parse_weights,
+    where,
+)
 from gradpipe.core.aggregate_manifest import AggregateInput, AggregateManifest, aggregate_key
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.names import parse_name
@@ -551,11 +556,9 @@ def _peer_weights(
                 f"for {method.value}; give --weights, or use mean"
             )
         try:
-            values.append(float(text))
-        except ValueError:
-            raise InvalidInputError(
-                f"{where(step=step, peer=dump.peer)}: num_examples {text!r} is not a number"
-            ) from None
+            values.append(parse_weight_text(text, what="num_examples"))
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"{where(step=step, peer=dump.peer)}: {exc}") from None
     return parse_weights(values, step=step, peers=peers)
 
 

@@ -206,20 +206,31 @@ def parse_steps(text: str | None) -> range | None:
     return range(first, last)
 
 
+class _Number(str):
+    """A JSON number's text, as written."""
+
+
 def parse_weights_arg(text: str | None) -> dict[str, float] | None:
     """``--weights`` JSON: an object of peer name to a finite number > 0."""
+    from gradpipe.core.aggregate_input import parse_weight_text  # numpy: not for --help
+
     if text is None:
         return None
     try:
-        doc = json.loads(text)
+        # Numbers are read from their text, so one beyond float64's range is named as written.
+        doc = json.loads(text, parse_float=_Number, parse_int=_Number)
     except json.JSONDecodeError as exc:
         raise InvalidInputError(f"--weights is not valid JSON: {exc}") from None
     if not isinstance(doc, dict) or not doc:
         raise InvalidInputError("--weights must be a JSON object, e.g. '{\"peer0\": 32}'")
     out = {}
-    for peer, value in doc.items():
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise InvalidInputError(f"--weights: peer {peer!r} has weight {value!r}, not a number")
+    for peer, given in doc.items():
+        if not isinstance(given, _Number):  # not a string, true, null, NaN or a list
+            raise InvalidInputError(f"--weights: peer {peer!r} has weight {given!r}, not a number")
+        try:
+            value = parse_weight_text(given)
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"--weights: peer {peer!r}: {exc}") from None
         if not math.isfinite(value) or value <= 0:
             raise InvalidInputError(
                 f"--weights: peer {peer!r} has weight {value!r}; weights must be finite and > 0"

@@ -44,18 +44,42 @@ aggregate's provenance).
 
 Chunking does not matter: the reduction is element-wise, so any chunk grid
 gives the same bits per element.
+
+Weights of any magnitude
+------------------------
+Weights are positive finite float64 numbers, from 5e-324 to 1.8e308. Used as
+given, tiny weights make the terms ``w_i * x_i`` underflow (weights of 5e-324
+average 0.3 and 0.5 to 0) and large ones make the terms or the total weight
+overflow. So every reduction first multiplies all weights of the step by one
+power of two, ``2**shift`` (:func:`weight_shift`), chosen so that the largest is
+below ``1/n`` and the total weight below 1. A power of two changes no bit of a
+normal float64 product, sum or quotient, so for ordinary weights the result is
+bit for bit the unshifted one; the terms can no longer overflow (``|c_i x_i| <=
+|x_i|``), and no weighted mean is lost to underflow. A coefficient that still
+falls below float64's normal range (a weight more than ``2**1022`` times
+smaller than the largest, or a tiny clipping factor) is applied as a normal
+mantissa times an exact power of two (``Item.exponent``), so it keeps its 53
+bits. ``sum`` scales its float64 total back by ``2**-shift`` before the one
+rounding. Error bound (tested against exact rationals over the whole float64
+range of weights): ``|result - exact| <= (4*ceil(log2 n) + 4) * 2**-53 *
+sum(w_i |x_i|) / D + n**2 * 2**-1073 * max(w) / D`` before the rounding to
+the output dtype (D: the total weight, or 1 for ``sum``), then at most one unit
+in the last place of the output dtype; a result that does not fit the output
+dtype is refused (:mod:`gradpipe.core.result_range`).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
 
-from gradpipe.core.aggregate_input import check_peer_chunks, parse_weights
+from gradpipe.core.aggregate_input import check_peer_chunks, parse_weights, where
 from gradpipe.core.aggregate_kernel import Item, NotFiniteError, Program
 from gradpipe.errors import InvalidInputError
 
@@ -68,7 +92,10 @@ __all__ = [
     "partial",
     "partial_of",
     "reduce_peers",
+    "weight_shift",
 ]
+
+_MIN_NORMAL = sys.float_info.min
 
 
 class AggregationMethod(StrEnum):
@@ -132,6 +159,8 @@ class Partial:
     ``blocks`` is the range's canonical forest (see the module docstring); the
     weight of a block is the float64 sum of its peers' weights, summed by the
     same tree, so the total weight is also independent of the grouping.
+    Weights (and so sums) are scaled by ``2**shift`` (:func:`weight_shift`):
+    only partials of one shift combine.
     """
 
     lo: int
@@ -139,6 +168,7 @@ class Partial:
     shape: tuple[int, ...]
     dtype: np.dtype
     blocks: tuple[_Block, ...]
+    shift: int = 0
 
     @property
     def count(self) -> int:
@@ -159,11 +189,53 @@ class Partial:
         return sum(b.total.nbytes for b in self.blocks)
 
 
+def weight_shift(weights: Sequence[float]) -> int:
+    """The power of two that scales the weights of a step so their total is below 1.
+
+    ``shift`` is such that every ``w_i * 2**shift`` is below ``1/n`` (``n``
+    weights), so their sum is below 1, and the largest is at least
+    ``1/(4n)``. Every partial of a step's reduction must use the same shift:
+    the caller computes it from all the step's weights.
+
+    >>> weight_shift([1.0, 1.0])  # 2**-2: weights 1/4 each, total 1/2
+    -2
+    >>> weight_shift([5e-324])  # the smallest subnormal becomes 1/2
+    1073
+    """
+    values = parse_weights(weights)
+    _, exponent = math.frexp(max(values))  # max = m * 2**exponent, 0.5 <= m < 1
+    return -(exponent + (len(values) - 1).bit_length())  # (n - 1).bit_length() = ceil(log2 n)
+
+
+def _coefficient(weight: float, scale: float, shift: int) -> tuple[float, int]:
+    """``weight * scale * 2**shift`` as ``(c, e)`` meaning ``c * 2**e``, with ``c`` normal.
+
+    In the normal range ``e`` is 0 and ``c`` is the one product the unshifted
+    weights would give, times the exact power of two. Below it ``c`` is the
+    product of the mantissas, so no bit is lost to underflow before the term.
+    """
+    try:
+        shifted = math.ldexp(weight, shift)
+    except OverflowError:
+        raise InvalidInputError(
+            f"weight {weight!r} times 2**{shift} overflows float64; pass weight_shift(weights)"
+        ) from None
+    product = shifted * scale
+    if product == 0.0 and scale == 0.0:
+        return 0.0, 0
+    if shifted >= _MIN_NORMAL and product >= _MIN_NORMAL:
+        return product, 0
+    weight_m, weight_e = math.frexp(weight)
+    scale_m, scale_e = math.frexp(scale)
+    return weight_m * scale_m, weight_e + scale_e + shift
+
+
 def _peer_items(
     chunks: Sequence[np.ndarray],
     first: int,
     weights: Sequence[float],
     scales: Sequence[float],
+    shift: int,
 ) -> list[Item]:
     """The kernel's leaf items: peer ``first + i``'s chunk, weight and coefficient."""
     items = []
@@ -173,8 +245,11 @@ def _peer_items(
             raise InvalidInputError(f"peer #{peer}: scale {scale!r} must be finite and >= 0")
         if chunk.dtype.kind != "f" and chunk.dtype.name != "bfloat16":
             raise InvalidInputError(f"peer #{peer}: dtype {chunk.dtype} cannot be averaged")
-        # c_i = weight_i * scale_i: the term is fl64(c_i * x_i), one rounding at most.
-        items.append(Item(peer, 1, weight, chunk.reshape(-1), weight * float(scale)))
+        # c_i = weight_i * scale_i * 2**shift: the term is fl64(c_i * x_i), one rounding at most
+        # (two when c_i is below the normal range: the mantissa's product, then the exponent's).
+        coefficient, exponent = _coefficient(weight, float(scale), shift)
+        shifted = math.ldexp(weight, shift)  # finite: _coefficient checked it
+        items.append(Item(peer, 1, shifted, chunk.reshape(-1), coefficient, exponent))
     return items
 
 
@@ -199,13 +274,16 @@ def partial_of(
     weights: Sequence[float] | None = None,
     scales: Sequence[float] | None = None,
     names: Sequence[str] | None = None,
+    shift: int = 0,
 ) -> Partial:
     """The partial of the contiguous peers ``first .. first + len(chunks) - 1``, in one pass.
 
     The same bits as :func:`combine` of each peer's :func:`partial`, without
     a float64 array per peer: the terms and sibling sums are computed in
     cache-sized blocks (:mod:`gradpipe.core.aggregate_kernel`). ``names``
-    name the peers in errors (default ``#index``).
+    name the peers in errors (default ``#index``). ``shift`` scales the
+    weights by ``2**shift``: pass :func:`weight_shift` of *all* the step's
+    weights, so extreme weights neither underflow nor overflow.
     """
     if isinstance(first, bool) or not isinstance(first, int) or first < 0:
         raise InvalidInputError(f"peer index {first!r} must be an integer >= 0")
@@ -213,7 +291,7 @@ def partial_of(
     values = parse_weights([1.0] * len(chunks) if weights is None else weights)
     factors = [1.0] * len(chunks) if scales is None else list(scales)
     head = chunks[0]
-    program = Program(_peer_items(chunks, first, values, factors))
+    program = Program(_peer_items(chunks, first, values, factors, _parse_shift(shift)))
     try:
         arrays = program.partials()
     except NotFiniteError:
@@ -222,7 +300,13 @@ def partial_of(
         _Block(lo, size, total.reshape(head.shape), weight)
         for (lo, size, weight), total in zip(program.outputs, arrays, strict=True)
     )
-    return Partial(first, first + len(chunks), head.shape, head.dtype, blocks)
+    return Partial(first, first + len(chunks), head.shape, head.dtype, blocks, shift)
+
+
+def _parse_shift(shift: int) -> int:
+    if isinstance(shift, bool) or not isinstance(shift, int) or abs(shift) > 4096:
+        raise InvalidInputError(f"weight shift {shift!r} must be an integer (see weight_shift)")
+    return shift
 
 
 def _check_group(chunks: Sequence[np.ndarray], first: int) -> None:
@@ -237,17 +321,20 @@ def _check_group(chunks: Sequence[np.ndarray], first: int) -> None:
             )
 
 
-def partial(chunk: np.ndarray, *, peer: int, weight: float = 1.0, scale: float = 1.0) -> Partial:
+def partial(
+    chunk: np.ndarray, *, peer: int, weight: float = 1.0, scale: float = 1.0, shift: int = 0
+) -> Partial:
     """The leaf partial of peer number ``peer`` (its position in the fixed peer order).
 
     ``weight`` weights the peer in a weighted mean (FedAvg: its ``num_examples``),
     ``scale`` multiplies its update without counting in the total weight (the
-    clipping factor ``min(1, C / norm)``). The term is a fresh array: a
-    partial never aliases its input.
+    clipping factor ``min(1, C / norm)``), ``shift`` is :func:`weight_shift`
+    of all the weights. The term is a fresh array: a partial never aliases
+    its input.
     """
     if isinstance(peer, bool) or not isinstance(peer, int) or peer < 0:
         raise InvalidInputError(f"peer index {peer!r} must be an integer >= 0")
-    return partial_of([chunk], first=peer, weights=[weight], scales=[scale])
+    return partial_of([chunk], first=peer, weights=[weight], scales=[scale], shift=shift)
 
 
 def _check_adjacent(parts: Sequence[Partial]) -> None:
@@ -264,6 +351,12 @@ def _check_adjacent(parts: Sequence[Partial]) -> None:
             raise InvalidInputError(
                 f"partials of peers [{right.lo}, {right.hi}) hold {right.dtype}"
                 f"{list(right.shape)}, not {first.dtype}{list(first.shape)}"
+            )
+        if right.shift != first.shift:
+            raise InvalidInputError(
+                f"partials of peers [{right.lo}, {right.hi}) scale their weights by "
+                f"2**{right.shift}, not 2**{first.shift}; give every partial of a step "
+                "the weight_shift of all its weights"
             )
 
 
@@ -286,7 +379,7 @@ def combine(partials: Iterable[Partial]) -> Partial:
         _Block(lo, size, total.reshape(first.shape), weight)
         for (lo, size, weight), total in zip(program.outputs, arrays, strict=True)
     )
-    return Partial(first.lo, parts[-1].hi, first.shape, first.dtype, blocks)
+    return Partial(first.lo, parts[-1].hi, first.shape, first.dtype, blocks, first.shift)
 
 
 def finish(
@@ -325,6 +418,7 @@ def finish(
         divisor=program.weight if chosen.divides else None,
         noise=None if noise is None else noise.reshape(-1),
         check=False,
+        exponent=0 if chosen.divides else -parts[0].shift,
     )
     return out
 
@@ -342,7 +436,8 @@ def reduce_peers(
 ) -> np.ndarray:
     """One chunk of every peer, in peer order, reduced in one call (a whole-step convenience).
 
-    The same bits as any tree of :func:`partial` / :func:`combine` / :func:`finish`.
+    The same bits as any tree of :func:`partial` / :func:`combine` / :func:`finish`
+    with ``shift=weight_shift(weights)``.
 
     >>> a = np.array([1.0, 2.0], np.float32)
     >>> b = np.array([3.0, 6.0], np.float32)
@@ -363,6 +458,9 @@ def reduce_peers(
     except NotFiniteError:
         check_peer_chunks(chunks, step=step, peers=peers, tensor=tensor)  # names the peer
         raise _not_finite(chunks, 0, peers) from None
+    except InvalidInputError as exc:  # the result does not fit its dtype
+        context = where(step=step, tensor=tensor)
+        raise InvalidInputError(f"{context}: {exc}" if context else str(exc)) from None
 
 
 def finish_peers(
@@ -376,8 +474,8 @@ def finish_peers(
 ) -> np.ndarray:
     """``finish(partial_of(chunks, ...))`` of all ``n`` peers, without the float64 partial.
 
-    The same bits; the weights are used as given (default 1), whatever the
-    method. ``names`` name the peers in errors.
+    The same bits, with ``shift=weight_shift(weights)``; the weights are used
+    as given (default 1), whatever the method. ``names`` name the peers in errors.
     """
     chosen = AggregationMethod(method)
     if not chosen.reducible:
@@ -399,7 +497,12 @@ def _finish_terms(
     dtype: np.dtype | str | None,
 ) -> np.ndarray:
     # Every peer's terms and the whole fold in cache-sized blocks: no float64 array of the chunk.
-    program = Program(_peer_items(chunks, 0, weights, scales))
+    shift = weight_shift(weights)
+    program = Program(_peer_items(chunks, 0, weights, scales, shift))
     out = np.empty(chunks[0].shape, dtype=chunks[0].dtype if dtype is None else np.dtype(dtype))
-    program.finish(out.reshape(-1), divisor=program.weight if method.divides else None)
+    program.finish(
+        out.reshape(-1),
+        divisor=program.weight if method.divides else None,
+        exponent=0 if method.divides else -shift,
+    )
     return out

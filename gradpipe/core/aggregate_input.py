@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from decimal import Decimal, InvalidOperation
 
 import numpy as np
 
@@ -18,6 +19,7 @@ from gradpipe.errors import InvalidInputError
 __all__ = [
     "check_byzantine",
     "check_peer_chunks",
+    "parse_weight_text",
     "parse_weights",
     "where",
 ]
@@ -55,7 +57,17 @@ def parse_weights(
     (3.0, 1.0)
     """
     context = where(step=step)
-    values = tuple(float(w) for w in weights)
+    values = []
+    for i, w in enumerate(weights):
+        try:
+            values.append(float(w))
+        except (TypeError, ValueError, OverflowError):
+            peer = _peer_name(peers, i)
+            raise InvalidInputError(
+                f"{_prefix(where(step=step, peer=peer))}weight {_shown(repr(w))} is not a "
+                "float64 number "
+                "> 0 (at most 1.8e308); fix the peer's num_examples or the weights given"
+            ) from None
     if not values:
         raise InvalidInputError(f"{_prefix(context)}no peers to aggregate (empty peer set)")
     if peers is not None and len(peers) != len(values):
@@ -69,7 +81,36 @@ def parse_weights(
                 f"{_prefix(where(step=step, peer=peer))}weight {w!r} is not a finite number "
                 "> 0; fix the peer's num_examples or the weights given"
             )
-    return values
+    return tuple(values)
+
+
+def _shown(text: str) -> str:
+    """``text``, shortened in the middle when long (a 400-digit number)."""
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-10:]}"
+
+
+def parse_weight_text(text: str, *, what: str = "weight") -> float:
+    """A weight written as text (``num_examples`` metadata, ``--weights`` JSON) as a float64.
+
+    Numbers outside float64's range are refused by what was written, not by
+    the 0 or infinity they would read as. The value is checked further by
+    :func:`parse_weights`. ``what`` names the number in errors.
+
+    >>> parse_weight_text("1e-320")
+    1e-320
+    """
+    shown = repr(_shown(text))
+    try:
+        exact = Decimal(text.strip())
+    except InvalidOperation:
+        raise InvalidInputError(f"{what} {shown} is not a number") from None
+    value = float(exact)
+    if exact.is_finite() and exact > 0 and (value == 0.0 or math.isinf(value)):
+        raise InvalidInputError(
+            f"{what} {shown} is outside float64's range of positive numbers (5e-324 to "
+            "1.8e308); scale the weights of the step alike"
+        )
+    return value
 
 
 def check_peer_chunks(

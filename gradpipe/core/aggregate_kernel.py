@@ -34,6 +34,8 @@ from typing import Final
 
 import numpy as np
 
+from gradpipe.core.result_range import round_result
+
 __all__ = ["BLOCK", "Item", "NotFiniteError", "Program", "forest_shape"]
 
 #: Elements per block: 256 KiB per float64 buffer, so the few buffers a
@@ -47,8 +49,11 @@ class Item:
     """One input of a reduction, in peer order: a peer's term to compute, or a sum given.
 
     A term (``coefficient`` set) is ``fl64(coefficient * values)``, a block of
-    one peer; a given block (``coefficient`` None) is the float64 sum of the
-    aligned dyadic peer block ``[lo, lo + size)``. ``values`` is flat.
+    one peer, then times ``2**exponent`` when ``exponent`` is not 0 (a
+    coefficient below float64's normal range, kept as a normal mantissa and
+    an exponent so it loses no bits); a given block (``coefficient`` None) is
+    the float64 sum of the aligned dyadic peer block ``[lo, lo + size)``.
+    ``values`` is flat.
     """
 
     lo: int
@@ -56,6 +61,7 @@ class Item:
     weight: float
     values: np.ndarray
     coefficient: float | None = None
+    exponent: int = 0
 
 
 def forest_shape(items: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -101,7 +107,7 @@ class Program:
         self.size = self.items[0].values.size
         shape = forest_shape([(it.lo, it.size) for it in self.items])
         self._starts = {lo: j for j, (lo, _) in enumerate(shape)}
-        self._ops: list[tuple[str, _Operand, _Operand, _Operand | None, float]] = []
+        self._ops: list[tuple[str, _Operand, _Operand, _Operand | None, float, int]] = []
         # Buffer b < len(shape) holds result block b; the others are scratch.
         self._result_count = len(shape)
         self._buffers = len(shape)
@@ -136,11 +142,13 @@ class Program:
             # A given block: read in place, unless it starts a larger result block,
             # which is then built in that block's result array.
             if result is not None and shape[result][1] != item.size:
-                self._ops.append(("copy", ("buf", result), ("in", k), None, 0.0))
+                self._ops.append(("copy", ("buf", result), ("in", k), None, 0.0, 0))
                 return _Entry(item.lo, item.size, item.weight, ("buf", result))
             return _Entry(item.lo, item.size, item.weight, ("in", k))
         target = result if result is not None else self._scratch()
-        self._ops.append(("term", ("buf", target), ("in", k), None, item.coefficient))
+        self._ops.append(
+            ("term", ("buf", target), ("in", k), None, item.coefficient, item.exponent)
+        )
         return _Entry(item.lo, item.size, item.weight, ("buf", target))
 
     def _merge(self, left: _Entry, right: _Entry) -> _Entry:
@@ -153,7 +161,7 @@ class Program:
             out = right.where
         else:
             out = ("buf", self._scratch())
-        self._ops.append(("add", out, left.where, right.where, 0.0))
+        self._ops.append(("add", out, left.where, right.where, 0.0, 0))
         return _Entry(left.lo, left.size + right.size, left.weight + right.weight, out)
 
     # --- running --------------------------------------------------------------------
@@ -185,20 +193,24 @@ class Program:
         divisor: float | None,
         noise: np.ndarray | None = None,
         check: bool = True,
+        exponent: int = 0,
     ) -> np.ndarray:
-        """Fold the result blocks left to right, divide, add ``noise``, round into ``out``.
+        """Fold the result blocks, divide (or scale by ``2**exponent``), add ``noise``, round.
+
+        The blocks are folded left to right and the result rounded into ``out``.
 
         ``out`` and ``noise`` are flat, of the items' size; ``out`` has the
         result's dtype. With ``check``, raises :class:`NotFiniteError` if the
-        sum (before the noise) holds NaN or infinity.
+        sum (before the noise) holds NaN or infinity. A result that does not
+        fit ``out``'s dtype is always refused (:func:`round_result`).
         """
-        self._run(None, (out, divisor, noise), check)
+        self._run(None, (out, divisor, noise, exponent), check)
         return out
 
     def _run(
         self,
         arrays: list[np.ndarray] | None,
-        final: tuple[np.ndarray, float | None, np.ndarray | None] | None,
+        final: tuple[np.ndarray, float | None, np.ndarray | None, int] | None,
         check: bool,
     ) -> None:
         # A NaN or an infinity in an input is reported by the check, not as a warning.
@@ -208,7 +220,7 @@ class Program:
     def _run_blocks(
         self,
         arrays: list[np.ndarray] | None,
-        final: tuple[np.ndarray, float | None, np.ndarray | None] | None,
+        final: tuple[np.ndarray, float | None, np.ndarray | None, int] | None,
         check: bool,
     ) -> None:
         step = min(BLOCK, max(self.size, 1))
@@ -228,7 +240,7 @@ class Program:
                         if w[0] == "buf":
                             _check(result, start)
                 continue
-            out, divisor, noise = final
+            out, divisor, noise, exponent = final
             acc = bufs[-1]  # the spare scratch buffer, used by no operation
             total = results[0]
             if len(results) > 1:
@@ -239,16 +251,20 @@ class Program:
                 _check(total, start)
             if divisor is not None:
                 total = np.divide(total, divisor, out=acc)
+            if exponent:
+                total = np.ldexp(total, exponent, out=acc)
             if noise is not None:
                 total = np.add(total, noise[start:stop], out=acc)
-            np.copyto(out[start:stop], total, casting="unsafe")
+            round_result(total, out=out[start:stop], offset=start)
 
     def _block(self, bufs: list[np.ndarray], ins: list[np.ndarray]) -> None:
-        for op, out, a, b, coefficient in self._ops:
+        for op, out, a, b, coefficient, exponent in self._ops:
             target = bufs[out[1]]
             first = ins[a[1]] if a[0] == "in" else bufs[a[1]]
             if op == "term":
                 np.multiply(first, coefficient, out=target, dtype=np.float64)
+                if exponent:
+                    np.ldexp(target, exponent, out=target)
             elif op == "copy":
                 np.copyto(target, first)
             else:

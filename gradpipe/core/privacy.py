@@ -40,6 +40,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gradpipe.core.exact import ExactSum
+from gradpipe.core.result_range import round_result
 from gradpipe.errors import InvalidInputError
 
 __all__ = [
@@ -81,9 +82,11 @@ def clip_scale(sq_norm: ExactSum | float, clip_norm: float) -> float:
 def apply_scale(
     chunk: np.ndarray, scale: float, *, dtype: np.dtype | str | None = None
 ) -> np.ndarray:
-    """``chunk * scale`` in float64, rounded once (clipping a stored aggregate)."""
-    out: np.ndarray = (np.asarray(chunk, dtype=np.float64) * scale).astype(dtype or chunk.dtype)
-    return out
+    """``chunk * scale`` in float64, rounded once (clipping a stored aggregate).
+
+    A result beyond ``dtype``'s range is refused (:func:`~gradpipe.core.result_range.round_result`).
+    """
+    return round_result(np.asarray(chunk, dtype=np.float64) * scale, dtype or chunk.dtype)
 
 
 def dp_noise_std(noise_multiplier: float, clip_norm: float, peers: int) -> float:

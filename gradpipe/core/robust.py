@@ -36,8 +36,9 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from gradpipe.core.aggregate_input import check_byzantine, check_peer_chunks
+from gradpipe.core.aggregate_input import check_byzantine, check_peer_chunks, where
 from gradpipe.core.exact import ExactSum
+from gradpipe.core.result_range import round_result
 from gradpipe.errors import InvalidInputError
 
 __all__ = [
@@ -58,6 +59,11 @@ def _stack(chunks: Sequence[np.ndarray], tensor: str | None) -> np.ndarray:
     return np.stack([np.asarray(c, dtype=np.float64) for c in chunks])
 
 
+def _round(values: np.ndarray, dtype: np.dtype | str, tensor: str | None) -> np.ndarray:
+    # The one rounding of every method, which refuses a result that does not fit the dtype.
+    return round_result(np.asarray(values, dtype=np.float64), dtype, context=where(tensor=tensor))
+
+
 def median(
     chunks: Sequence[np.ndarray], *, dtype: np.dtype | str | None = None, tensor: str | None = None
 ) -> np.ndarray:
@@ -67,8 +73,7 @@ def median(
     [2.0]
     """
     stack = _stack(chunks, tensor)
-    out: np.ndarray = np.median(stack, axis=0).astype(dtype or chunks[0].dtype)
-    return out
+    return _round(np.median(stack, axis=0), dtype or chunks[0].dtype, tensor)
 
 
 def trim_count(n: int, beta: float) -> int:
@@ -98,8 +103,7 @@ def trimmed_mean(
     n = stack.shape[0]
     cut = trim_count(n, beta)
     kept = np.sort(stack, axis=0)[cut : n - cut]
-    out: np.ndarray = (kept.sum(axis=0) / kept.shape[0]).astype(dtype or chunks[0].dtype)
-    return out
+    return _round(kept.sum(axis=0) / kept.shape[0], dtype or chunks[0].dtype, tensor)
 
 
 def pairwise_sq_distances_partial(chunks: Sequence[np.ndarray]) -> np.ndarray:
@@ -211,5 +215,4 @@ def bulyan_combine(
     distance = np.abs(stack - np.median(stack, axis=0))
     order = np.argsort(distance, axis=0, kind="stable")[:beta]
     closest = np.take_along_axis(stack, order, axis=0)
-    out: np.ndarray = (closest.sum(axis=0) / beta).astype(dtype or chunks[0].dtype)
-    return out
+    return _round(closest.sum(axis=0) / beta, dtype or chunks[0].dtype, tensor)

@@ -40,6 +40,7 @@ from typing import Any, Final
 
 from dask.base import tokenize
 
+from gradpipe.core.aggregate import weight_shift
 from gradpipe.core.chunking import chunk_ranges
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import InvalidInputError
@@ -255,6 +256,7 @@ def build_aggregate_graph(
             ]
         names = [i.peer for i in spec.inputs]
         weights = [i.weight for i in spec.inputs]
+        shift = weight_shift(weights)  # one power of two for every partial of the step
         groups = [(lo, min(n, lo + fan)) for lo in range(0, n, fan)]
         tensor_keys = []
         for t, tensor in enumerate(plan.tensors):
@@ -306,6 +308,7 @@ def build_aggregate_graph(
                         lo,
                         weights[lo:hi],
                         scales[lo:hi],
+                        shift,
                     )
                     leaves.append(key)
                 # The last level of the tree is the write task's: finish takes the partials.

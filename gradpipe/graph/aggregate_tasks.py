@@ -209,14 +209,18 @@ def read_partial(
     first: int,
     weights: list[float],
     scales: list[float],
+    shift: int,
 ) -> Partial:
     """One chunk of the contiguous peers ``first ..``, read and reduced to their :class:`Partial`.
 
-    ``contexts`` name each peer's chunk in read errors, ``where`` the chunk in others.
+    ``contexts`` name each peer's chunk in read errors, ``where`` the chunk in
+    others; ``shift`` is the step's :func:`~gradpipe.core.aggregate.weight_shift`.
     """
     chunks = read_group(store, sources, start, stop, dtype, contexts)
     try:
-        return partial_of(chunks, first=first, weights=weights, scales=scales, names=names)
+        return partial_of(
+            chunks, first=first, weights=weights, scales=scales, names=names, shift=shift
+        )
     except InvalidInputError as exc:
         raise InvalidInputError(f"{where}: {exc}") from None
 
@@ -247,7 +251,10 @@ def write_chunk(
     step: int, store: Store, parts: list[Partial], method: str, peers: int, context: str
 ) -> ChunkOut:
     """Finish a chunk's reduction from the partials covering every peer (one rounding), write it."""
-    result = finish(parts, method=AggregationMethod(method), peers=peers)
+    try:
+        result = finish(parts, method=AggregationMethod(method), peers=peers)
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"{context}: {exc}") from None
     return write_result(store, result, context)
 
 

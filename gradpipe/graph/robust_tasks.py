@@ -22,7 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from gradpipe.core.aggregate import AggregationMethod, Partial, combine, finish, partial
+from gradpipe.core.aggregate import (
+    AggregationMethod,
+    Partial,
+    combine,
+    finish,
+    partial,
+    weight_shift,
+)
 from gradpipe.core.exact import ExactSum
 from gradpipe.core.privacy import clip_scale, gaussian_noise, update_clip_norm
 from gradpipe.core.robust import (
@@ -163,9 +170,10 @@ def selected_chunk(
         )
     if method == AggregationMethod.MULTI_KRUM:
         state = None
+        shift = weight_shift([weights[p] for p in chosen])  # the FedAvg of the kept peers
         for i, p in enumerate(chosen):  # one peer's chunk in memory at a time
             chunk = _read(store, sources[p], start, stop, dtype, contexts[p])
-            leaf = partial(chunk, peer=i, weight=weights[p])
+            leaf = partial(chunk, peer=i, weight=weights[p], shift=shift)
             state = leaf if state is None else combine([state, leaf])
         if state is None:  # krum_select keeps 1 <= m peers
             raise InvalidInputError(f"{context}: no peer selected")
@@ -260,7 +268,10 @@ def write_noised_chunk(
     std = noise_multiplier * clip_norm / peers
     shape = parts[0].shape
     noise = gaussian_noise(seed, tensor=noise_tensor, offset=start, count=math.prod(shape), std=std)
-    result = finish(
-        parts, method=AggregationMethod.DP_FEDAVG, peers=peers, noise=noise.reshape(shape)
-    )
+    try:
+        result = finish(
+            parts, method=AggregationMethod.DP_FEDAVG, peers=peers, noise=noise.reshape(shape)
+        )
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"{context}: {exc}") from None
     return write_result(store, result, context)

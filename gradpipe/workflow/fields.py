@@ -174,7 +174,10 @@ class Float(Field):
     def parse(self, node: Node, ctx: Context) -> float:
         if isinstance(node.value, bool) or not isinstance(node.value, int | float):
             raise self._wrong(node, "a number")
-        value = float(node.value)
+        try:
+            value = float(node.value)
+        except OverflowError:  # an integer of more than 308 digits
+            raise node.error("the number is beyond float64's range (1.8e308)") from None
         if not math.isfinite(value):
             raise node.error(f"{node.value!r} must be a finite number")
         if self.positive and value <= 0:

@@ -91,6 +91,11 @@ stages:
         (HEAD + "prune: {snapshot: m, keep_last: 0}", "4:37", [">= 1"]),
         (HEAD + "gc: {grace: soon}", "4:17", ["not a duration"]),
         (
+            HEAD + "aggregate: {run: r, method: fedavg, weights: {a: 1" + "0" * 400 + "}}",
+            "4:54",
+            ["beyond float64's range"],
+        ),
+        (
             HEAD + "rounds: {run: r, quorum: lots}",
             "4:30",
             ["quorum", "lots"],
