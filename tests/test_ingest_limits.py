@@ -3,12 +3,14 @@ fail one dump each; the good dumps of the batch still commit and export."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
 import subprocess
 import sys
 import types
+import zipfile
 from pathlib import Path
 
 import dask.config
@@ -230,3 +232,68 @@ def test_torch_file_whose_names_share_one_storage_fails_per_dump(
     assert str(64 * shared.nbytes) in failure.reason
     assert ".clone()" in failure.reason
     assert report.raw_bytes == 16
+
+
+def damage_stored_npz(data: bytes, member: str, *, from_end: int, mask: int = 0x01) -> bytes:
+    """``data`` (an np.savez archive) with one byte of ``member`` XORed by ``mask``.
+
+    The byte is ``from_end`` bytes before the end of the member (its ``.npy`` data
+    for small values); the zip directory's CRC-32 is left as it was.
+    """
+    raw = bytearray(data)
+    info = zipfile.ZipFile(io.BytesIO(data)).getinfo(member)
+    name_len, extra_len = struct.unpack_from("<HH", raw, info.header_offset + 26)
+    start = info.header_offset + 30 + name_len + extra_len
+    raw[start + info.file_size - 1 - from_end] ^= mask
+    return bytes(raw)
+
+
+def padding_at(data: bytes, member: str) -> int:
+    """How far before the end of ``member`` a padding space of its ``.npy`` header is."""
+    info = zipfile.ZipFile(io.BytesIO(data)).getinfo(member)
+    body = zipfile.ZipFile(io.BytesIO(data)).read(member)
+    newline = body.index(b"\n")  # the header ends with padding spaces and a newline
+    assert body[newline - 1 : newline] == b" "
+    return info.file_size - newline
+
+
+@pytest.mark.usefixtures("small_chunks")
+@pytest.mark.parametrize("delta", [False, True], ids=["plain", "delta"])
+@pytest.mark.parametrize("where", ["data", "npy-header"])
+def test_damaged_stored_npz_member_fails_its_dump(
+    kit: types.ModuleType, tmp_path: Path, delta: bool, where: str
+) -> None:
+    """A byte flipped in a stored (``np.savez``) member is caught by its CRC-32.
+
+    The damaged tensor spans several read units (4 KiB chunks, 16 KiB units), so its
+    CRC-32 is put together from pieces read by different tasks.
+    """
+    root = tmp_path / "dumps"
+    (root / "step=1").mkdir(parents=True)
+    (root / "step=2").mkdir(parents=True)
+    good = {"w": np.arange(20_000, dtype="<f4"), "b": np.arange(7, dtype="<i8")}
+    data = kit.npz_bytes(good, compressed=False)
+    if where == "data":
+        bad = damage_stored_npz(data, "w.npy", from_end=50_000)
+    else:  # a header padding space made a tab: the header still parses, the CRC differs
+        bad = damage_stored_npz(data, "w.npy", from_end=padding_at(data, "w.npy"), mask=0x29)
+    with pytest.raises(zipfile.BadZipFile, match="CRC"):  # numpy refuses the file
+        np.load(io.BytesIO(bad))["w"]
+    (root / "step=1" / "peer=a.npz").write_bytes(data)
+    (root / "step=2" / "peer=a.npz").write_bytes(data)
+    damaged = root / "step=1" / "peer=b.npz"
+    damaged.write_bytes(bad)
+    store = gp.open_store(str(tmp_path / "store"), mode="w")
+    report = ingest(store, str(root / "step={step}/peer={peer}.npz"), run="r", delta=delta)
+    assert report.ingested == 2
+    [failure] = report.failures
+    assert failure.path == str(damaged)
+    assert str(damaged) in failure.reason
+    assert "tensor 'w'" in failure.reason
+    assert "damaged" in failure.reason
+    assert "copy it again" in failure.reason
+    run = open_run(store, "r")
+    assert run.grid() == {1: ["a"], 2: ["a"]}
+    for step in (1, 2):
+        for name, want in good.items():
+            kit.assert_bit_exact(run.dump(step, "a").read(name), want)
