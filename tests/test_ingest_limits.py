@@ -21,6 +21,7 @@ import gradpipe as gp
 from gradpipe.formats import read_safetensors
 from gradpipe.ingest import ingest
 from gradpipe.runs import export_dump, open_run
+from gradpipe.testing.cli import run_cli_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -297,3 +298,25 @@ def test_damaged_stored_npz_member_fails_its_dump(
     for step in (1, 2):
         for name, want in good.items():
             kit.assert_bit_exact(run.dump(step, "a").read(name), want)
+
+
+def test_cli_ingest_of_a_damaged_npz_exits_1_and_commits_the_rest(
+    kit: types.ModuleType, tmp_path: Path
+) -> None:
+    root = tmp_path / "dumps"
+    (root / "step=1").mkdir(parents=True)
+    good = {"w": np.arange(300, dtype="<f4")}
+    data = kit.npz_bytes(good, compressed=False)
+    (root / "step=1" / "peer=a.npz").write_bytes(data)
+    damaged = root / "step=1" / "peer=b.npz"
+    damaged.write_bytes(damage_stored_npz(data, "w.npy", from_end=10))
+    store = str(tmp_path / "store")
+    status, doc = run_cli_json(
+        "ingest", store, str(root / "step={step}/peer={peer}.npz"), "--run", "r"
+    )
+    assert status == 1
+    assert doc["ingested"] == 1
+    [failure] = doc["failures"]
+    assert failure["path"] == str(damaged)
+    assert "tensor 'w' is damaged" in failure["reason"]
+    kit.assert_bit_exact(open_run(gp.open_store(store), "r").dump(1, "a").read("w"), good["w"])
