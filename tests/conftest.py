@@ -269,6 +269,34 @@ def bomb_npz(claim: int) -> bytes:
     return body + directory + end
 
 
+def lying_npz(body: bytes, ratio: int) -> bytes:
+    """A one-member deflated npz that holds ``body`` but claims ``ratio`` x its compressed size.
+
+    The member's ``.npy`` header and its zip directory both claim the larger size
+    (within deflate's 1032 x, so the header read accepts it); only ``body`` follows.
+    """
+    packer = zlib.compressobj(1, zlib.DEFLATED, -15)
+    claim = len(packer.compress(body) + packer.flush()) * ratio
+    head = npy_head((claim - len(npy_head((claim,))),))
+    payload = head + body
+    packer = zlib.compressobj(1, zlib.DEFLATED, -15)
+    data = packer.compress(payload) + packer.flush()
+    assert claim <= len(data) * ratio < 0xFFFFFFFF  # within deflate's bound, and no zip64
+    name, crc = b"w.npy", zlib.crc32(payload)
+    local = struct.pack(
+        "<4sHHHHHIIIHH", b"PK\x03\x04", 20, 0, 8, 0, 0x21, crc, len(data), claim, len(name), 0
+    )
+    central = struct.pack(
+        "<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 20, 20, 0, 8, 0, 0x21, crc, len(data), claim,
+        len(name), 0, 0, 0, 0, 0, 0,
+    )  # fmt: skip
+    records = local + name + data
+    end = struct.pack(
+        "<4sHHHHIIH", b"PK\x05\x06", 0, 0, 1, 1, len(central) + len(name), len(records), 0
+    )
+    return records + central + name + end
+
+
 @dataclass
 class Place:
     """Where one test keeps its dump files and its store: local disk or the S3 bucket."""

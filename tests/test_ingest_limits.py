@@ -101,6 +101,9 @@ def test_npz_bombs_fail_per_dump(kit: types.ModuleType, tmp_path: Path) -> None:
     (root / "step=1" / "peer=a.npz").write_bytes(kit.npz_bytes(good, compressed=True))
     (root / "step=1" / "peer=two.npz").write_bytes(kit.bomb_npz(2 << 30))
     (root / "step=1" / "peer=eight.npz").write_bytes(kit.bomb_npz(8 << 30))
+    # 4 MiB held, 3.6 GB claimed (within deflate's bound): fails when it ends short.
+    liar = kit.lying_npz(np.random.default_rng(0).bytes(4 << 20), 900)
+    (root / "step=1" / "peer=liar.npz").write_bytes(liar)
     proc = subprocess.run(
         [
             sys.executable,
@@ -120,10 +123,11 @@ def test_npz_bombs_fail_per_dump(kit: types.ModuleType, tmp_path: Path) -> None:
     report = result["report"]
     assert report["ingested"] == 1
     reasons = {f["peer"]: f["reason"] for f in report["failures"]}
-    assert sorted(reasons) == ["eight", "two"]
+    assert sorted(reasons) == ["eight", "liar", "two"]
     for peer, reason in reasons.items():
         assert str(root / "step=1" / f"peer={peer}.npz") in reason
         assert "'w.npy'" in reason
+    assert f"holds only {4 << 20}" in reasons["liar"]
     assert result["grown_kib"] < 256 * 1024
     store = gp.open_store(str(tmp_path / "store"))
     kit.assert_bit_exact(open_run(store, "r").dump(1, "a").read("g"), good["g"])

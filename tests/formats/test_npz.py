@@ -167,3 +167,24 @@ def test_members_sharing_bytes_are_refused(tmp_path: Path, read: str) -> None:
         call()
     assert str(path) in str(e.value)
     assert "'w000.npy'" in str(e.value)
+
+
+def test_member_claiming_more_than_it_holds_is_read_in_proportion(
+    kit: types.ModuleType, tmp_path: Path
+) -> None:
+    """A 4 MiB file whose deflated member claims ~900 x that: memory follows the real bytes.
+
+    Before, the reader zero-filled the claimed 3.6 GB before reading anything, and
+    under the child's 1 GiB cap failed with a bare MemoryError.
+    """
+    body = np.random.default_rng(0).bytes(4 << 20)  # random: deflate cannot shrink it
+    path = tmp_path / "step=1" / "peer=a.npz"
+    path.parent.mkdir()
+    path.write_bytes(kit.lying_npz(body, 900))
+    assert path.stat().st_size < 5 << 20
+    result = read_in_child(path)
+    outcome = str(result["outcome"])
+    assert outcome.startswith("refused: "), outcome
+    assert f"{path}: member 'w.npy'" in outcome
+    assert f"holds only {len(body)}" in outcome
+    assert int(str(result["grown_kib"])) < 64 * 1024  # a small multiple of the 4 MiB held
