@@ -324,3 +324,26 @@ def test_cli_ingest_of_a_damaged_npz_exits_1_and_commits_the_rest(
     assert failure["path"] == str(damaged)
     assert "tensor 'w' is damaged" in failure["reason"]
     kit.assert_bit_exact(open_run(gp.open_store(store), "r").dump(1, "a").read("w"), good["w"])
+
+
+def test_damaged_torch_storage_fails_its_dump(kit: types.ModuleType, tmp_path: Path) -> None:
+    """torch.load checks no CRC-32; ingest does, and the good dump still commits."""
+    torch = pytest.importorskip("torch")
+    root = tmp_path / "dumps"
+    (root / "step=1").mkdir(parents=True)
+    data = kit.torch_bytes({"w": torch.arange(1000.0)})
+    (root / "step=1" / "peer=a.pt").write_bytes(data)
+    raw = bytearray(data)
+    info = zipfile.ZipFile(io.BytesIO(data)).getinfo("archive/data/0")
+    name_len, extra_len = struct.unpack_from("<HH", raw, info.header_offset + 26)
+    raw[info.header_offset + 30 + name_len + extra_len + 17] ^= 0x40
+    damaged = root / "step=1" / "peer=b.pt"
+    damaged.write_bytes(bytes(raw))
+    store = gp.open_store(str(tmp_path / "store"), mode="w")
+    report = ingest(store, str(root / "step={step}/peer={peer}.pt"), run="r")
+    assert report.ingested == 1
+    [failure] = report.failures
+    assert failure.path == str(damaged)
+    assert "record 'archive/data/0' is damaged" in failure.reason
+    want = np.arange(1000, dtype="<f4")
+    kit.assert_bit_exact(open_run(store, "r").dump(1, "a").read("w"), want)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import zlib
 
 import pytest
@@ -27,7 +28,7 @@ def test_combine_and_remove_prefix_match_zlib(a: bytes, b: bytes) -> None:
 @given(st.binary(max_size=2000), st.lists(st.integers(0, 2000), max_size=8))
 def test_join_of_any_split_is_the_crc_of_the_whole(data: bytes, cuts: list[int]) -> None:
     bounds = [0, *sorted(min(c, len(data)) for c in cuts), len(data)]
-    pieces = [data[lo:hi] for lo, hi in zip(bounds, bounds[1:], strict=False)]
+    pieces = [data[lo:hi] for lo, hi in itertools.pairwise(bounds)]
     assert join_crc32((zlib.crc32(p), len(p)) for p in pieces) == (zlib.crc32(data), len(data))
 
 
