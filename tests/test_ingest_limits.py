@@ -263,20 +263,24 @@ def padding_at(data: bytes, member: str) -> int:
 
 
 @pytest.mark.usefixtures("small_chunks")
+@pytest.mark.parametrize("read", ["ranged", "whole"])
 @pytest.mark.parametrize("delta", [False, True], ids=["plain", "delta"])
 @pytest.mark.parametrize("where", ["data", "npy-header"])
 def test_damaged_stored_npz_member_fails_its_dump(
-    kit: types.ModuleType, tmp_path: Path, delta: bool, where: str
+    kit: types.ModuleType, tmp_path: Path, delta: bool, where: str, read: str
 ) -> None:
     """A byte flipped in a stored (``np.savez``) member is caught by its CRC-32.
 
-    The damaged tensor spans several read units (4 KiB chunks, 16 KiB units), so its
-    CRC-32 is put together from pieces read by different tasks.
+    Ranged: the damaged tensor spans several read units (4 KiB chunks, 16 KiB
+    units), so its CRC-32 is put together from pieces read by different tasks.
+    Whole: a big-endian member makes ingest read the file whole, through zipfile.
     """
     root = tmp_path / "dumps"
     (root / "step=1").mkdir(parents=True)
     (root / "step=2").mkdir(parents=True)
     good = {"w": np.arange(20_000, dtype="<f4"), "b": np.arange(7, dtype="<i8")}
+    if read == "whole":
+        good["be"] = np.arange(3, dtype=">i4")
     data = kit.npz_bytes(good, compressed=False)
     if where == "data":
         bad = damage_stored_npz(data, "w.npy", from_end=50_000)
@@ -294,9 +298,9 @@ def test_damaged_stored_npz_member_fails_its_dump(
     [failure] = report.failures
     assert failure.path == str(damaged)
     assert str(damaged) in failure.reason
-    assert "tensor 'w'" in failure.reason
-    assert "damaged" in failure.reason
-    assert "copy it again" in failure.reason
+    named = "member 'w.npy' is damaged" if read == "whole" else "tensor 'w' is damaged"
+    assert named in failure.reason
+    assert "re-create it or copy it again" in failure.reason
     run = open_run(store, "r")
     assert run.grid() == {1: ["a"], 2: ["a"]}
     for step in (1, 2):

@@ -397,7 +397,7 @@ def read_byte_range(fs: fsspec.AbstractFileSystem, path: str, start: int, stop: 
             if stop > size:
                 raise _short(path, start, stop, f"the file holds {size} bytes")
             array = np.empty(stop - start, dtype=np.uint8)
-            view = memoryview(array)
+            view = array.data
             f.seek(start)
             got = 0  # one read() returns at most ~2 GiB: loop
             while got < len(array) and (n := f.readinto(view[got:])):  # type: ignore[attr-defined]

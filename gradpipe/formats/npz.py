@@ -317,6 +317,14 @@ def read_npz_arrays(
                     member.read()
             except InvalidInputError:
                 raise
+            except zipfile.BadZipFile as exc:
+                if "CRC" not in str(exc):
+                    raise _invalid(path, f"member {info.filename!r} is damaged ({exc})") from None
+                raise InvalidInputError(
+                    f"{path}: member {info.filename!r} is damaged: its bytes do not have the "
+                    "CRC-32 the zip directory records; the file was damaged on disk or in "
+                    "transfer: re-create it or copy it again"
+                ) from None
             except _ZIP_ERRORS as exc:
                 raise _invalid(path, f"member {info.filename!r} is damaged ({exc})") from None
     return out

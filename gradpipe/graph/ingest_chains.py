@@ -261,6 +261,6 @@ def _read_specs(
             if check:  # raw bytes get the checks the whole-file readers apply
                 check_tensor_values(spec, values, path=path)
                 if spec.crc32 is not None:
-                    check_crc32(path, spec.name, zlib.crc32(raw), spec.crc32)
+                    check_crc32(path, spec.name, zlib.crc32(raw.data), spec.crc32)
             out[spec.name] = values.reshape(spec.shape)
     return out
