@@ -11,6 +11,7 @@ import io
 import json
 import os
 import struct
+import subprocess
 import sys
 import types
 import uuid
@@ -28,6 +29,8 @@ import gradpipe as gp
 from gradpipe.core.dtypes import bfloat16, dtype_name
 from gradpipe.formats.safetensors import write_safetensors
 from gradpipe.testing.s3server import S3Server
+
+_ROOT = Path(__file__).resolve().parents[1]  # the checkout, for child processes
 
 #: Set (to 1) to run the tests marked slow too: stress, crash and deployment tests of
 #: several minutes on 2 cores. `.ci/run` sets it; a local `python -m pytest` leaves them out.
@@ -267,6 +270,83 @@ def bomb_npz(claim: int) -> bytes:
     directory = central + name + extra
     end = struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, 1, 1, len(directory), len(body), 0)
     return body + directory + end
+
+
+def lying_npz(body: bytes, ratio: int) -> bytes:
+    """A one-member deflated npz that holds ``body`` but claims ``ratio`` x its compressed size.
+
+    The member's ``.npy`` header and its zip directory both claim the larger size
+    (within deflate's 1032 x, so the header read accepts it); only ``body`` follows.
+    """
+    packer = zlib.compressobj(1, zlib.DEFLATED, -15)
+    claim = len(packer.compress(body) + packer.flush()) * ratio
+    head = npy_head((claim - len(npy_head((claim,))),))
+    payload = head + body
+    packer = zlib.compressobj(1, zlib.DEFLATED, -15)
+    data = packer.compress(payload) + packer.flush()
+    assert claim <= len(data) * ratio < 0xFFFFFFFF  # within deflate's bound, and no zip64
+    name, crc = b"w.npy", zlib.crc32(payload)
+    local = struct.pack(
+        "<4sHHHHHIIIHH", b"PK\x03\x04", 20, 0, 8, 0, 0x21, crc, len(data), claim, len(name), 0
+    )
+    central = struct.pack(
+        "<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 20, 20, 0, 8, 0, 0x21, crc, len(data), claim,
+        len(name), 0, 0, 0, 0, 0, 0,
+    )  # fmt: skip
+    records = local + name + data
+    end = struct.pack(
+        "<4sHHHHIIH", b"PK\x05\x06", 0, 0, 1, 1, len(central) + len(name), len(records), 0
+    )
+    return records + central + name + end
+
+
+# Reads a dump in a child process whose address space is capped a little above what
+# its imports take: a reader that allocates what a file claims fails there with
+# MemoryError instead of taking gigabytes from the machine the tests share.
+CAPPED_READ = """
+import json, resource, sys
+import fsspec
+from gradpipe.errors import InvalidInputError
+from gradpipe.formats import read_dump_header, read_dump_tensors
+
+def vm_bytes():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+
+fs = fsspec.filesystem("file")
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+limit = vm_bytes() + (1 << 30)
+resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+try:
+    header = read_dump_header(fs, sys.argv[1])
+    read_dump_tensors(fs, sys.argv[1], header)
+    outcome = "read"
+except InvalidInputError as exc:
+    outcome = "refused: " + str(exc)
+except MemoryError:
+    outcome = "MemoryError"
+grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(json.dumps({"outcome": outcome, "grown_kib": grown}))
+"""
+
+
+def read_in_capped_child(path: Path) -> dict[str, object]:
+    """Read a dump whole in a capped child process: its outcome and how far its memory grew.
+
+    ``outcome`` is ``"read"``, ``"refused: <message>"`` or ``"MemoryError"``.
+    """
+    proc = subprocess.run(
+        [sys.executable, "-c", CAPPED_READ, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(_ROOT), "PATH": "/usr/bin:/bin", "MALLOC_ARENA_MAX": "2"},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
 
 
 @dataclass

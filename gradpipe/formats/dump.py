@@ -370,6 +370,11 @@ def read_dump_header(fs: fsspec.AbstractFileSystem, path: str) -> DumpHeader:
 def read_byte_range(fs: fsspec.AbstractFileSystem, path: str, start: int, stop: int) -> np.ndarray:
     """Read bytes ``[start, stop)`` of a file with one ranged request.
 
+    A local file's size is checked (``fstat`` of the open file) before the
+    buffer is allocated, so a range the file no longer backs (it shrank since
+    its header was read) costs nothing; the buffer is not zero-filled first,
+    as every byte of it is read over.
+
     Returns
     -------
     numpy.ndarray
@@ -379,34 +384,42 @@ def read_byte_range(fs: fsspec.AbstractFileSystem, path: str, start: int, stop: 
     Raises
     ------
     InvalidInputError
-        If the range is invalid or fewer bytes came back (truncated file).
+        If the range is invalid or the file does not hold it (truncated file).
     """
     if not 0 <= start <= stop:
         raise InvalidInputError(f"{path}: invalid byte range [{start}, {stop})")
     if start == stop:
         return np.empty(0, dtype=np.uint8)
-    data: bytes | bytearray
+    array: np.ndarray
     if is_local(fs):
-        data = bytearray(stop - start)
-        view = memoryview(data)
         with open_regular(fs, path, block_size=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if stop > size:
+                raise _short(path, start, stop, f"the file holds {size} bytes")
+            array = np.empty(stop - start, dtype=np.uint8)
+            view = array.data
             f.seek(start)
             got = 0  # one read() returns at most ~2 GiB: loop
-            while got < len(data) and (n := f.readinto(view[got:])):  # type: ignore[attr-defined]
+            while got < len(array) and (n := f.readinto(view[got:])):  # type: ignore[attr-defined]
                 got += n
-        view.release()
-        del data[got:]
+            view.release()
+        if got != len(array):  # it shrank while being read
+            raise _short(path, start, stop, f"got {got}")
     else:
         data = fs.cat_file(path, start=start, end=stop)
-    if len(data) != stop - start:
-        raise InvalidInputError(
-            f"{path}: truncated: asked for bytes [{start}, {stop}) but got {len(data)}; "
-            "the file is shorter than its header says, copy it again"
-        )
-    digest_bytes(READ, len(data))
-    array = np.frombuffer(data, dtype=np.uint8)
+        if len(data) != stop - start:
+            raise _short(path, start, stop, f"got {len(data)}")
+        array = np.frombuffer(data, dtype=np.uint8)
+    digest_bytes(READ, len(array))
     array.flags.writeable = False
     return array
+
+
+def _short(path: str, start: int, stop: int, what: str) -> InvalidInputError:
+    return InvalidInputError(
+        f"{path}: truncated: asked for bytes [{start}, {stop}) but {what}; the file is "
+        "shorter than its header says, copy it again"
+    )
 
 
 def _select(header: DumpHeader, names: Iterable[str] | None) -> dict[str, TensorSpec]:

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
 __all__ = ["READER", "NpyArrayHeader", "NpyReader", "read_npy_data", "read_npy_header"]
 
+# Bytes read at a time: large enough to cost nothing per piece, small beside a tensor.
+_PIECE: Final = 1 << 24
 _BF16_HINT: Final = (
     "np.save writes ml_dtypes.bfloat16 arrays as raw 2-byte records ('<V2') and loses the "
     "dtype; dump bfloat16 tensors as safetensors or torch files instead"
@@ -169,23 +171,24 @@ def read_npy_data(f: IO[bytes], header: NpyArrayHeader, *, where: str) -> np.nda
     Returns a C-contiguous, writable array in gradpipe's little-endian dtype,
     with ``header.shape``; bytes are moved, never converted through values, so
     NaN payloads stay exact. The caller bounds ``header.nbytes`` first
-    (:func:`~gradpipe.formats.spec.parse_tensor_spec`): this allocates it, then
-    reads in pieces, so a file shorter than its header stops at the first missing
-    piece.
+    (:func:`~gradpipe.formats.spec.parse_tensor_spec`), but a bound is not a
+    promise: a deflated ``.npz`` member may claim up to 1032 times its
+    compressed size and hold far less. So the buffer grows with the bytes
+    actually read, piece by piece, never to what the header claims before they
+    arrive, and a file that ends short fails saying how much it held.
     """
     nbytes = header.nbytes
-    buf = bytearray(nbytes)
-    view = memoryview(buf)
-    got = 0
-    while got < nbytes:
-        chunk = f.read(min(nbytes - got, 1 << 24))
+    buf = bytearray()
+    while len(buf) < nbytes:
+        # bytearray grows by an eighth over what it holds; large blocks are moved by
+        # the OS (mremap), not copied, so growing costs about what preallocating does.
+        chunk = f.read(min(nbytes - len(buf), _PIECE))
         if not chunk:
             raise InvalidInputError(
-                f"{where}: truncated: the array needs {nbytes} bytes but only {got} follow "
-                "the header; copy the file again"
+                f"{where}: claims {nbytes} bytes of array data but holds only {len(buf)}: "
+                "it is truncated, damaged or forged; copy the file again or re-create it"
             )
-        view[got : got + len(chunk)] = chunk
-        got += len(chunk)
+        buf += chunk
     dtype = header.dtype
     flat = np.frombuffer(buf, dtype=dtype)
     if header.fortran_order:

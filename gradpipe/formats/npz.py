@@ -33,12 +33,13 @@ import zipfile
 import zlib
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import IO, TYPE_CHECKING, Final
 
 import numpy as np
 
 from gradpipe.errors import InvalidInputError
+from gradpipe.formats.checksum import crc32_remove_prefix
 from gradpipe.formats.npy import NpyArrayHeader, read_npy_data, read_npy_header
 from gradpipe.formats.spec import (
     DEFLATE_MAX_RATIO,
@@ -249,10 +250,16 @@ def read_npz_members(f: IO[bytes], *, path: str, size: int) -> list[NpzMember]:
     with _open_zip(f, path) as zf:
         for name, info, start in _members(zf, f, path, size):
             where = f"{path}: member {info.filename!r}"
+            crc: int | None = None
             if info.compress_type == zipfile.ZIP_STORED:
                 f.seek(start)
                 header = read_npy_header(f, where=where)
                 offset: int | None = start + header.header_size
+                f.seek(start)
+                head = f.read(header.header_size)
+                # The member's CRC-32 covers its header and its data; ingest reads the
+                # data by range, so it is given the CRC-32 the data alone must have.
+                crc = crc32_remove_prefix(info.CRC, zlib.crc32(head), header.nbytes)
             else:
                 try:
                     with zf.open(info) as member:
@@ -263,6 +270,8 @@ def read_npz_members(f: IO[bytes], *, path: str, size: int) -> list[NpzMember]:
                     raise _invalid(path, f"member {info.filename!r} is damaged ({exc})") from None
                 offset = None
             spec = _member_spec(name, info, header, offset if header.ranged else None, path)
+            if header.ranged and crc is not None:
+                spec = replace(spec, crc32=crc)
             out.append(NpzMember(name, header, offset, spec))
     return out
 
@@ -308,6 +317,14 @@ def read_npz_arrays(
                     member.read()
             except InvalidInputError:
                 raise
+            except zipfile.BadZipFile as exc:
+                if "CRC" not in str(exc):
+                    raise _invalid(path, f"member {info.filename!r} is damaged ({exc})") from None
+                raise InvalidInputError(
+                    f"{path}: member {info.filename!r} is damaged: its bytes do not have the "
+                    "CRC-32 the zip directory records; the file was damaged on disk or in "
+                    "transfer: re-create it or copy it again"
+                ) from None
             except _ZIP_ERRORS as exc:
                 raise _invalid(path, f"member {info.filename!r} is damaged ({exc})") from None
     return out

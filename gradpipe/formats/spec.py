@@ -97,17 +97,27 @@ class TensorSpec:
     offset : int or None
         Absolute file offset of the tensor's raw C-order little-endian bytes;
         ``None`` when the tensor cannot be read by byte range.
+    crc32 : int or None
+        The CRC-32 the bytes at ``offset`` must have, where the file records one
+        (a stored ``.npz`` member's, less its ``.npy`` header): whoever reads
+        them by range checks it (:mod:`gradpipe.formats.checksum`) before they
+        count as ingested. ``None`` when the file records none.
     """
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     offset: int | None
+    crc32: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.name, self.dtype, self.shape, where="dump")
         if self.offset is not None and self.offset < 0:
             raise InvalidInputError(f"tensor {self.name!r}: negative offset {self.offset}")
+        if self.crc32 is not None and (self.offset is None or not 0 <= self.crc32 < 1 << 32):
+            raise InvalidInputError(
+                f"tensor {self.name!r}: a CRC-32 ({self.crc32}) needs an offset and 32 bits"
+            )
 
     @property
     def nbytes(self) -> int:

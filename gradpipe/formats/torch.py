@@ -29,6 +29,11 @@ The same holds for the file as a whole: many names may refer to one storage
 so all tensors of one file together may claim at most
 :data:`SHARED_STORAGE_FACTOR` times the file's size plus
 :data:`SHARED_STORAGE_FLOOR`, checked before anything is copied.
+
+torch.load checks no CRC-32, so gradpipe does: a zip-format file's records are
+read through and checked against their CRC-32s before their tensors are taken
+(the header read checks the small records only, and maps the storages without
+reading them). A damaged byte fails the file instead of being ingested as a value.
 """
 
 from __future__ import annotations
@@ -77,6 +82,8 @@ SHARED_STORAGE_FACTOR: Final = 4
 #: the file's fixed overhead; it costs nothing worth guarding.
 SHARED_STORAGE_FLOOR: Final = 1 << 20
 
+# Bytes read at a time when a record's CRC-32 is checked.
+_CRC_PIECE: Final = 1 << 22
 _CLONE: Final = "call .clone() or .contiguous() on it before torch.save"
 _RESAVE: Final = (
     "re-save it with torch.save(model.state_dict()) (tensors, dicts, lists and plain values "
@@ -293,13 +300,19 @@ def check_claimed(path: str, count: int, claimed: int, file_size: int) -> None:
         )
 
 
-def _check_archive(f: IO[bytes] | str, *, path: str, size: int) -> None:
-    """Refuse a zip-format file whose records torch would inflate or read past the file.
+def _check_archive(f: IO[bytes] | str, *, path: str, size: int, data: bool) -> None:
+    """Refuse a zip-format file whose records torch would inflate, over-read or read damaged.
 
     torch.save writes every record uncompressed, but torch.load inflates a
     deflated one to whatever size the zip directory declares, before gradpipe
-    sees a tensor: a small file could take gigabytes. Only the zip directory is
-    read here. Files that are not zip archives are left to torch.load.
+    sees a tensor: a small file could take gigabytes. The records must also fit
+    in the file together: a forged directory listing one storage under many
+    names would make torch read it once per name. And torch.load checks no
+    CRC-32, so each record's is checked here (``data``: the storage records
+    too, else only the small ones, the pickle and its companions), reading it
+    through once; a record whose CRC-32 is 0 has none (``torch.save`` with
+    ``torch.serialization.set_crc32_options(False)`` writes 0). Files that are
+    not zip archives are left to torch.load.
     """
     with contextlib.ExitStack() as stack:
         file = stack.enter_context(Path(f).open("rb")) if isinstance(f, str) else f
@@ -312,33 +325,62 @@ def _check_archive(f: IO[bytes] | str, *, path: str, size: int) -> None:
         except (zipfile.BadZipFile, ValueError, EOFError):
             file.seek(0)
             return  # torch.load reports the damage in its own words
-        for info in archive.infolist():
+        records = archive.infolist()
+        for info in records:
             if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size:
                 raise InvalidInputError(
                     f"{path}: record {info.filename!r} is compressed ({info.file_size} bytes "
                     f"declared from {info.compress_size}); torch.save writes uncompressed "
                     f"records, so the file was altered; {_RESAVE}"
                 )
-            if info.file_size > size:
-                raise InvalidInputError(
-                    f"{path}: record {info.filename!r} declares {info.file_size} bytes in a "
-                    f"file of {size}; the file is damaged or forged, save it again"
-                )
+        total = sum(info.file_size for info in records)
+        if total > size:
+            raise InvalidInputError(
+                f"{path}: its {len(records)} records declare {total} bytes in total in a file "
+                f"of {size}: the zip directory lists the same bytes under several names; the "
+                "file is damaged or forged, save it again"
+            )
+        for info in records:
+            if info.CRC and (data or not _is_storage(info.filename)):
+                _check_record(archive, info, path)
         file.seek(0)
 
 
-def load_checkpoint(f: IO[bytes] | str, *, path: str, size: int) -> object:
+def _is_storage(name: str) -> bool:
+    """Whether a record holds a storage's bytes (``<archive>/data/<key>``)."""
+    return posixpath.basename(posixpath.dirname(name)) == "data"
+
+
+def _check_record(archive: zipfile.ZipFile, info: zipfile.ZipInfo, path: str) -> None:
+    """Read a record through: zipfile compares its CRC-32 at the end."""
+    try:
+        with archive.open(info) as record:
+            while record.read(_CRC_PIECE):
+                pass
+    except (zipfile.BadZipFile, EOFError, ValueError) as exc:
+        raise InvalidInputError(
+            f"{path}: record {info.filename!r} is damaged ({exc}); the file was damaged on "
+            "disk or in transfer: save it again or copy it again"
+        ) from None
+
+
+def load_checkpoint(f: IO[bytes] | str, *, path: str, size: int, data: bool = True) -> object:
     """Load a ``torch.save`` file safely: refuse altered archives, unpickle weights only.
 
+    Every record's CRC-32 is checked first; ``data=False`` checks only the
+    small records (the pickle and its companions), for a caller that reads no
+    tensor values (a header read), so a memory-mapped file is not read through.
     Tensors still need :func:`tensor_spec` (views that repeat storage), :func:`check_claimed`
     (names sharing storage) and :func:`tensor_to_numpy`, in that order.
     """
-    _check_archive(f, path=path, size=size)
+    _check_archive(f, path=path, size=size, data=data)
     return _load(f, path)
 
 
-def _flatten(f: IO[bytes] | str, *, path: str, stem: str, size: int) -> _Flattener:
-    obj = load_checkpoint(f, path=path, size=size)
+def _flatten(
+    f: IO[bytes] | str, *, path: str, stem: str, size: int, data: bool = True
+) -> _Flattener:
+    obj = load_checkpoint(f, path=path, size=size, data=data)
     flat = _Flattener(path, size)
     import torch
 
@@ -410,23 +452,28 @@ class TorchReader:
     # torch reads the whole file; a local one is memory-mapped instead.
     partial_header = False
 
-    def _flatten(self, source: DumpSource) -> _Flattener:
+    def _flatten(self, source: DumpSource, *, data: bool) -> _Flattener:
         source.file.seek(0)
         # A local file is memory-mapped (through the descriptor that was checked to
         # be a regular file): its header costs no data read.
         target: IO[bytes] | str = source.local_path or source.file
-        return _flatten(target, path=source.path, stem=_stem(source.path), size=source.size)
+        return _flatten(
+            target, path=source.path, stem=_stem(source.path), size=source.size, data=data
+        )
 
     def parse_header(self, source: DumpSource) -> tuple[tuple[TensorSpec, ...], dict[str, str]]:
-        """Every tensor's spec (nothing is copied) and the plain-value leaves."""
-        flat = self._flatten(source)
+        """Every tensor's spec (nothing is copied) and the plain-value leaves.
+
+        Storage records are not read (their CRC-32s are checked when tensors are).
+        """
+        flat = self._flatten(source, data=False)
         return tuple(spec for _, spec in flat.tensors.values()), flat.metadata
 
     def read_tensors(
         self, source: DumpSource, specs: Mapping[str, TensorSpec]
     ) -> dict[str, np.ndarray]:
-        """The tensors named in ``specs``, validated as the header was."""
-        flat = self._flatten(source)
+        """The tensors named in ``specs``, validated as the header was (every CRC-32 too)."""
+        flat = self._flatten(source, data=True)
         return {
             name: tensor_to_numpy(tensor, spec, path=source.path)
             for name, (tensor, spec) in flat.tensors.items()

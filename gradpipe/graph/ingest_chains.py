@@ -20,6 +20,7 @@ the next step of its peer is then written without a parent, in full.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -31,6 +32,7 @@ from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.run_manifest import DumpManifest
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import GradpipeError
+from gradpipe.formats.checksum import check_crc32
 from gradpipe.formats.dump import DumpHeader, read_byte_range, read_dump_tensors
 from gradpipe.formats.spec import TensorSpec, check_tensor_values
 from gradpipe.graph.discover import DumpFile, Failure
@@ -254,8 +256,11 @@ def _read_specs(
         data = read_byte_range(fs, path, lo, hi)
         for spec in members:
             at = offsets[spec.name] - lo
-            values = data[at : at + spec.nbytes].view(parse_dtype(spec.dtype))
-            if check:  # raw bytes get the check the whole-file readers apply
+            raw = data[at : at + spec.nbytes]
+            values = raw.view(parse_dtype(spec.dtype))
+            if check:  # raw bytes get the checks the whole-file readers apply
                 check_tensor_values(spec, values, path=path)
+                if spec.crc32 is not None:
+                    check_crc32(path, spec.name, zlib.crc32(raw.data), spec.crc32)
             out[spec.name] = values.reshape(spec.shape)
     return out

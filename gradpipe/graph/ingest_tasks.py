@@ -17,6 +17,7 @@ so every good dump of the batch still reaches the commit.
 from __future__ import annotations
 
 import functools
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
@@ -32,6 +33,7 @@ from gradpipe.core.ids import hash_bytes
 from gradpipe.core.manifest import encode_manifest
 from gradpipe.core.run_manifest import DumpEntry, DumpManifest, RunManifest, TensorSchema, merge_run
 from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.formats.checksum import check_crc32, join_crc32
 from gradpipe.formats.dump import DumpHeader, read_byte_range, read_dump_header, read_dump_tensors
 from gradpipe.formats.spec import check_tensor_values
 from gradpipe.graph.discover import DumpFile, Failure
@@ -113,6 +115,9 @@ class UnitResult:
     records: ChunkRecords = field(default_factory=dict)
     stats: WriteStats = field(default_factory=WriteStats)
     lossy: dict[str, LossyCodec] = field(default_factory=dict)  # tensor → its lossy codec
+    # tensor → (first chunk, CRC-32, length) of each part read, for tensors whose
+    # file records a CRC-32: write_dump joins them in order and checks the whole.
+    crcs: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
 
 
 @_isolated
@@ -144,9 +149,13 @@ def encode_unit(
             first = 0
         else:
             base = part.start - unit.start
-            flat = data[base : base + (part.stop - part.start)].view(dtype)
-            # Raw bytes of a ranged read get the check the whole-file readers apply.
+            raw = data[base : base + (part.stop - part.start)]
+            flat = raw.view(dtype)
+            # Raw bytes of a ranged read get the checks the whole-file readers apply.
             check_tensor_values(spec, flat, path=dump.path)
+            if spec.crc32 is not None:
+                piece = (part.lo, zlib.crc32(raw), len(raw))
+                result.crcs.setdefault(part.tensor, []).append(piece)
             first = ranges[part.lo][0] if part.hi > part.lo else 0
             ranges = ranges[part.lo : part.hi]
         chunks.extend(flat[a - first : b - first] for a, b in ranges)
@@ -190,11 +199,21 @@ def write_dump(
     records: ChunkRecords = {}
     lossy: dict[str, LossyCodec] = {}
     stats = WriteStats()
+    crcs: dict[str, list[tuple[int, int, int]]] = {}
     for unit_result in results:
         stats.add(unit_result.stats)
         lossy.update(unit_result.lossy)
         for name, recs in unit_result.records.items():
             records.setdefault(name, []).extend(recs)
+        for name, pieces in unit_result.crcs.items():
+            crcs.setdefault(name, []).extend(pieces)
+    # Before the dump is stored (and so before any commit): bytes read by range whose
+    # CRC-32 the file records are ingested only if they have it. (A dump read whole
+    # was checked by its reader: zipfile compares the CRC-32 of each member read.)
+    for spec in header.tensors if header.ranged else ():
+        if spec.crc32 is not None:
+            got, _ = join_crc32((crc, n) for _, crc, n in sorted(crcs.get(spec.name, [])))
+            check_crc32(dump.path, spec.name, got, spec.crc32)
     manifests = [
         (
             spec.name,

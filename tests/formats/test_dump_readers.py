@@ -654,6 +654,26 @@ def test_read_byte_range_checks(tmp_path: Path) -> None:
         read_byte_range(LOCAL, str(path), 5, 4)
 
 
+def test_byte_range_past_the_end_is_refused_before_allocating(tmp_path: Path) -> None:
+    """A range from a header the file no longer backs (it shrank) costs no memory.
+
+    Before, the range's length was zero-filled first (256 MiB for a 100-byte file).
+    """
+    import tracemalloc
+
+    path = tmp_path / "f.npy"
+    path.write_bytes(bytes(range(100)))
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidInputError, match=r"truncated.*\[10, 268435466\)") as e:
+            read_byte_range(LOCAL, str(path), 10, 10 + (256 << 20))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+    assert "holds 100 bytes" in str(e.value)
+
+
 # -- S3 ---------------------------------------------------------------------------------
 
 

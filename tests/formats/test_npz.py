@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -20,51 +17,6 @@ LOCAL = fsspec.filesystem("file")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# Reads a dump in a child process whose address space is capped a little above what
-# its imports take: a reader that allocates what a file claims fails there with
-# MemoryError instead of taking gigabytes from the machine the tests share.
-CHILD = """
-import json, resource, sys
-import fsspec
-from gradpipe.errors import InvalidInputError
-from gradpipe.formats import read_dump_header, read_dump_tensors
-
-def vm_bytes():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmSize:"):
-            return int(line.split()[1]) * 1024
-
-fs = fsspec.filesystem("file")
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-limit = vm_bytes() + (1 << 30)
-resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
-try:
-    header = read_dump_header(fs, sys.argv[1])
-    read_dump_tensors(fs, sys.argv[1], header)
-    outcome = "read"
-except InvalidInputError as exc:
-    outcome = "refused: " + str(exc)
-except MemoryError:
-    outcome = "MemoryError"
-grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
-print(json.dumps({"outcome": outcome, "grown_kib": grown}))
-"""
-
-
-def read_in_child(path: Path) -> dict[str, object]:
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "MALLOC_ARENA_MAX": "2"},
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result
-
-
 @pytest.mark.parametrize("claim", [2 << 30, 8 << 30], ids=["2GiB", "8GiB"])
 def test_tiny_npz_claiming_gigabytes_is_refused_cheaply(
     kit: types.ModuleType, tmp_path: Path, claim: int
@@ -73,7 +25,7 @@ def test_tiny_npz_claiming_gigabytes_is_refused_cheaply(
     path.parent.mkdir()
     path.write_bytes(kit.bomb_npz(claim))
     assert path.stat().st_size < 300
-    result = read_in_child(path)
+    result = kit.read_in_capped_child(path)
     outcome = str(result["outcome"])
     assert outcome.startswith("refused: "), outcome
     assert str(path) in outcome
@@ -167,3 +119,24 @@ def test_members_sharing_bytes_are_refused(tmp_path: Path, read: str) -> None:
         call()
     assert str(path) in str(e.value)
     assert "'w000.npy'" in str(e.value)
+
+
+def test_member_claiming_more_than_it_holds_is_read_in_proportion(
+    kit: types.ModuleType, tmp_path: Path
+) -> None:
+    """A 4 MiB file whose deflated member claims ~900 x that: memory follows the real bytes.
+
+    Before, the reader zero-filled the claimed 3.6 GB before reading anything, and
+    under the child's 1 GiB cap failed with a bare MemoryError.
+    """
+    body = np.random.default_rng(0).bytes(4 << 20)  # random: deflate cannot shrink it
+    path = tmp_path / "step=1" / "peer=a.npz"
+    path.parent.mkdir()
+    path.write_bytes(kit.lying_npz(body, 900))
+    assert path.stat().st_size < 5 << 20
+    result = kit.read_in_capped_child(path)
+    outcome = str(result["outcome"])
+    assert outcome.startswith("refused: "), outcome
+    assert f"{path}: member 'w.npy'" in outcome
+    assert f"holds only {len(body)}" in outcome
+    assert int(str(result["grown_kib"])) < 64 * 1024  # a small multiple of the 4 MiB held

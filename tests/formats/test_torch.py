@@ -114,3 +114,83 @@ def test_weight_tying_shares_one_storage_between_two_names(tmp_path: Path) -> No
     assert sum(t.nbytes for t in header.tensors) == 2 * emb.nbytes
     arrays = read_dump_tensors(LOCAL, path, header)
     assert np.array_equal(arrays["lm_head.weight"], emb.numpy())
+
+
+def damage_record(data: bytes, suffix: str, at: int, mask: int = 0x01) -> bytes:
+    """``data`` (a torch.save file) with byte ``at`` of the record ending in ``suffix`` flipped."""
+    import struct
+    import zipfile
+
+    raw = bytearray(data)
+    [info] = [
+        i for i in zipfile.ZipFile(io.BytesIO(data)).infolist() if i.filename.endswith(suffix)
+    ]
+    name_len, extra_len = struct.unpack_from("<HH", raw, info.header_offset + 26)
+    raw[info.header_offset + 30 + name_len + extra_len + at] ^= mask
+    return bytes(raw)
+
+
+def torch_file(obj: object) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def test_a_damaged_storage_record_is_refused_when_its_tensors_are_read(tmp_path: Path) -> None:
+    """torch.load checks no CRC-32: a flipped storage byte used to be read as a value."""
+    path = tmp_path / "g.pt"
+    path.write_bytes(damage_record(torch_file({"w": torch.arange(1000.0)}), "/data/0", 101))
+    header = read_dump_header(LOCAL, str(path))  # mapped, not read: nothing is ingested yet
+    with pytest.raises(InvalidInputError, match=r"record 'archive/data/0' is damaged") as e:
+        read_dump_tensors(LOCAL, str(path), header)
+    assert str(path) in str(e.value)
+    assert "copy it again" in str(e.value)
+
+
+def test_a_damaged_pickle_is_refused_from_the_header(tmp_path: Path) -> None:
+    """A flipped byte in a metadata string still unpickles; its CRC-32 gives it away."""
+    import zipfile
+
+    data = torch_file({"w": torch.ones(2), "note": "hello"})
+    pickle = zipfile.ZipFile(io.BytesIO(data)).read("archive/data.pkl")
+    bad = damage_record(data, "data.pkl", pickle.index(b"hello"), ord("h") ^ ord("j"))
+    assert b"jello" in bad
+    path = tmp_path / "g.pt"
+    path.write_bytes(bad)
+    with pytest.raises(InvalidInputError, match=r"record 'archive/data.pkl' is damaged"):
+        read_dump_header(LOCAL, str(path))
+
+
+def test_records_without_a_crc_are_read(tmp_path: Path) -> None:
+    """torch.save can skip CRC-32s (set_crc32_options(False)): it writes 0, and that reads."""
+    torch.serialization.set_crc32_options(False)
+    try:
+        data = torch_file({"w": torch.arange(5.0)})
+    finally:
+        torch.serialization.set_crc32_options(True)
+    path = tmp_path / "g.pt"
+    path.write_bytes(data)
+    header = read_dump_header(LOCAL, str(path))
+    assert read_dump_tensors(LOCAL, str(path), header)["w"].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_records_claiming_more_than_the_file_together_are_refused(tmp_path: Path) -> None:
+    """A forged directory listing one storage record under many names claims many files' worth."""
+    import struct
+
+    data = torch_file({"w": torch.arange(4096.0)})
+    eocd = data.rindex(b"PK\x05\x06")
+    *_, count, _, cd_size, cd_offset, _ = struct.unpack("<4sHHHHIIH", data[eocd : eocd + 22])
+    directory = data[cd_offset : cd_offset + cd_size]
+    at = directory.index(b"archive/data/0") - 46  # the central record of data/0
+    (name_len, extra_len, comment_len) = struct.unpack_from("<HHH", directory, at + 28)
+    record = directory[at : at + 46 + name_len + extra_len + comment_len]
+    copies = [record.replace(b"archive/data/0", f"archive/data/{i}".encode()) for i in range(1, 9)]
+    central = directory + b"".join(copies)
+    total = count + len(copies)
+    end = struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, total, total, len(central), cd_offset, 0)
+    path = tmp_path / "g.pt"
+    path.write_bytes(data[:cd_offset] + central + end)
+    with pytest.raises(InvalidInputError, match=r"records declare \d+ bytes in total") as e:
+        read_dump_header(LOCAL, str(path))
+    assert str(path) in str(e.value)
