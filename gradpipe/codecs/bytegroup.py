@@ -56,6 +56,7 @@ from gradpipe.codecs._zstd import (
     parse_level,
     zstd_content_size,
 )
+from gradpipe.core.buffers import concat
 from gradpipe.core.dtypes import dtype_name, is_float, parse_dtype
 from gradpipe.errors import IntegrityError, InvalidInputError
 
@@ -177,7 +178,7 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
         self._exponent_byte = self.dtype in ("float32", "bfloat16")
         self._float = is_float(self._dtype)
 
-    def encode(self, buf: object) -> bytes:
+    def encode(self, buf: object) -> bytes | memoryview:
         """Encode a buffer of little-endian elements.
 
         Parameters
@@ -188,8 +189,9 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
 
         Returns
         -------
-        bytes
-            The encoded frame.
+        bytes or memoryview
+            The encoded frame (a view of a new array when large: joined
+            without holding the GIL, see :func:`gradpipe.core.buffers.concat`).
         """
         data = ensure_contiguous_ndarray(buf).reshape(-1).view(np.uint8)
         nbytes = data.size
@@ -223,7 +225,7 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
                 table.append(_PLANE.pack(_RAW, count))
                 payload.append(plane.data)
         header = b"".join([_HEADER.pack(_MAGIC, _VERSION, width, flags, nbytes), *table])
-        return b"".join([header, _CRC.pack(zlib.crc32(header)), *payload])
+        return concat([header, _CRC.pack(zlib.crc32(header)), *payload])
 
     def _choose(self, plane: np.ndarray) -> tuple[int | None, float]:
         """The better compressor for ``plane`` (None: raw) and its estimated size."""

@@ -24,6 +24,7 @@ from numcodecs.abc import Codec
 from numcodecs.compat import ensure_contiguous_ndarray
 
 import gradpipe.codecs  # noqa: F401 - registers the gradpipe_* codecs
+from gradpipe.core.buffers import concat
 from gradpipe.core.encoding import from_json_bytes, to_json_bytes
 from gradpipe.core.ids import hash_bytes
 from gradpipe.errors import GradpipeError, IntegrityError, UnsupportedFormatError
@@ -52,7 +53,7 @@ class BlockToWrite:
     data: Any  # logical bytes: bytes or a 1-D array
     codecs: Sequence[Codec] | None  # None: the lossless policy chooses per block
     nonzero: int | None  # elements with non-zero bits, if known (helps the policy)
-    frame: bytes | None = None  # the block already encoded, if the writer has it
+    frame: bytes | memoryview | None = None  # the block already encoded, if the writer has it
 
 
 @dataclass
@@ -76,18 +77,25 @@ class WriteStats:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
 
-def encode_block(data: bytes | memoryview | np.ndarray, codecs: Sequence[Codec] = ()) -> bytes:
-    """Frame ``data`` (the logical bytes) encoded by ``codecs``."""
+def encode_block(
+    data: bytes | memoryview | np.ndarray, codecs: Sequence[Codec] = ()
+) -> bytes | memoryview:
+    """Frame ``data`` (the logical bytes) encoded by ``codecs``.
+
+    A large frame is a view of a new array, joined without holding the GIL.
+    """
     payload: Any = data
     for codec in codecs:
         payload = codec.encode(payload)
     logical = memoryview(data).nbytes if not isinstance(data, np.ndarray) else data.nbytes
     header = to_json_bytes({"codecs": [c.get_config() for c in codecs], "size": logical})
     body = _bytes_view(payload)
-    return b"".join((_PREFIX.pack(_MAGIC, BLOCK_VERSION, len(header)), header, body))
+    return concat((_PREFIX.pack(_MAGIC, BLOCK_VERSION, len(header)), header, body))
 
 
-def encode_lossy_block(data: np.ndarray, codecs: Sequence[Codec]) -> tuple[bytes, np.ndarray]:
+def encode_lossy_block(
+    data: np.ndarray, codecs: Sequence[Codec]
+) -> tuple[bytes | memoryview, np.ndarray]:
     """Frame ``data`` with a lossy chain; also return the bytes the frame decodes to.
 
     The block's id must be the hash of those decoded bytes (what every read
@@ -103,7 +111,7 @@ def encode_lossy_block(data: np.ndarray, codecs: Sequence[Codec]) -> tuple[bytes
 
 
 def decode_block(
-    frame: bytes, block_id: str, *, out: np.ndarray | None = None, context: str = ""
+    frame: bytes | memoryview, block_id: str, *, out: np.ndarray | None = None, context: str = ""
 ) -> memoryview:
     """Decode a block and check it against its id.
 
@@ -140,7 +148,7 @@ def decode_block(
     return logical
 
 
-def frame_codec_ids(frame: bytes, *, where: str = "block") -> list[str]:
+def frame_codec_ids(frame: bytes | memoryview, *, where: str = "block") -> list[str]:
     """The ids of the codec chain a frame's header names, in encoding order; decodes nothing.
 
     For looking at how a block is stored (an inline frame, kept in its
@@ -175,7 +183,7 @@ def _codec_ids(header: bytes) -> tuple[str, ...]:
     return tuple(str(config["id"]) for config in doc["codecs"])
 
 
-def _header_bytes(frame: bytes, where: str) -> tuple[bytes, int]:
+def _header_bytes(frame: bytes | memoryview, where: str) -> tuple[bytes, int]:
     """The JSON header of a frame, checked for layout, and where its payload starts."""
     if len(frame) < _PREFIX.size:
         raise IntegrityError(f"{where} is truncated ({len(frame)} bytes)")

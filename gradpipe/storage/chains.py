@@ -458,7 +458,7 @@ class ChunkVersioner:
             parent, chunk, (parent.keyframe, base), full=full_item, record_stats=record_stats
         )
 
-    def _encode(self, item: BlockToWrite) -> bytes:
+    def _encode(self, item: BlockToWrite) -> bytes | memoryview:
         return self.store.encode_block(item, self.level)
 
     def _unchanged(self, parent: ParentChunk, chunk: np.ndarray, nonzero: int) -> VersionChunk:
@@ -483,12 +483,14 @@ class ChunkVersioner:
         if len(frame) <= self.inline_max:
             size = len(frame)
             return VersionChunk(
-                item.block_id, record_stats, frame, (), size, size,
+                item.block_id, record_stats, bytes(frame), (), size, size,
                 logical=item.data.nbytes, outcome="inline",
             )  # fmt: skip
         return self._full(item, frame, record_stats)
 
-    def _full(self, item: BlockToWrite, frame: bytes, record_stats: ChunkStats) -> VersionChunk:
+    def _full(
+        self, item: BlockToWrite, frame: bytes | memoryview, record_stats: ChunkStats
+    ) -> VersionChunk:
         write = BlockToWrite(item.block_id, item.data, None, item.nonzero, frame)
         size = len(frame)
         return VersionChunk(

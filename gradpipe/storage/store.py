@@ -170,7 +170,7 @@ class Store:
         mtimes = self.backend.mtimes([key for _, key in unique])
         stale = time.time() - get_seconds("storage.touch-after")
         level = int(get_setting("codec-level"))
-        todo: list[tuple[str, bytes]] = []
+        todo: list[tuple[str, bytes | memoryview]] = []
         existing = 0
         for (item, key), mtime in zip(unique, mtimes, strict=True):
             if mtime is not None:
@@ -199,7 +199,7 @@ class Store:
         # must get a fresh time before anything may reference it (gc safety).
         mtimes = self.backend.mtimes([key for key, _ in found])
         stale = time.time() - get_seconds("storage.touch-after")
-        again: list[tuple[str, bytes]] = []
+        again: list[tuple[str, bytes | memoryview]] = []
         for (key, frame), mtime in zip(found, mtimes, strict=True):
             if mtime is not None and (mtime >= stale or self._touch(key)):
                 stats.blocks_reused += 1
@@ -208,7 +208,7 @@ class Store:
         self._create(again, stats)
         return len(found)
 
-    def _create(self, todo: Sequence[tuple[str, bytes]], stats: WriteStats) -> None:
+    def _create(self, todo: Sequence[tuple[str, bytes | memoryview]], stats: WriteStats) -> None:
         created = self.backend.write_many_if_absent(todo)
         for (_, frame), new in zip(todo, created, strict=True):
             if new:
@@ -218,7 +218,7 @@ class Store:
             else:
                 stats.blocks_reused += 1
 
-    def encode_block(self, item: BlockToWrite, level: int | None = None) -> bytes:
+    def encode_block(self, item: BlockToWrite, level: int | None = None) -> bytes | memoryview:
         """The frame of a block to write: the policy's codec, or the caller's checked chain."""
         if item.frame is not None:
             return item.frame

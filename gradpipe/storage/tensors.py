@@ -151,7 +151,7 @@ def write_chunks(
                 frame = store.encode_block(item)
                 if len(frame) <= inline_max:
                     stats.inline_chunks += 1
-                    records.append(ChunkRecord(block_id, record_stats, frame))
+                    records.append(ChunkRecord(block_id, record_stats, bytes(frame)))
                     continue
                 item = BlockToWrite(block_id, chunk, chain, nonzero, frame)
             records.append(ChunkRecord(block_id, record_stats))
@@ -186,7 +186,7 @@ def _lossy_chunk(
     block_id = hash_bytes(decoded_bytes)
     if len(frame) <= inline_max:
         stats.inline_chunks += 1
-        return ChunkRecord(block_id, record_stats, frame, error), None
+        return ChunkRecord(block_id, record_stats, bytes(frame), error), None
     item = BlockToWrite(block_id, decoded, chain, nonzero, frame)
     return ChunkRecord(block_id, record_stats, error=error), item
 
