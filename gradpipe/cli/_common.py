@@ -48,11 +48,17 @@ EXIT_USAGE: Final = 2
 
 @dataclass(frozen=True)
 class CommandResult:
-    """What a command hands back: a JSON document, a text rendering, an exit status."""
+    """What a command hands back: a JSON document, a text rendering, an exit status.
+
+    ``text`` is for people: ``main`` escapes what is not printable in it (line
+    breaks kept), unless ``verbatim`` says it is a machine format (CSV) printed
+    as it is.
+    """
 
     doc: dict[str, Any]
     text: str
     status: int = EXIT_OK
+    verbatim: bool = False
 
 
 Handler = Callable[[argparse.Namespace], CommandResult]

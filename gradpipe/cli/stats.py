@@ -122,7 +122,8 @@ def run_stats(args: argparse.Namespace) -> CommandResult:
             text += f"\nPROBLEM: {problem}"
     if args.plot is not None and args.format == "table":
         text += f"\nplot written to {args.plot}"
-    return CommandResult(doc, text, EXIT_FAILED if missing else EXIT_OK)
+    status = EXIT_FAILED if missing else EXIT_OK
+    return CommandResult(doc, text, status, verbatim=args.format != "table")
 
 
 def _dim(ds: xr.Dataset, by: str | None) -> str | None:

@@ -14,6 +14,7 @@ from gradpipe.cli._common import (
     parse_duration,
     report_result,
 )
+from gradpipe.core.display import PATH_LIMIT, printable_text
 
 if TYPE_CHECKING:
     from gradpipe.runs import Run
@@ -82,7 +83,7 @@ def run_ls(args: argparse.Namespace) -> CommandResult:
         f"{r['ref']:<{width}}  {r['target'][:19]}…  {r['time'][:19]}  "
         + (f"{r['summary']}  " if "summary" in r else "")
         + (f"PROBLEM: {r['problem']}  " if "problem" in r else "")
-        + r["message"]
+        + printable_text(r["message"], limit=PATH_LIMIT)
         for r in rows
     ]
     return CommandResult(

@@ -27,6 +27,7 @@ from typing import Any, Final
 import numpy as np
 
 from gradpipe.core.chain import ChainTotals
+from gradpipe.core.display import printable
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.run_manifest import DumpManifest
 from gradpipe.core.tensor_manifest import TensorManifest
@@ -122,7 +123,7 @@ def _write_version(
                 keyframe_interval=settings.keyframe_interval,
                 chunk_bytes=settings.chunk_bytes,
                 stats=stats,
-                where=f"{dump.path}: tensor {spec.name!r}",
+                where=f"{dump.path}: tensor {printable(spec.name)}",
             )
             totals.add_version(manifest)
             manifests[spec.name] = manifest

@@ -27,6 +27,7 @@ from numcodecs.abc import Codec
 from gradpipe.codecs._lossy import LossyCodec, bind_chain
 from gradpipe.core.chain import ChainTotals
 from gradpipe.core.chunking import chunk_ranges
+from gradpipe.core.display import printable
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.ids import hash_bytes
 from gradpipe.core.manifest import encode_manifest
@@ -278,7 +279,7 @@ def schema_conflict(
         known = schema.get(name)
         if known is not None and known != spec:
             return (
-                f"tensor {name!r} of {where} is {spec.describe()}, but the run has it as "
+                f"tensor {printable(name)} of {where} is {spec.describe()}, but the run has it as "
                 f"{known.describe()}; fix the dump or ingest it into another run"
             )
     return None
