@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
+from gradpipe.core.display import printable
 from gradpipe.errors import InvalidInputError
 from gradpipe.formats.state_file import from_torch, to_torch
 from gradpipe.snapshot import SnapshotInfo, find_snapshot, restore_manifest, snapshot
@@ -180,7 +181,7 @@ def save_state(
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
     # A blocking save may read CPU tensors in place: the caller waits for it.
-    host = from_torch(_to_host(state, copy=not blocking), path=f"save_state {name!r}")
+    host = from_torch(_to_host(state, copy=not blocking), path=f"save_state {printable(name)}")
     future = _WRITER.submit(
         lambda executor: executor.submit(
             snapshot,

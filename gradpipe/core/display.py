@@ -66,6 +66,10 @@ def printable(value: object, *, limit: int = NAME_LIMIT) -> str:
     """
     _check_limit(limit)
     if isinstance(value, str):
+        if len(value) + 2 <= limit:  # escapes never shrink text: it may fit as it is
+            shown = repr(value)  # Python's own escaping, at C speed (messages are hot in loops)
+            if len(shown) <= limit:
+                return shown
         # repr's choice of quote: the one the text does not hold, else ' escaped.
         quote = '"' if "'" in value and '"' not in value else "'"
         return _fit(value, quote, limit)

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from gradpipe.core.display import printable
 from gradpipe.core.encoding import decode_float, encode_float
 from gradpipe.core.ids import parse_id
 from gradpipe.core.manifest import Manifest
@@ -44,7 +45,9 @@ class SnapshotManifest(EmbeddedTensors, Manifest):
     def __post_init__(self) -> None:
         parse_name(self.name, what="snapshot name")
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
-            raise InvalidInputError(f"snapshot step must be an integer >= 0, not {self.step!r}")
+            raise InvalidInputError(
+                f"snapshot step must be an integer >= 0, not {printable(self.step)}"
+            )
         if self.previous is not None:
             parse_id(self.previous)
         for tensor_id in self.tensors.values():

@@ -139,7 +139,7 @@ def _recorded_parent(
         manifest = store.get_typed(
             parent.dump_id,
             DumpManifest,
-            context=f"run {run!r}, step {parent.step}, peer {dump.peer!r}",
+            context=f"run {printable(run)}, step {parent.step}, peer {printable(dump.peer)}",
         )
         for _ in manifest.embedded_manifests():  # its tensors decode lazily: check them here
             pass

@@ -145,3 +145,27 @@ def test_errors_stay_on_one_printable_line(store_url: str) -> None:
     assert outcome.status == 2
     assert_safe(outcome.err)
     assert len(outcome.err.splitlines()) == 1
+
+
+def test_tensor_names_in_the_stats_table_are_escaped_and_short(
+    store_url: str, tmp_path: Path
+) -> None:
+    # Tensor names may hold format characters (a zero-width non-joiner is part of
+    # Persian words) and run to a thousand characters: accepted, and shown safely.
+    bidi, long = "w\u202eexe", "layer." + "x" * 900
+    target = tmp_path / "d" / "step=1" / "peer=p0.safetensors"
+    target.parent.mkdir(parents=True)
+    save_file({bidi: np.ones(4, np.float32), long: np.ones(4, np.float32)}, str(target))
+    pattern = str(tmp_path / "d" / "step={step}" / "peer={peer}.safetensors")
+    assert run_cli("ingest", store_url, pattern, "--run", "r").status == 0
+
+    outcome = run_cli("stats", store_url, "--run", "r")
+    assert outcome.status == 0
+    assert_safe(outcome.out)
+    assert max(map(len, outcome.out.splitlines())) < 400
+    assert "w\\u202eexe" in outcome.out
+    assert "(906 characters)" in outcome.out
+
+    outcome = run_cli("stats", store_url, "--run", "r", "--format", "csv")
+    assert bidi in outcome.out  # CSV is data: exact names
+    assert long in outcome.out

@@ -114,3 +114,11 @@ def test_examples_in_the_docstrings_hold() -> None:
     failures, tried = doctest.testmod(display, raise_on_error=False)
     assert tried >= 4
     assert failures == 0
+
+
+@given(any_text)
+def test_the_escaping_of_long_text_is_reprs(text: str) -> None:
+    # Text that fits is shown by repr itself; a shortened one is escaped character by
+    # character, which must agree with repr so that both ends read back.
+    quote = '"' if "'" in text and '"' not in text else "'"
+    assert display._fit(text, quote, None) == repr(text)
