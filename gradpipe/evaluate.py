@@ -20,6 +20,7 @@ from typing import Final
 
 from gradpipe.codecs._lossy import parse_seed
 from gradpipe.codecs.candidate import Candidate, parse_candidates
+from gradpipe.core.display import printable
 from gradpipe.core.run_manifest import DumpManifest
 from gradpipe.core.sampling import Unit, order_dumps, parse_sample_size, sample_units
 from gradpipe.core.tensor_manifest import TensorManifest
@@ -100,12 +101,12 @@ def evaluate_codecs(
     whole = isinstance(feedback_steps, int) and not isinstance(feedback_steps, bool)
     if not whole or feedback_steps < 1:
         raise InvalidInputError(
-            f"feedback_steps must be a whole number of steps >= 1, not {feedback_steps!r}"
+            f"feedback_steps must be a whole number of steps >= 1, not {printable(feedback_steps)}"
         )
     view = open_run(store, run)
     if not len(view):
         raise InvalidInputError(
-            f"run {run!r} in {store.url} has no dumps to evaluate codecs on; "
+            f"run {printable(run)} in {store.url} has no dumps to evaluate codecs on; "
             "ingest some first with `gradpipe ingest`"
         )
     dumps = _Dumps(view)
@@ -117,7 +118,8 @@ def evaluate_codecs(
     units = sample_units(order, counts, sample, seed)
     if not units:
         raise InvalidInputError(
-            f"run {run!r} in {store.url} stores no values: every tensor of its dumps is empty"
+            f"run {printable(run)} in {store.url} stores no values: every tensor of its "
+            "dumps is empty"
         )
     chunks = [ChunkRef(u, dumps.tensors((u.step, u.peer))[u.tensor]) for u in units]
     windows: list[list[ChunkRef]] = []
@@ -149,7 +151,9 @@ class _Dumps:
         entries = [self._view.manifest.entry(*k) for k in wanted]
         ids = [e.dump for e in entries if e is not None]
         store = self._view.store
-        manifests = store.get_typed_many(ids, DumpManifest, context=f"run {self._view.name!r}")
+        manifests = store.get_typed_many(
+            ids, DumpManifest, context=f"run {printable(self._view.name)}"
+        )
         for key, dump_id, manifest in zip(wanted, ids, manifests, strict=True):
             self._tensors[key] = Dump(store, dump_id, manifest).infos()
 

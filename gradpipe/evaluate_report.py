@@ -27,6 +27,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
+from gradpipe.core.display import printable
 from gradpipe.core.lossy import ErrorBound
 from gradpipe.core.sampling import Unit
 from gradpipe.graph.evaluate_result import CodecResult
@@ -77,7 +78,7 @@ class EvaluationReport:
         for r in self.results:
             if r.name == name:
                 return r
-        raise KeyError(f"no codec {name!r} was evaluated ({', '.join(self.codecs)})")
+        raise KeyError(f"no codec {printable(name)} was evaluated ({', '.join(self.codecs)})")
 
     @property
     def codecs(self) -> list[str]:
@@ -104,7 +105,7 @@ class EvaluationReport:
         peers = sorted({u.peer for u in self.units})
         tensors = sorted({u.tensor for u in self.units})
         lines = [
-            f"run {self.run!r}: {len(self.units)} sampled chunks (seed {self.seed}) of "
+            f"run {printable(self.run)}: {len(self.units)} sampled chunks (seed {self.seed}) of "
             f"{len(tensors)} tensors, {len(steps)} steps, {len(peers)} peers",
             "",
             _HEADER,
@@ -194,7 +195,7 @@ def _sketch_note(r: CodecResult, s: dict[str, Any]) -> str:
     delta = s["norm_delta"] if s["norm_delta"] is not None else 0.05
     return (
         f"{r.name}: does not reconstruct the vector (decode is the transpose estimate Aᵀŷ, "
-        f"not x), so it has no fidelity columns; it keeps norms: stored ‖Ax‖/‖x‖ "
+        "not x), so it has no fidelity columns; it keeps norms: stored ‖Ax‖/‖x‖ "
         f"{_g(s['norm_ratio'])} over the sample, |‖Ax‖²/‖x‖² − 1| max "
         f"{_g(s['norm_deviation_max'])} against JL ε ≤ {_g(epsilon)} (held on "
         f"{s['norm_held_chunks']}/{s['norm_chunks']} chunks, promised with probability "

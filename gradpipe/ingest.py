@@ -18,6 +18,7 @@ from numcodecs.abc import Codec
 
 from gradpipe.config import get_bytes
 from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL, ChainTotals, parse_keyframe_interval
+from gradpipe.core.display import printable
 from gradpipe.core.html import ReportHtml
 from gradpipe.core.names import parse_name
 from gradpipe.core.run_manifest import RunManifest, TensorSchema
@@ -132,7 +133,9 @@ class IngestReport(ReportHtml):
         if self.chains is not None:
             lines.append(_describe_chains(self.chains))
         lines += [f"warning: {w}" for w in self.nonfinite]
-        lines += [f"FAILED step {f.step} peer {f.peer}: {f.reason}" for f in self.failures]
+        lines += [
+            f"FAILED step {f.step} peer {printable(f.peer)}: {f.reason}" for f in self.failures
+        ]
         if self.dashboard:
             lines.append(f"dashboard: {self.dashboard}")
         return "\n".join(lines)
@@ -360,7 +363,9 @@ def ingest(
         report.seconds = time.perf_counter() - started
         reporting.finish(
             report,
-            failures=[f"step {f.step} peer {f.peer}: {f.reason}" for f in report.failures],
+            failures=[
+                f"step {f.step} peer {printable(f.peer)}: {f.reason}" for f in report.failures
+            ],
             commit=report.run_id if report.ingested or report.repaired else None,
         )
     return report
@@ -486,7 +491,7 @@ def _add_commit(report: IngestReport, result: CommitResult, repairs: set[tuple[i
             report.chains.add(done.chain)
         for name, (nan, inf) in sorted(done.nonfinite.items()):
             report.nonfinite.append(
-                f"tensor {name!r} of step {done.entry.step}, peer {done.entry.peer!r} has "
+                f"tensor {printable(name)} of step {done.entry.step}, peer {done.entry.peer!r} has "
                 f"{nan} NaN and {inf} Inf values (stored bit-exact)"
             )
 

@@ -14,6 +14,7 @@ import os
 import stat
 from pathlib import Path
 
+from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.errors import InvalidInputError
 from gradpipe.storage.marker import MARKER_KEY
 
@@ -54,36 +55,45 @@ def parse_output_path(
     if "://" in text and not text.lower().startswith("file://"):
         if store_url is not None and text.rstrip("/").startswith(store_url.rstrip("/") + "/"):
             raise InvalidInputError(
-                f"{what} {text!r} is inside the store {store_url}; writing there could "
+                f"{what} {printable(text, limit=PATH_LIMIT)} is inside the store "
+                f"{store_url}; writing there could "
                 "overwrite stored objects. Write it outside the store"
             )
         return text
     local = text[len("file://") :] if text.lower().startswith("file://") else text
     if not local or local.endswith(("/", os.sep)) or Path(local).name in ("", ".", ".."):
-        raise InvalidInputError(f"{what} needs a file name, got {text!r}")
+        raise InvalidInputError(
+            f"{what} needs a file name, got {printable(text, limit=PATH_LIMIT)}"
+        )
     try:
         info = os.lstat(local)
     except FileNotFoundError:
         pass
     except OSError as exc:
-        raise InvalidInputError(f"cannot check {what} {text!r}: {exc.strerror}") from None
+        raise InvalidInputError(
+            f"cannot check {what} {printable(text, limit=PATH_LIMIT)}: {exc.strerror}"
+        ) from None
     else:
         if not stat.S_ISREG(info.st_mode):
             kind = _KINDS.get(stat.S_IFMT(info.st_mode), "not a regular file")
             raise InvalidInputError(
-                f"{what} {text!r} exists and is {kind}; gradpipe replaces only regular files. "
+                f"{what} {printable(text, limit=PATH_LIMIT)} exists and is {kind}; "
+                "gradpipe replaces only "
+                "regular files. "
                 "Give another path, or remove it first"
             )
     root = store_root_of(local)
     if root is not None:
         raise InvalidInputError(
-            f"{what} {text!r} is inside the gradpipe store at {root}; writing there could "
+            f"{what} {printable(text, limit=PATH_LIMIT)} is inside the gradpipe store at "
+            f"{root}; writing there could "
             "overwrite stored objects. Write it outside the store"
         )
     parent = Path(os.path.abspath(local)).parent
     if not parent.is_dir():
         raise InvalidInputError(
-            f"{what} {text!r}: the directory {parent} does not exist; create it first"
+            f"{what} {printable(text, limit=PATH_LIMIT)}: the directory {parent} does not "
+            "exist; create it first"
         )
     return text
 

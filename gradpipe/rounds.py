@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradpipe.config import get_seconds
 from gradpipe.core.aggregate_manifest import AggregateManifest
+from gradpipe.core.display import printable
 from gradpipe.core.html import ReportHtml
 from gradpipe.core.names import parse_name
 from gradpipe.core.rounds import (
@@ -86,7 +87,7 @@ class RoundsReport(ReportHtml):
     def step(self, step: int) -> StepRound:
         found = next((s for s in self.steps if s.step == step), None)
         if found is None:
-            raise InvalidInputError(f"run {self.run!r} has no step {step} in its rounds")
+            raise InvalidInputError(f"run {printable(self.run)} has no step {step} in its rounds")
         return found
 
     def stats(self) -> dict[str, int]:
@@ -123,7 +124,8 @@ class RoundsReport(ReportHtml):
         st = self.stats()
         roster = ", ".join(self.roster) or "none"
         lines = [
-            f"run {self.run!r}: roster {roster}" + (" (inferred)" if self.inferred else ""),
+            f"run {printable(self.run)}: roster {roster}"
+            + (" (inferred)" if self.inferred else ""),
             f"quorum {self.quorum.describe()}"
             + (f", deadline {self.deadline:g} s after {self.start}" if self.deadline else ""),
             f"steps {st['total']}: {st['completed']} completed, {st['ready']} ready, "
@@ -149,7 +151,7 @@ def _now(now: datetime | None) -> datetime:
 def _parse_peer_at(text: str) -> tuple[str, int]:
     peer, sep, step = text.rpartition("@")
     if not sep or not step.isdigit():
-        raise InvalidInputError(f"{text!r}: expected PEER@STEP, e.g. peer3@12")
+        raise InvalidInputError(f"{printable(text)}: expected PEER@STEP, e.g. peer3@12")
     return parse_name(peer, what="peer name"), int(step)
 
 
@@ -290,7 +292,7 @@ def step_rounds(
     used: dict[int, set[str]] = {}
     entries = [a for a in recorded.aggregates if a.step in wanted]
     manifests = store.get_typed_many(
-        [a.aggregate for a in entries], AggregateManifest, context=f"run {recorded.run!r}"
+        [a.aggregate for a in entries], AggregateManifest, context=f"run {printable(recorded.run)}"
     )
     for entry, agg in zip(entries, manifests, strict=True):
         for inp in agg.inputs:
@@ -317,7 +319,7 @@ def _dump_bytes(store: Store, recorded: RunManifest, steps: set[int]) -> dict[tu
     """Logical bytes of each recorded dump of ``steps`` (its tensors' sizes)."""
     entries = [d for d in recorded.dumps if d.step in steps]
     dumps = store.get_typed_many(
-        [d.dump for d in entries], DumpManifest, context=f"run {recorded.run!r}"
+        [d.dump for d in entries], DumpManifest, context=f"run {printable(recorded.run)}"
     )
     apart = sorted({t for d in dumps for _, t in d.tensors if t not in d.embedded})
     fetched = dict(
@@ -348,7 +350,7 @@ def claim_aggregation(
     ttl = get_seconds("rounds.claim-ttl") if ttl is None else float(ttl)
     if not ttl >= 0:  # 0: every earlier claim is taken for a dead one
         raise InvalidInputError(
-            f"claim ttl {ttl!r} must be >= 0 seconds (gradpipe.rounds.claim-ttl)"
+            f"claim ttl {printable(ttl)} must be >= 0 seconds (gradpipe.rounds.claim-ttl)"
         )
     claim_id = uuid.uuid4().hex
     clock = _now(now)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gradpipe.core.aggregate_manifest import AggregateManifest, stale_reason
+from gradpipe.core.display import printable
 from gradpipe.core.html import human_bytes, key_values, table
 from gradpipe.core.names import parse_name
 from gradpipe.core.run_manifest import (
@@ -44,7 +45,7 @@ def open_run(store: Store, run: str) -> Run:
     """A run of the store, as recorded now."""
     run_id, manifest = read_run(store, run)
     if run_id is None:  # read_run raises for a missing run unless asked not to
-        raise NotFoundError(f"no run {run!r} in store {store.url}")
+        raise NotFoundError(f"no run {printable(run)} in store {store.url}")
     return Run(store, run_id, manifest)
 
 
@@ -91,7 +92,7 @@ class Run:
             [(n, t.dtype, list(t.shape)) for n, t in self.manifest.schema.items()],
         )
         return key_values(
-            f"run {self.name!r}",
+            f"run {printable(self.name)}",
             {
                 "store": self.store.url,
                 "dumps": len(self),
@@ -119,11 +120,13 @@ class Run:
         entry = self.manifest.entry(step, peer)
         if entry is None:
             raise NotFoundError(
-                f"run {self.name!r} has no dump for step {step}, peer {peer!r} "
+                f"run {printable(self.name)} has no dump for step {step}, peer {printable(peer)} "
                 f"(steps {_span(self.steps)}, peers {', '.join(self.peers) or 'none'})"
             )
         manifest = self.store.get_typed(
-            entry.dump, DumpManifest, context=f"run {self.name!r} step {step}, peer {peer!r}"
+            entry.dump,
+            DumpManifest,
+            context=f"run {printable(self.name)} step {step}, peer {printable(peer)}",
         )
         return Dump(self.store, entry.dump, manifest)
 
@@ -145,13 +148,13 @@ class Run:
         if entry is None:
             known = sorted({(a.name) for a in self.manifest.aggregates})
             raise NotFoundError(
-                f"run {self.name!r} has no aggregate {name!r} of step {step} "
+                f"run {printable(self.name)} has no aggregate {printable(name)} of step {step} "
                 f"(aggregates: {', '.join(known) or 'none'}); compute it with gradpipe aggregate"
             )
         manifest = self.store.get_typed(
             entry.aggregate,
             AggregateManifest,
-            context=f"run {self.name!r} aggregate {name!r} of step {step}",
+            context=f"run {printable(self.name)} aggregate {printable(name)} of step {step}",
         )
         return Aggregate(
             self.store, entry.aggregate, manifest, stale_reason(self.manifest, manifest)
@@ -260,14 +263,14 @@ class _TensorSet(ABC):
         """How messages name this set of tensors ("dump of step 3, peer 'a'")."""
 
     def _where(self, name: str) -> str:
-        return f"tensor {name!r} of {self._label()}"
+        return f"tensor {printable(name)} of {self._label()}"
 
     def _tensor_id(self, name: str) -> str:
         try:
             return self.manifest.tensor_ids[name]
         except KeyError:
             raise NotFoundError(
-                f"{self._label()} has no tensor {name!r} "
+                f"{self._label()} has no tensor {printable(name)} "
                 f"(it has {', '.join(self.names[:8])}{'...' if len(self.names) > 8 else ''})"
             ) from None
 
@@ -293,7 +296,7 @@ class Dump(_TensorSet):
         return dict(self.manifest.source)
 
     def _label(self) -> str:
-        return f"step {self.step}, peer {self.peer!r}"
+        return f"step {self.step}, peer {printable(self.peer)}"
 
     def _repr_html_(self) -> str:
         return key_values(
@@ -352,7 +355,7 @@ class Aggregate(_TensorSet):
         }
 
     def _label(self) -> str:
-        return f"aggregate {self.name!r} of step {self.step}"
+        return f"aggregate {printable(self.name)} of step {self.step}"
 
     def _repr_html_(self) -> str:
         peers = ", ".join(f"{p} ({w:g})" for p, w in self.weights.items())

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
+from gradpipe.core.display import printable
 from gradpipe.core.dtypes import is_float, parse_dtype
 from gradpipe.core.manifest import manifest_id
 from gradpipe.core.names import parse_name
@@ -170,7 +171,7 @@ def parse_server_config(
     except ValueError:
         known = ", ".join(m.value for m in ServerOptimizer)
         raise InvalidInputError(
-            f"server update: unknown optimizer {optimizer!r} (one of {known})"
+            f"server update: unknown optimizer {printable(optimizer)} (one of {known})"
         ) from None
     given = {k: v for k, v in hyperparams.items() if v is not None}
     return ServerOptimizerConfig.from_dict({"method": method, "lr": lr, **given})
@@ -199,8 +200,10 @@ def server_update(
                 return ServerUpdate("memoised", found)
             if head.step > step:
                 raise InvalidInputError(
-                    f"server update: snapshot {snapshot!r} is at step {head.step}, after step "
-                    f"{step} of run {run!r}: server steps apply in order; start a new chain to "
+                    f"server update: snapshot {printable(snapshot)} is at step "
+                    f"{head.step}, after step "
+                    f"{step} of run {printable(run)}: server steps apply in order; start "
+                    "a new chain to "
                     "apply older steps"
                 )
             plan, tree, keys = _plan(
@@ -236,7 +239,8 @@ def server_update(
                 continue  # another writer moved the chain: step again from its snapshot
             return ServerUpdate("applied", snapshot_id, writes)
     raise ConflictError(
-        f"server update: other writers moved snapshot {snapshot!r} {_MAX_ATTEMPTS} times in a "
+        f"server update: other writers moved snapshot {printable(snapshot)} "
+        f"{_MAX_ATTEMPTS} times in a "
         "row while this step was computed; retry"
     )
 
@@ -257,7 +261,7 @@ def _compute(store: Store, plan: ServerPlan, runner: Runner) -> dict[str, Tensor
 
 def _check_aggregate(view: Aggregate, run: str) -> dict[str, TensorManifest]:
     """The aggregate's tensors, refused if stale or not finite (from its stats: reads nothing)."""
-    label = f"aggregate {view.name!r} of step {view.step} of run {run!r}"
+    label = f"aggregate {printable(view.name)} of step {view.step} of run {printable(run)}"
     if view.stale is not None:
         raise InvalidInputError(
             f"server update: {label} is stale ({view.stale}): it no longer matches the dumps the "
@@ -268,7 +272,7 @@ def _check_aggregate(view: Aggregate, run: str) -> dict[str, TensorManifest]:
         summary = info.summary()
         if summary.nan or summary.inf:
             raise InvalidInputError(
-                f"server update: tensor {name!r} of {label} holds {summary.nan} NaN and "
+                f"server update: tensor {printable(name)} of {label} holds {summary.nan} NaN and "
                 f"{summary.inf} infinite values; a server step needs a finite update"
             )
     return infos
@@ -290,11 +294,15 @@ def _already_applied(
         meta = manifest.metadata
         if manifest.step != step or meta.get("run") != run or "aggregate_id" not in meta:
             continue
-        where = f"step {step} of run {run!r} was applied to snapshot {snapshot!r} already"
+        where = (
+            f"step {step} of run {printable(run)} was applied to snapshot "
+            f"{printable(snapshot)} already"
+        )
         if meta["aggregate_id"] != view.id:
             raise InvalidInputError(
-                f"server update: {where}, from aggregate {meta.get('aggregate')!r} "
-                f"{meta['aggregate_id']}, not {view.name!r} {view.id}; a chain applies each "
+                f"server update: {where}, from aggregate {printable(meta.get('aggregate'))} "
+                f"{meta['aggregate_id']}, not {printable(view.name)} {view.id}; a chain "
+                "applies each "
                 "step once (the optimizer's state moved on): start a new chain from its "
                 "parameters to apply it again"
             )
@@ -353,7 +361,7 @@ def _plan(
             "config": config.to_dict(),
         },
     }
-    tree, specs = flatten_skeleton(new, where=f"snapshot {snapshot!r}")
+    tree, specs = flatten_skeleton(new, where=f"snapshot {printable(snapshot)}")
     placed = state_skeleton(tree)  # each new array with its key
     tensors = []
     for name, spec in params.items():
@@ -389,7 +397,7 @@ def _tensor_step(
         manifest = manifests.pop(role) if role == "params" else manifests[role]
         if (manifest.dtype, manifest.shape) != (what.dtype, what.shape):
             raise IntegrityError(
-                f"snapshot {head.name!r} at step {head.step}: array {what.key} is "
+                f"snapshot {printable(head.name)} at step {head.step}: array {what.key} is "
                 f"{manifest.dtype}{list(manifest.shape)}, its state says "
                 f"{what.dtype}{list(what.shape)}; run `gradpipe verify`"
             )
@@ -443,18 +451,21 @@ def _check_updates(
         where = f"aggregate of step {step}"
         if name not in params:
             raise InvalidInputError(
-                f"server update: the {where} has tensor {name!r}, which snapshot {snapshot!r} "
+                f"server update: the {where} has tensor {printable(name)}, which snapshot "
+                f"{printable(snapshot)} "
                 f"has not (parameters: {', '.join(sorted(params))})"
             )
         spec = params[name]
         if spec.shape != update.shape:
             raise InvalidInputError(
-                f"server update: tensor {name!r} has shape {list(update.shape)} in the {where} "
-                f"but {list(spec.shape)} in snapshot {snapshot!r}"
+                f"server update: tensor {printable(name)} has shape {list(update.shape)} "
+                f"in the {where} "
+                f"but {list(spec.shape)} in snapshot {printable(snapshot)}"
             )
         if not is_float(parse_dtype(spec.dtype)):
             raise InvalidInputError(
-                f"server update: tensor {name!r} of snapshot {snapshot!r} is {spec.dtype}; "
+                f"server update: tensor {printable(name)} of snapshot "
+                f"{printable(snapshot)} is {spec.dtype}; "
                 f"{config.method.value} updates float parameters only"
             )
 
@@ -476,42 +487,50 @@ def _parse_state(
         state = {"params": state}
     if not isinstance(state, Mapping) or "params" not in state or set(state) - _STATE_KEYS:
         keys = sorted(map(str, state)) if isinstance(state, Mapping) else type(state).__name__
-        raise InvalidInputError(f"snapshot {name!r} holds {keys}, not a server state {shape}")
+        raise InvalidInputError(
+            f"snapshot {printable(name)} holds {keys}, not a server state {shape}"
+        )
     params = state["params"]
     if not isinstance(params, Mapping) or not all(
         isinstance(k, str) and isinstance(v, ArraySpec) for k, v in params.items()
     ):
-        raise InvalidInputError(f"snapshot {name!r}: 'params' must map tensor names to arrays")
+        raise InvalidInputError(
+            f"snapshot {printable(name)}: 'params' must map tensor names to arrays"
+        )
     params = dict(params)
     server = state.get("server_optimizer")
     if server is None:  # the first round: the optimizer starts here
         return params, None, 0
     if not isinstance(server, Mapping) or not isinstance(server.get("config"), Mapping):
-        raise InvalidInputError(f"snapshot {name!r}: 'server_optimizer' has no config")
+        raise InvalidInputError(f"snapshot {printable(name)}: 'server_optimizer' has no config")
     recorded = ServerOptimizerConfig.from_dict(dict(server["config"]))
     if recorded.method is not config.method:
         raise InvalidInputError(
-            f"snapshot {name!r} holds {recorded.method.value} state; it cannot continue with "
+            f"snapshot {printable(name)} holds {recorded.method.value} state; it cannot "
+            "continue with "
             f"{config.method.value} (start a new chain from its params)"
         )
     t = server.get("t")
     if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-        raise InvalidInputError(f"snapshot {name!r}: server optimizer round t={t!r} is not >= 0")
+        raise InvalidInputError(
+            f"snapshot {printable(name)}: server optimizer round t={printable(t)} is not >= 0"
+        )
     stored: dict[str, dict[str, ArraySpec]] = {}
     for k in config.state_names:
         arrays = server.get(k)
         if not isinstance(arrays, Mapping) or set(arrays) != set(params):
             raise InvalidInputError(
-                f"snapshot {name!r}: server optimizer state {k!r} must have one array per "
+                f"snapshot {printable(name)}: server optimizer state {printable(k)} must "
+                "have one array per "
                 f"parameter ({', '.join(sorted(params))})"
             )
         for tensor, spec in arrays.items():
             if not isinstance(spec, ArraySpec) or spec.shape != params[tensor].shape:
                 got = list(spec.shape) if isinstance(spec, ArraySpec) else type(spec).__name__
                 raise InvalidInputError(
-                    f"server update: tensor {tensor!r}: {config.method.value} needs state "
+                    f"server update: tensor {printable(tensor)}: {config.method.value} needs state "
                     f"{list(config.state_names)} of shape {list(params[tensor].shape)}; "
-                    f"snapshot {name!r} holds {k!r} of shape {got}"
+                    f"snapshot {printable(name)} holds {printable(k)} of shape {got}"
                 )
         stored[k] = dict(arrays)
     return params, stored, t

@@ -22,6 +22,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final
 
+from gradpipe.core.display import printable
 from gradpipe.core.html import ReportHtml
 from gradpipe.core.ids import block_key
 from gradpipe.core.manifest import manifest_id
@@ -67,9 +68,11 @@ class PruneReport(ReportHtml):
     def summary(self) -> str:
         verb = "would drop" if self.dry_run else "dropped"
         if not self.dropped_steps:
-            return f"snapshot {self.name!r}: nothing to prune ({len(self.kept_steps)} kept)"
+            return (
+                f"snapshot {printable(self.name)}: nothing to prune ({len(self.kept_steps)} kept)"
+            )
         lines = [
-            f"snapshot {self.name!r}: {verb} {len(self.dropped_steps)} version(s) "
+            f"snapshot {printable(self.name)}: {verb} {len(self.dropped_steps)} version(s) "
             f"(steps {_steps(self.dropped_steps)}), kept {len(self.kept_steps)} "
             f"(steps {_steps(self.kept_steps)})",
             f"{self.freed_blocks} block(s), {self.freed_bytes / 2**20:.1f} MiB used only by "
@@ -98,11 +101,11 @@ def prune(
     to reclaim the space. With ``dry_run`` nothing is written.
     """
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-        raise InvalidInputError(f"keep_last must be an integer >= 1, not {keep_last!r}")
+        raise InvalidInputError(f"keep_last must be an integer >= 1, not {printable(keep_last)}")
     if keep_every is not None and (
         isinstance(keep_every, bool) or not isinstance(keep_every, int) or keep_every < 1
     ):
-        raise InvalidInputError(f"keep_every must be an integer >= 1, not {keep_every!r}")
+        raise InvalidInputError(f"keep_every must be an integer >= 1, not {printable(keep_every)}")
     if not dry_run:
         store.check_writable()
     for _ in range(_MAX_ATTEMPTS):
@@ -136,7 +139,7 @@ def prune(
             except ConflictError:
                 continue  # a snapshot landed meanwhile: prune the chain it made
             return report
-    raise ConflictError(f"snapshot {name!r} kept moving while pruning; retry")
+    raise ConflictError(f"snapshot {printable(name)} kept moving while pruning; retry")
 
 
 def _count_freed(

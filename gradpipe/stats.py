@@ -35,6 +35,7 @@ import xarray as xr
 from gradpipe.codecs.delta import DeltaCodec
 from gradpipe.codecs.policy import policy_codec_id
 from gradpipe.core.aggregate_manifest import AggregateManifest
+from gradpipe.core.display import printable
 from gradpipe.core.gc_pause import gc_paused
 from gradpipe.core.ids import id_from_block_key
 from gradpipe.core.names import parse_name
@@ -213,7 +214,7 @@ def _run_cells(store: Store, run: str) -> Cells:
     at_step = {s: i for i, s in enumerate(steps)}
     at_peer = {p: i for i, p in enumerate(peers)}
     entries = list(manifest.dumps)  # sorted by (step, peer)
-    dumps = _read_many(store, [e.dump for e in entries], DumpManifest, f"run {run!r}")
+    dumps = _read_many(store, [e.dump for e in entries], DumpManifest, f"run {printable(run)}")
     cells = [
         _Cell((at_step[e.step], at_peer[e.peer]), e.dump, tensors)
         for e, tensors in zip(entries, dumps, strict=True)
@@ -229,11 +230,11 @@ def _aggregate_cells(store: Store, run: str, name: str) -> Cells:
     if not entries:
         known = ", ".join(sorted({a.name for a in manifest.aggregates})) or "none"
         raise NotFoundError(
-            f"run {run!r} has no aggregate {name!r} (aggregates: {known}); "
+            f"run {printable(run)} has no aggregate {printable(name)} (aggregates: {known}); "
             "compute it with gradpipe aggregate"
         )
     found = _read_many(
-        store, [a.aggregate for a in entries], AggregateManifest, f"aggregate {name!r}"
+        store, [a.aggregate for a in entries], AggregateManifest, f"aggregate {printable(name)}"
     )
     cells = [
         _Cell((i,), e.aggregate, tensors)
@@ -272,7 +273,7 @@ def _read_many(
         for manifest in store.get_typed_many(batch, cls, context=label):
             where = f"{label}, step {manifest.step}"
             if isinstance(manifest, DumpManifest):
-                where += f", peer {manifest.peer!r}"
+                where += f", peer {printable(manifest.peer)}"
             out.append(_tensors_of(store, manifest.tensors, manifest.embedded, where))
     return out
 
@@ -341,7 +342,7 @@ def _assemble(
         present[cell.index] = True
         for name in sorted(cell.tensors):
             manifest = cell.tensors[name]
-            codecs = chunk_codecs(manifest, where=f"tensor {name!r}")
+            codecs = chunk_codecs(manifest, where=f"tensor {printable(name)}")
             records.append(tensor_stats(manifest, ledger, codecs))
             positions.append((*cell.index, at_tensor[name]))
     shape = (*present.shape, len(names))

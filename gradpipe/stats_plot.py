@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Final
 import numpy as np
 import xarray as xr
 
+from gradpipe.core.display import printable
 from gradpipe.core.tensor_stats import fraction, ratio
 from gradpipe.errors import InvalidInputError
 from gradpipe.stats import summarize_stats
@@ -90,10 +91,10 @@ def _size(nbytes: float) -> str:
 def _title(ds: xr.Dataset) -> str:
     kind = ds.attrs.get("kind")
     if kind == "aggregate":
-        return f"run {ds.attrs['run']!r}, aggregate {ds.attrs['aggregate']!r}"
+        return f"run {printable(ds.attrs['run'])}, aggregate {printable(ds.attrs['aggregate'])}"
     if kind == "snapshot":
-        return f"snapshot {ds.attrs['snapshot']!r}"
-    return f"run {ds.attrs.get('run', '?')!r}"
+        return f"snapshot {printable(ds.attrs['snapshot'])}"
+    return f"run {printable(ds.attrs.get('run', '?'))}"
 
 
 def _largest_tensors(per_tensor: xr.Dataset) -> xr.Dataset:

@@ -40,6 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
+from gradpipe.core.display import printable
 from gradpipe.errors import InvalidInputError
 from gradpipe.formats.state_file import from_torch, to_torch
 from gradpipe.snapshot import SnapshotInfo, find_snapshot, restore_manifest, snapshot
@@ -188,7 +189,9 @@ def save_state(
         state["optimizer"] = optimizer.state_dict()
     # A blocking save may read CPU tensors in place: the caller waits for it. The previous
     # save has finished (waited for above), so its staging buffers are free to reuse.
-    host = from_torch(_STAGING.stage(state, copy=not blocking), path=f"save_state {name!r}")
+    host = from_torch(
+        _STAGING.stage(state, copy=not blocking), path=f"save_state {printable(name)}"
+    )
     future = _WRITER.submit(
         lambda executor: executor.submit(
             snapshot,

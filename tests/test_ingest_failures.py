@@ -109,7 +109,7 @@ def test_bad_dumps_are_isolated(kit: types.ModuleType, tmp_path: Path) -> None:
     assert report.ingested == len(batch.good)
     check_failures(batch, [f.to_dict() for f in report.failures])
     for f in report.failures:
-        assert f"FAILED step {f.step} peer {f.peer}" in report.summary()
+        assert f"FAILED step {f.step} peer {f.peer!r}" in report.summary()
 
     run = open_run(store, "r")
     assert run.id == report.run_id
@@ -151,7 +151,7 @@ def test_cli_lists_failures_and_exits_1(
     out = capsys.readouterr().out
     assert status == 1
     for step, peer in batch.bad:
-        assert f"FAILED step {step} peer {peer}" in out
+        assert f"FAILED step {step} peer {peer!r}" in out
 
 
 # --- torch files that would need unpickling ---------------------------------------------

@@ -23,6 +23,7 @@ from gradpipe.cli._common import (
     UsageError,
     json_text,
 )
+from gradpipe.core.display import printable_text
 from gradpipe.errors import GradpipeError, InvalidInputError, UnsupportedFormatError
 
 __all__ = ["COMMAND_GROUPS", "build_parser", "exit_status", "main"]
@@ -43,6 +44,9 @@ COMMAND_GROUPS: Final[tuple[str, ...]] = (
 
 #: Exit status 130 is the shell's for a command stopped by Ctrl-C.
 EXIT_INTERRUPTED: Final = 130
+#: The longest error message printed; names in it are shortened where they are
+#: formatted, so only a message that forgot to is cut here.
+MESSAGE_LIMIT: Final = 2000
 
 
 def build_parser() -> ArgumentParser:
@@ -91,9 +95,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_status(exc)
     if args.json:
         print(json_text(result.doc))
-    else:
+    elif result.verbatim:
         print(result.text)
+    else:
+        print(_printable_lines(result.text))
     return int(result.status)
+
+
+def _printable_lines(text: str) -> str:
+    """``text`` with each line's non-printable characters escaped, its line breaks kept.
+
+    The last line of defence: names are escaped where they are formatted, and
+    whatever one forgot (a path, a stored message) must still not act on the
+    terminal or forge a line of the report.
+    """
+    return "\n".join(printable_text(line) for line in text.split("\n"))
 
 
 def exit_status(exc: BaseException) -> int:
@@ -129,6 +145,7 @@ def _public_type(exc: BaseException) -> str:
 
 
 def _report(prog: str, message: str, kind: str, *, as_json: bool) -> None:
+    message = printable_text(message, limit=MESSAGE_LIMIT)  # one line, nothing a terminal acts on
     if as_json:
         print(json.dumps({"ok": False, "error": message, "type": kind}))
     print(f"{prog}: error: {message}", file=sys.stderr)

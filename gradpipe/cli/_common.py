@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, NoReturn
 
+from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.errors import InvalidInputError, NotFoundError
 
 if TYPE_CHECKING:
@@ -48,11 +49,17 @@ EXIT_USAGE: Final = 2
 
 @dataclass(frozen=True)
 class CommandResult:
-    """What a command hands back: a JSON document, a text rendering, an exit status."""
+    """What a command hands back: a JSON document, a text rendering, an exit status.
+
+    ``text`` is for people: ``main`` escapes what is not printable in it (line
+    breaks kept), unless ``verbatim`` says it is a machine format (CSV) printed
+    as it is.
+    """
 
     doc: dict[str, Any]
     text: str
     status: int = EXIT_OK
+    verbatim: bool = False
 
 
 Handler = Callable[[argparse.Namespace], CommandResult]
@@ -156,7 +163,7 @@ def storage_options(pairs: Sequence[str]) -> dict[str, Any] | None:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise InvalidInputError(f"-S/--storage-option takes KEY=VALUE, got {pair!r}")
+            raise InvalidInputError(f"-S/--storage-option takes KEY=VALUE, got {printable(pair)}")
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -199,10 +206,13 @@ def parse_report_path(text: str) -> str:
 
     path = Path(text).expanduser().absolute()
     if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a directory; name an HTML file in it")
+        raise argparse.ArgumentTypeError(
+            f"{printable(text, limit=PATH_LIMIT)} is a directory; name an HTML file in it"
+        )
     if not path.parent.is_dir():
         raise argparse.ArgumentTypeError(
-            f"{text!r}: directory {str(path.parent)!r} does not exist; create it "
+            f"{printable(text, limit=PATH_LIMIT)}: directory "
+            f"{printable(str(path.parent), limit=PATH_LIMIT)} does not exist; create it "
             "or name a file in an existing one"
         )
     return str(path)
@@ -216,7 +226,7 @@ def positive_int(text: str) -> int:
     except ValueError:
         value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {printable(text)}")
     return value
 
 
@@ -227,4 +237,6 @@ def parse_duration(text: str) -> float:
     try:
         return float(parse_timedelta(text, default="s"))
     except (KeyError, ValueError, TypeError):
-        raise InvalidInputError(f"{text!r} is not a duration; write e.g. 24h, 30m or 0s") from None
+        raise InvalidInputError(
+            f"{printable(text)} is not a duration; write e.g. 24h, 30m or 0s"
+        ) from None

@@ -15,6 +15,7 @@ from gradpipe.cli._common import (
     report_result,
     with_performance_report,
 )
+from gradpipe.core.display import printable
 from gradpipe.errors import InvalidInputError
 
 #: The methods ``--method`` takes: ``gradpipe.aggregate.METHODS`` (a test checks),
@@ -199,10 +200,10 @@ def parse_steps(text: str | None) -> range | None:
         first, last = int(start), int(stop)
     except ValueError:
         raise InvalidInputError(
-            f"--steps {text!r}: expected A:B, a half-open range of steps, e.g. 0:10"
+            f"--steps {printable(text)}: expected A:B, a half-open range of steps, e.g. 0:10"
         ) from None
     if first < 0 or last <= first:
-        raise InvalidInputError(f"--steps {text!r}: needs 0 <= A < B")
+        raise InvalidInputError(f"--steps {printable(text)}: needs 0 <= A < B")
     return range(first, last)
 
 
@@ -226,14 +227,17 @@ def parse_weights_arg(text: str | None) -> dict[str, float] | None:
     out = {}
     for peer, given in doc.items():
         if not isinstance(given, _Number):  # not a string, true, null, NaN or a list
-            raise InvalidInputError(f"--weights: peer {peer!r} has weight {given!r}, not a number")
+            raise InvalidInputError(
+                f"--weights: peer {printable(peer)} has weight {printable(given)}, not a number"
+            )
         try:
             value = parse_weight_text(given)
         except InvalidInputError as exc:
-            raise InvalidInputError(f"--weights: peer {peer!r}: {exc}") from None
+            raise InvalidInputError(f"--weights: peer {printable(peer)}: {exc}") from None
         if not math.isfinite(value) or value <= 0:
             raise InvalidInputError(
-                f"--weights: peer {peer!r} has weight {value!r}; weights must be finite and > 0"
+                f"--weights: peer {printable(peer)} has weight {printable(value)}; "
+                "weights must be finite and > 0"
             )
         out[str(peer)] = float(value)
     return out

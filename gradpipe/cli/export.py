@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from gradpipe.cli._common import CommandResult, Commands, open_store_arg
+from gradpipe.core.display import printable
 
 __all__ = ["register"]
 
@@ -50,7 +51,7 @@ def run_export(args: argparse.Namespace) -> CommandResult:
                 "output": args.output,
                 "tensors": len(found.names),
             },
-            f"wrote {len(found.names)} tensors of aggregate {args.aggregate!r} of step "
+            f"wrote {len(found.names)} tensors of aggregate {printable(args.aggregate)} of step "
             f"{args.step} to {args.output}" + (f" (stale: {found.stale})" if found.stale else ""),
         )
     dump = export_dump(store, args.run, args.step, args.peer, args.output)
@@ -65,5 +66,6 @@ def run_export(args: argparse.Namespace) -> CommandResult:
     }
     return CommandResult(
         doc,
-        f"wrote {len(dump.names)} tensors of step {args.step}, peer {args.peer!r} to {args.output}",
+        f"wrote {len(dump.names)} tensors of step {args.step}, peer "
+        f"{printable(args.peer)} to {args.output}",
     )

@@ -20,6 +20,7 @@ from gradpipe.cli._common import (
     report_result,
     with_performance_report,
 )
+from gradpipe.core.display import printable
 from gradpipe.errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -177,7 +178,8 @@ def parse_codecs(spec: str | None) -> list[Codec] | None:
             named = make_codec(item)
             if named is None:
                 raise InvalidInputError(
-                    f"--codec {spec!r}: 'default' is the lossless policy, it cannot be chained"
+                    f"--codec {printable(spec)}: 'default' is the lossless policy, it "
+                    "cannot be chained"
                 )
             chain.append(named)
             continue
@@ -186,7 +188,9 @@ def parse_codecs(spec: str | None) -> list[Codec] | None:
         for pair in filter(None, params.split(",")):
             key, sep, value = pair.partition("=")
             if not sep:
-                raise InvalidInputError(f"--codec {spec!r}: expected key=value, got {pair!r}")
+                raise InvalidInputError(
+                    f"--codec {printable(spec)}: expected key=value, got {printable(pair)}"
+                )
             try:
                 config[key] = json.loads(value)
             except json.JSONDecodeError:
@@ -194,11 +198,11 @@ def parse_codecs(spec: str | None) -> list[Codec] | None:
         try:
             chain.append(numcodecs.get_codec(config))
         except (ValueError, TypeError) as exc:
-            raise InvalidInputError(f"--codec {spec!r}: {exc}") from None
+            raise InvalidInputError(f"--codec {printable(spec)}: {exc}") from None
     from gradpipe.codecs._lossy import check_chain
 
     try:
         check_chain(chain)
     except InvalidInputError as exc:
-        raise InvalidInputError(f"--codec {spec!r}: {exc}") from None
+        raise InvalidInputError(f"--codec {printable(spec)}: {exc}") from None
     return chain

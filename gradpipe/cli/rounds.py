@@ -13,6 +13,7 @@ from gradpipe.cli._common import (
     parse_duration,
     report_result,
 )
+from gradpipe.core.display import printable
 from gradpipe.errors import InvalidInputError
 
 __all__ = ["parse_peers", "register"]
@@ -75,7 +76,7 @@ def parse_peers(text: str) -> list[str]:
         peers = [p.strip() for p in text.split(",")]
     peers = [p for p in peers if p]
     if not peers:
-        raise InvalidInputError(f"--expect {text!r} names no peers")
+        raise InvalidInputError(f"--expect {printable(text)} names no peers")
     return peers
 
 

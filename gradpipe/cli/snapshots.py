@@ -13,6 +13,7 @@ from gradpipe.cli._common import (
     positive_int,
     report_result,
 )
+from gradpipe.core.display import printable
 from gradpipe.errors import InvalidInputError
 
 __all__ = ["register"]
@@ -84,7 +85,7 @@ def _step(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a step number: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not a step number: {printable(text)}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"a step is >= 0, not {value}")
     return value
@@ -97,7 +98,7 @@ def _metadata(pairs: list[str]) -> dict[str, str]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise InvalidInputError(f"--meta takes KEY=VALUE, got {pair!r}")
+            raise InvalidInputError(f"--meta takes KEY=VALUE, got {printable(pair)}")
         if key == STATE_FILE_KEY:
             raise InvalidInputError(f"--meta {key} is reserved by gradpipe")
         out[key] = value
@@ -129,7 +130,9 @@ def run_snapshot(args: argparse.Namespace) -> CommandResult:
 
     # This snapshot's own manifest (another writer may have landed on top since).
     snapshot_id = done.id
-    manifest = store.get_typed(snapshot_id, SnapshotManifest, context=f"snapshot {args.name!r}")
+    manifest = store.get_typed(
+        snapshot_id, SnapshotManifest, context=f"snapshot {printable(args.name)}"
+    )
     info_doc = SnapshotInfo.of(snapshot_id, manifest)
     doc = {"store": store.url, "file": args.state_file, **info_doc.to_dict()}
     doc["written"] = done.written
@@ -137,7 +140,8 @@ def run_snapshot(args: argparse.Namespace) -> CommandResult:
         text = f"snapshot {args.name!r} step {args.step} already recorded as {snapshot_id}: "
         return CommandResult(doc, text + "nothing written")
     text = (
-        f"snapshot {args.name!r} step {args.step}: {info_doc.logical_bytes / 2**20:.1f} MiB "
+        f"snapshot {printable(args.name)} step {args.step}: "
+        f"{info_doc.logical_bytes / 2**20:.1f} MiB "
         f"of state, stored {info_doc.stored_bytes / 2**20:.1f} MiB "
         f"({info_doc.ratio:.2f} of a full copy), chain depth {info_doc.depth}, id {snapshot_id}"
     )
@@ -169,7 +173,9 @@ def run_restore(args: argparse.Namespace) -> CommandResult:
         "kind": info.kind,
     }
     return CommandResult(
-        doc, f"wrote snapshot {args.name!r} step {manifest.step} to {args.output} ({info.kind})"
+        doc,
+        f"wrote snapshot {printable(args.name)} step {manifest.step} to {args.output} "
+        f"({info.kind})",
     )
 
 

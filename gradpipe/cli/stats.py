@@ -21,6 +21,7 @@ from gradpipe.cli._common import (
     json_text,
     open_store_arg,
 )
+from gradpipe.core.display import NAME_LIMIT, printable, printable_text
 from gradpipe.errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -122,7 +123,8 @@ def run_stats(args: argparse.Namespace) -> CommandResult:
             text += f"\nPROBLEM: {problem}"
     if args.plot is not None and args.format == "table":
         text += f"\nplot written to {args.plot}"
-    return CommandResult(doc, text, EXIT_FAILED if missing else EXIT_OK)
+    status = EXIT_FAILED if missing else EXIT_OK
+    return CommandResult(doc, text, status, verbatim=args.format != "table")
 
 
 def _dim(ds: xr.Dataset, by: str | None) -> str | None:
@@ -169,9 +171,9 @@ def _table(ds: xr.Dataset, rows: Sequence[dict[str, Any]], totals: dict[str, Any
     cells = int(ds["present"].sum())
     what = {"run": "dumps", "aggregate": "steps", "snapshot": "versions"}[ds.attrs["kind"]]
     name = ds.attrs.get("snapshot") or ds.attrs.get("run")
-    head = f"{ds.attrs['kind']} {name!r}"
+    head = f"{ds.attrs['kind']} {printable(name)}"
     if "aggregate" in ds.attrs:
-        head += f", aggregate {ds.attrs['aggregate']!r}"
+        head += f", aggregate {printable(ds.attrs['aggregate'])}"
     lines = [f"{head}: {cells} {what}, {ds.sizes['tensor']} tensors"]
     header = [key, *(title for title, _, _ in _COLUMNS)]
     body = [[_cell(row.get(key, "")), *_values(row)] for row in rows]
@@ -198,4 +200,6 @@ def _values(row: dict[str, Any]) -> Iterable[str]:
 
 
 def _cell(value: object) -> str:
-    return str(value)
+    # A tensor name of a thousand characters, or one with a bidi control, would
+    # stretch or scramble every row; the JSON and CSV outputs keep it exact.
+    return printable_text(str(value), limit=NAME_LIMIT)

@@ -14,6 +14,7 @@ from gradpipe.cli._common import (
     parse_duration,
     report_result,
 )
+from gradpipe.core.display import PATH_LIMIT, printable, printable_text
 
 if TYPE_CHECKING:
     from gradpipe.runs import Run
@@ -82,7 +83,7 @@ def run_ls(args: argparse.Namespace) -> CommandResult:
         f"{r['ref']:<{width}}  {r['target'][:19]}…  {r['time'][:19]}  "
         + (f"{r['summary']}  " if "summary" in r else "")
         + (f"PROBLEM: {r['problem']}  " if "problem" in r else "")
-        + r["message"]
+        + printable_text(r["message"], limit=PATH_LIMIT)
         for r in rows
     ]
     return CommandResult(
@@ -171,7 +172,8 @@ def _ls_run(store: Store, name: str, *, depth: bool = False) -> CommandResult:
     lossy = {(e.step, e.peer) for e in run if e.lossy}
     width = max(len(str(s)) for s in [*run.steps, "step"])
     lines = [
-        f"run {run.name!r}: {len(run.steps)} steps x {len(peers)} peers, {len(run)} dumps, "
+        f"run {printable(run.name)}: {len(run.steps)} steps x {len(peers)} peers, "
+        f"{len(run)} dumps, "
         f"{len(run.schema)} tensors"
     ]
     lines.append(f"{'step':>{width}}  " + "  ".join(peers))
@@ -208,7 +210,9 @@ def _aggregates(store: Store, run: Run) -> list[dict[str, Any]]:
 
     entries = run.aggregates
     manifests = store.get_typed_many(
-        [a.aggregate for a in entries], AggregateManifest, context=f"run {run.name!r} aggregate"
+        [a.aggregate for a in entries],
+        AggregateManifest,
+        context=f"run {printable(run.name)} aggregate",
     )
     return [
         {

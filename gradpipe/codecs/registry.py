@@ -24,6 +24,7 @@ from typing import Any, Final
 import numpy as np
 from numcodecs.abc import Codec
 
+from gradpipe.core.display import printable
 from gradpipe.core.lossy import ErrorBound
 from gradpipe.errors import InvalidInputError
 
@@ -94,22 +95,27 @@ def parse_codec_name(name: str) -> CodecName:
     family_name, sep, text = str(name).partition("-")
     family = CODEC_FAMILIES.get(family_name)
     if family is None:
-        raise InvalidInputError(f"unknown codec {name!r}; codecs are {', '.join(CODEC_NAMES)}")
+        raise InvalidInputError(
+            f"unknown codec {printable(name)}; codecs are {', '.join(CODEC_NAMES)}"
+        )
     if family.kind is None:
         if sep:
-            raise InvalidInputError(f"codec {family_name!r} takes no parameter, not {name!r}")
+            raise InvalidInputError(
+                f"codec {printable(family_name)} takes no parameter, not {printable(name)}"
+            )
         return CodecName(family_name, family_name, None, family.lossy)
     if not sep:
         expected = next(n for n in CODEC_NAMES if n.startswith(f"{family_name}-"))
-        raise InvalidInputError(f"codec {name!r} needs its parameter: {expected}")
+        raise InvalidInputError(f"codec {printable(name)} needs its parameter: {expected}")
     try:
         param: int | float = family.kind(text)
     except ValueError:
         raise InvalidInputError(
-            f"codec {name!r}: {text!r} is not {'an integer' if family.kind is int else 'a number'}"
+            f"codec {printable(name)}: {printable(text)} is not "
+            f"{'an integer' if family.kind is int else 'a number'}"
         ) from None
     if isinstance(param, float) and not math.isfinite(param):
-        raise InvalidInputError(f"codec {name!r}: the parameter must be finite")
+        raise InvalidInputError(f"codec {printable(name)}: the parameter must be finite")
     return CodecName(f"{family_name}-{text}", family_name, param, family.lossy)
 
 
@@ -136,11 +142,11 @@ def make_codec(
     try:
         codec: Codec = cls(**kwargs)
     except (TypeError, ValueError) as exc:
-        raise InvalidInputError(f"codec {name!r}: {exc}") from None
+        raise InvalidInputError(f"codec {printable(name)}: {exc}") from None
     if shape is not None and getattr(codec, "lossy", False):
         bound = codec.for_tensor(dtype, tuple(shape))
         if bound is None:
-            raise InvalidInputError(f"codec {name!r} does not encode {dtype} values")
+            raise InvalidInputError(f"codec {printable(name)} does not encode {dtype} values")
         codec = bound
     return codec
 

@@ -20,6 +20,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from gradpipe.core.display import printable
 from gradpipe.core.dtypes import check_values, dtype_name, parse_dtype
 from gradpipe.core.names import parse_tensor_name
 from gradpipe.errors import InvalidInputError, UnsupportedFormatError
@@ -158,7 +159,7 @@ class _Decoder:
         where = ".".join(path) or "the root"
         _check(isinstance(node, dict) and isinstance(node.get("t"), str), f"{where} is not a node")
         kind: str = node["t"]  # type: ignore[index]
-        _check(kind in _FIELDS, f"{where} has unknown type {kind!r}")
+        _check(kind in _FIELDS, f"{where} has unknown type {printable(kind)}")
         _check(len(path) <= MAX_DEPTH + 1, f"{where} is nested too deeply")
         fields = set(node) - {"t"}  # type: ignore[call-overload]
         _check(fields in _FIELDS[kind], f"{where} ({kind}) has fields {sorted(fields)}")
@@ -227,7 +228,7 @@ class _Decoder:
         if not (isinstance(key, str) and isinstance(dtype, str) and isinstance(shape, list)):
             raise TypeError(f"malformed state tree: {where} has a bad key, dtype or shape")
         parse_tensor_name(key, where=where)
-        _check(key not in self.out.specs, f"array key {key!r} is used twice")
+        _check(key not in self.out.specs, f"array key {printable(key)} is used twice")
         parse_dtype(dtype)
         dims = tuple(_int(d, f"{where} shape") for d in shape)
         _check(all(d >= 0 for d in dims), f"{where} has a negative dimension")
@@ -236,11 +237,12 @@ class _Decoder:
         if self.arrays is None:
             return None if self.placeholder is None else self.placeholder(key, dtype, dims)
         if key not in self.arrays:
-            raise KeyError(f"array {key!r} of the state tree is missing")
+            raise KeyError(f"array {printable(key)} of the state tree is missing")
         arr = self.arrays[key]
         if dtype_name(arr.dtype) != dtype or arr.shape != dims:
             raise ValueError(
-                f"array {key!r} is {arr.dtype} {list(arr.shape)}; the tree says {dtype} {shape}"
+                f"array {printable(key)} is {arr.dtype} {list(arr.shape)}; the tree says "
+                f"{dtype} {shape}"
             )
         return arr
 
@@ -264,7 +266,7 @@ class _Decoder:
             key_node, value = pair
             _check(isinstance(key_node, dict) and key_node.get("t") in _KEY_TYPES, f"{where} key")
             key = self.node(key_node, ())
-            _check(key not in out, f"{where} has the key {key!r} twice")
+            _check(key not in out, f"{where} has the key {printable(key)} twice")
             self.out.keys[id(key_node)] = key
             if not path:
                 self.out.top.append(segment(key))

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Final
 
+from gradpipe.core.display import printable
 from gradpipe.core.encoding import decode_float, encode_float
 from gradpipe.core.ids import parse_id
 from gradpipe.errors import InvalidInputError
@@ -42,7 +43,9 @@ DEFAULT_KEYFRAME_INTERVAL: Final = 8
 def parse_keyframe_interval(value: object) -> int:
     """A keyframe interval (versions per chain, >= 1; 1 stores every version in full)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidInputError(f"keyframe interval must be an integer >= 1, not {value!r}")
+        raise InvalidInputError(
+            f"keyframe interval must be an integer >= 1, not {printable(value)}"
+        )
     return value
 
 
@@ -58,7 +61,7 @@ class DeltaLink:
         parse_id(self.block)
         parse_id(self.base)
         if self.kind not in ("int", "xor", "sparse"):
-            raise InvalidInputError(f"unknown delta kind {self.kind!r}")
+            raise InvalidInputError(f"unknown delta kind {printable(self.kind)}")
 
     def to_list(self) -> list[str]:
         """Compact JSON form: ``[block, base, kind]``."""

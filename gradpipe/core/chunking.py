@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 
+from gradpipe.core.display import printable
 from gradpipe.errors import InvalidInputError
 
 __all__ = [
@@ -45,7 +46,7 @@ def parse_shape(shape: object, itemsize: int = 1, *, where: str = "tensor") -> t
     if not isinstance(shape, list | tuple) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
-        raise InvalidInputError(f"{where}: bad shape {shape!r}; expected integers >= 0")
+        raise InvalidInputError(f"{where}: bad shape {printable(shape)}; expected integers >= 0")
     if len(shape) > MAX_DIMS:
         raise InvalidInputError(f"{where}: shape has {len(shape)} dimensions, numpy allows 64")
     extent = itemsize

@@ -13,6 +13,7 @@ from typing import Final
 
 import numpy as np
 
+from gradpipe.core.display import printable
 from gradpipe.errors import InvalidInputError
 
 __all__ = [
@@ -84,7 +85,7 @@ def parse_dtype(name: str) -> np.dtype:
         return _DTYPES[name]
     except KeyError:
         raise InvalidInputError(
-            f"unsupported dtype {name!r}; gradpipe stores {', '.join(DTYPE_NAMES)}"
+            f"unsupported dtype {printable(name)}; gradpipe stores {', '.join(DTYPE_NAMES)}"
         ) from None
 
 
@@ -102,7 +103,7 @@ def dtype_name(dtype: np.dtype | type) -> str:
         if name in _DTYPES:
             return name
     raise InvalidInputError(
-        f"unsupported dtype {dt.name!r}; gradpipe stores {', '.join(DTYPE_NAMES)}"
+        f"unsupported dtype {printable(dt.name)}; gradpipe stores {', '.join(DTYPE_NAMES)}"
     )
 
 

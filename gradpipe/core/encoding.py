@@ -11,6 +11,7 @@ import json
 import math
 from typing import Any
 
+from gradpipe.core.display import printable
 from gradpipe.errors import InvalidInputError
 
 __all__ = [
@@ -41,7 +42,7 @@ def decode_float(value: float | int | str | None) -> float | None:
         try:
             return _NON_FINITE[value]
         except KeyError:
-            raise InvalidInputError(f"{value!r} is not a float") from None
+            raise InvalidInputError(f"{printable(value)} is not a float") from None
     return float(value)
 
 
@@ -69,6 +70,6 @@ def reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise ValueError(f"duplicate key {key!r}")
+            raise ValueError(f"duplicate key {printable(key)}")
         out[key] = value
     return out

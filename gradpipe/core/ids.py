@@ -14,6 +14,7 @@ from typing import Final, TypeGuard
 import blake3
 import numpy as np
 
+from gradpipe.core.display import printable
 from gradpipe.errors import InvalidInputError
 
 __all__ = ["ID_PREFIX", "block_key", "hash_bytes", "id_from_block_key", "is_id", "parse_id"]
@@ -45,7 +46,8 @@ def parse_id(value: object) -> str:
     """Validate an id given by a user or read from a manifest."""
     if not is_id(value):
         raise InvalidInputError(
-            f"{value!r} is not a gradpipe id; ids look like 'b3:' followed by 64 hex digits"
+            f"{printable(value)} is not a gradpipe id; ids look like 'b3:' followed by 64 "
+            "hex digits"
         )
     return value
 

@@ -20,9 +20,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Final, Protocol, Self, TypeVar
 
+from gradpipe.core.display import printable
 from gradpipe.core.encoding import from_json_bytes, to_json_bytes
 from gradpipe.core.ids import hash_bytes
-from gradpipe.errors import IntegrityError, UnsupportedFormatError
+from gradpipe.errors import IntegrityError, InvalidInputError, UnsupportedFormatError
 
 __all__ = [
     "FORMAT_VERSION",
@@ -128,7 +129,8 @@ def manifest_class(kind: str, *, what: str = "manifest") -> type[Manifest]:
         module_name, _, attr = MANIFEST_TYPES[kind].partition(":")
     except KeyError:
         raise UnsupportedFormatError(
-            f"{what} has unknown type {kind!r}; it was written by a newer gradpipe, upgrade it"
+            f"{what} has unknown type {printable(kind)}; it was written by a newer gradpipe, "
+            "upgrade it"
         ) from None
     loaded = getattr(importlib.import_module(module_name), attr)
     if not (isinstance(loaded, type) and issubclass(loaded, Manifest) and loaded.type == kind):
@@ -157,18 +159,22 @@ def decode_manifest(data: bytes, *, what: str = "manifest") -> Manifest:
     """
     try:
         doc = from_json_bytes(data, what=what)
+    except InvalidInputError as exc:
+        # Its message already says "<what> is not valid JSON: ..."; only the kind
+        # changes (stored data is damaged, not a bad argument), never the words.
+        raise IntegrityError(str(exc)) from None
     except UnsupportedFormatError:
         raise
-    except Exception as exc:
-        raise IntegrityError(f"{what} is not valid JSON: {exc}") from None
+    except Exception as exc:  # e.g. RecursionError on JSON nested too deep
+        raise IntegrityError(f"{what} is not valid JSON: {exc!r}") from None
     if not isinstance(doc, dict) or "type" not in doc or "format" not in doc:
         raise IntegrityError(f"{what} is not a gradpipe manifest (no type and format)")
     version = doc.pop("format")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise IntegrityError(f"{what} has a malformed format field {version!r}")
+        raise IntegrityError(f"{what} has a malformed format field {printable(version)}")
     if version > FORMAT_VERSION:
         raise UnsupportedFormatError(
-            f"{what} has format {version!r}, newer than this gradpipe reads "
+            f"{what} has format {version}, newer than this gradpipe reads "
             f"({FORMAT_VERSION}); upgrade gradpipe"
         )
     kind = doc.pop("type")
@@ -176,4 +182,4 @@ def decode_manifest(data: bytes, *, what: str = "manifest") -> Manifest:
     try:
         return cls.from_dict(doc)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise IntegrityError(f"{what} of type {kind!r} is malformed: {exc!r}") from None
+        raise IntegrityError(f"{what} of type {printable(kind)} is malformed: {exc!r}") from None

@@ -13,6 +13,7 @@ import re
 import unicodedata
 from typing import Final
 
+from gradpipe.core.display import printable
 from gradpipe.errors import InvalidInputError
 
 __all__ = ["MAX_NAME_LENGTH", "parse_name", "parse_ref_name", "parse_tensor_name"]
@@ -33,7 +34,7 @@ def parse_name(name: object, *, what: str = "name") -> str:
     'run-7'
     """
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or ".." in name:
-        raise InvalidInputError(f"invalid {what} {name!r}: {_RULE}")
+        raise InvalidInputError(f"invalid {what} {printable(name)}: {_RULE}")
     return name
 
 
@@ -44,7 +45,7 @@ def parse_ref_name(name: object) -> str:
     'tags/best'
     """
     if not isinstance(name, str) or name.count("/") != 1:
-        raise InvalidInputError(f"invalid ref name {name!r}: expected '<kind>/<name>'")
+        raise InvalidInputError(f"invalid ref name {printable(name)}: expected '<kind>/<name>'")
     kind, rest = name.split("/")
     parse_name(kind, what="ref kind")
     parse_name(rest, what="ref name")
@@ -62,17 +63,18 @@ def parse_tensor_name(name: object, *, where: str) -> str:
         raise InvalidInputError(f"{where}: a tensor name is empty or not a string; rename it")
     if len(name) > MAX_NAME_LENGTH:
         raise InvalidInputError(
-            f"{where}: tensor name {name[:40]!r}... is {len(name)} characters, more than "
-            f"{MAX_NAME_LENGTH}; rename it"
+            f"{where}: tensor name {printable(name)} is longer than {MAX_NAME_LENGTH} "
+            "characters; rename it"
         )
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidInputError(
-            f"{where}: tensor name {name!r} is not valid UTF-8 text (a lone surrogate); rename it"
+            f"{where}: tensor name {printable(name)} is not valid UTF-8 text (a lone "
+            "surrogate); rename it"
         ) from None
     if any(unicodedata.category(c) == "Cc" for c in name):
         raise InvalidInputError(
-            f"{where}: tensor name {name!r} holds control characters; rename it"
+            f"{where}: tensor name {printable(name)} holds control characters; rename it"
         )
     return name

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, ClassVar, Final
 
+from gradpipe.core.display import printable
 from gradpipe.core.ids import parse_id
 from gradpipe.core.manifest import Manifest
 from gradpipe.core.names import parse_name
@@ -64,10 +65,10 @@ def parse_time(value: object, *, what: str = "time") -> datetime:
             out = datetime.fromisoformat(value)
         except ValueError:
             raise InvalidInputError(
-                f"{what} {value!r} is not an ISO 8601 time, e.g. 2026-01-31T12:00:00+00:00"
+                f"{what} {printable(value)} is not an ISO 8601 time, e.g. 2026-01-31T12:00:00+00:00"
             ) from None
     else:
-        raise InvalidInputError(f"{what} {value!r} is not a time")
+        raise InvalidInputError(f"{what} {printable(value)} is not a time")
     return out.replace(tzinfo=UTC) if out.tzinfo is None else out.astimezone(UTC)
 
 
@@ -83,12 +84,18 @@ class Quorum:
             return
         if self.kind == "count":
             if self.value != int(self.value) or self.value < 1:
-                raise InvalidInputError(f"quorum count {self.value!r} must be a whole number >= 1")
+                raise InvalidInputError(
+                    f"quorum count {printable(self.value)} must be a whole number >= 1"
+                )
         elif self.kind == "fraction":
             if not (math.isfinite(self.value) and 0 < self.value <= 1):
-                raise InvalidInputError(f"quorum fraction {self.value!r} must be in (0, 1]")
+                raise InvalidInputError(
+                    f"quorum fraction {printable(self.value)} must be in (0, 1]"
+                )
         else:
-            raise InvalidInputError(f"quorum kind {self.kind!r} is not all, count or fraction")
+            raise InvalidInputError(
+                f"quorum kind {printable(self.kind)} is not all, count or fraction"
+            )
 
     def needed(self, expected: int, failed: int) -> int:
         """Peers that must have delivered (``all``: every expected peer not marked failed)."""
@@ -126,7 +133,8 @@ def parse_quorum(text: str) -> Quorum:
         return Quorum("fraction", float(text))
     except ValueError:
         raise InvalidInputError(
-            f"quorum {text!r}: expected all, a count (3), a fraction (0.75) or a percentage (75%)"
+            f"quorum {printable(text)}: expected all, a count (3), a fraction (0.75) or a "
+            "percentage (75%)"
         ) from None
 
 
@@ -148,7 +156,8 @@ class PeerFailure:
     def __post_init__(self) -> None:
         if self.source not in FAILURE_SOURCES:
             raise InvalidInputError(
-                f"peer failure of {self.peer!r} at step {self.step}: source {self.source!r} "
+                f"peer failure of {printable(self.peer)} at step {self.step}: source "
+                f"{printable(self.source)} "
                 f"is not one of {', '.join(FAILURE_SOURCES)}"
             )
 
@@ -209,9 +218,11 @@ class RoundsManifest(Manifest):
         for peer in self.roster:
             parse_name(peer, what="peer name")
         if list(self.roster) != sorted(set(self.roster)):
-            raise InvalidInputError(f"rounds of run {self.run!r}: roster out of order or twice")
+            raise InvalidInputError(
+                f"rounds of run {printable(self.run)}: roster out of order or twice"
+            )
         if self.deadline is not None and not (math.isfinite(self.deadline) and self.deadline >= 0):
-            raise InvalidInputError(f"deadline {self.deadline!r} must be >= 0 seconds")
+            raise InvalidInputError(f"deadline {printable(self.deadline)} must be >= 0 seconds")
         if self.start is not None:
             parse_time(self.start, what="start")
 
@@ -295,7 +306,7 @@ def claim_steps(
             if age < ttl:
                 refused[step] = (
                     f"claimed by another aggregation (claim {held.claim_id[:12]} since "
-                    f"{held.time}); it will record this step's {name!r}"
+                    f"{held.time}); it will record this step's {printable(name)}"
                 )
                 continue
         claims[(step, name)] = Claim(step, name, claim_id, now.isoformat())

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, ClassVar, cast
 
+from gradpipe.core.display import printable
 from gradpipe.core.ids import parse_id
 from gradpipe.core.manifest import Manifest, ManifestSource
 from gradpipe.core.names import parse_name
@@ -171,17 +172,19 @@ class RunManifest(Manifest):
         }
         for name, value in values.items():
             object.__setattr__(self, name, value)
-        object.__setattr__(self, "_cache", ShardCache(None, f"run {run!r}"))
+        object.__setattr__(self, "_cache", ShardCache(None, f"run {printable(run)}"))
         object.__setattr__(self, "_unstored", {})
         keys = [d.sort_key for d in self.inline_dumps]
         if keys != sorted(set(keys)):
-            raise InvalidInputError(f"run {self.run!r} lists dumps out of order or twice")
+            raise InvalidInputError(f"run {printable(self.run)} lists dumps out of order or twice")
         named = [a.sort_key for a in self.inline_aggregates]
         if named != sorted(set(named)):
-            raise InvalidInputError(f"run {self.run!r} lists aggregates out of order or twice")
+            raise InvalidInputError(
+                f"run {printable(self.run)} lists aggregates out of order or twice"
+            )
         if (dump_shards and self.inline_dumps) or (aggregate_shards and self.inline_aggregates):
             raise InvalidInputError(
-                f"run {self.run!r} lists entries both in its manifest and in shards"
+                f"run {printable(self.run)} lists entries both in its manifest and in shards"
             )
 
     # The shards read or made so far (shared by every state derived from one read),
@@ -202,7 +205,7 @@ class RunManifest(Manifest):
         return new
 
     def with_source(self, source: ManifestSource) -> RunManifest:
-        cache = ShardCache(source, f"run {self.run!r}")
+        cache = ShardCache(source, f"run {printable(self.run)}")
         cache.nodes.update(self._cache.nodes)
         return self._evolve(_cache=cache)
 
@@ -310,7 +313,7 @@ class RunManifest(Manifest):
         return cast(AggregateEntry | None, found.get((step, name)))
 
     def _where(self, tree: str) -> str:
-        return f"run {self.run!r} ({tree})"
+        return f"run {printable(self.run)} ({tree})"
 
     # --- stored form ------------------------------------------------------------
     def manifest_children(self) -> Iterator[str]:

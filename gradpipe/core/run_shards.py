@@ -24,6 +24,7 @@ from functools import cached_property
 from itertools import pairwise
 from typing import Any, ClassVar, Final
 
+from gradpipe.core.display import printable
 from gradpipe.core.ids import parse_id
 from gradpipe.core.manifest import Manifest, ManifestSource, manifest_id
 from gradpipe.core.run_entries import AggregateEntry, DumpEntry, EntryKey
@@ -71,7 +72,7 @@ class TreeShape:
     def __post_init__(self) -> None:
         if self.leaf < 1 or self.branch < 2:
             raise InvalidInputError(
-                f"a tree shape needs at least 1 entry per leaf and 2 links per inner shard, "
+                "a tree shape needs at least 1 entry per leaf and 2 links per inner shard, "
                 f"got {self.leaf} and {self.branch}"
             )
 
@@ -116,7 +117,7 @@ class RunShard(Manifest):
     def __post_init__(self) -> None:
         cls = KINDS.get(self.kind)
         if cls is None:
-            raise InvalidInputError(f"run shard of unknown kind {self.kind!r}")
+            raise InvalidInputError(f"run shard of unknown kind {printable(self.kind)}")
         if self.level < 0:
             raise InvalidInputError(f"run shard at level {self.level}")
         if self.level == 0:
@@ -167,7 +168,7 @@ class RunShard(Manifest):
         kind = str(data["kind"])
         entry_cls = KINDS.get(kind)
         if entry_cls is None:
-            raise InvalidInputError(f"run shard of unknown kind {kind!r}")
+            raise InvalidInputError(f"run shard of unknown kind {printable(kind)}")
         return cls(
             kind,
             int(data["level"]),

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gradpipe.core.display import printable
 from gradpipe.core.ids import hash_bytes
 from gradpipe.errors import InvalidInputError
 
@@ -44,13 +45,18 @@ class Unit:
 
     def describe(self) -> str:
         """``tensor 'w' of step 3, peer 'a', chunk 0`` (for messages)."""
-        return f"tensor {self.tensor!r} of step {self.step}, peer {self.peer!r}, chunk {self.chunk}"
+        return (
+            f"tensor {printable(self.tensor)} of step {self.step}, peer "
+            f"{printable(self.peer)}, chunk {self.chunk}"
+        )
 
 
 def parse_sample_size(value: object) -> int:
     """A sample size: a whole number of chunks, at least 1."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidInputError(f"sample must be a whole number of chunks >= 1, not {value!r}")
+        raise InvalidInputError(
+            f"sample must be a whole number of chunks >= 1, not {printable(value)}"
+        )
     return value
 
 

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from gradpipe.core.display import printable
 from gradpipe.core.encoding import decode_float, encode_float
 from gradpipe.core.ids import parse_id
 from gradpipe.core.manifest import Manifest
@@ -51,7 +52,9 @@ class SnapshotManifest(EmbeddedTensors, Manifest):
     def __post_init__(self) -> None:
         parse_name(self.name, what="snapshot name")
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
-            raise InvalidInputError(f"snapshot step must be an integer >= 0, not {self.step!r}")
+            raise InvalidInputError(
+                f"snapshot step must be an integer >= 0, not {printable(self.step)}"
+            )
         for ref in (self.previous, self.content):
             if ref is not None:
                 parse_id(ref)

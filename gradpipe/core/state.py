@@ -50,6 +50,7 @@ from gradpipe.core._state_codec import (
     encode_leaf,
     segment,
 )
+from gradpipe.core.display import printable
 from gradpipe.core.dtypes import canonical_dtype, check_values, dtype_name
 from gradpipe.core.names import MAX_NAME_LENGTH, parse_tensor_name
 from gradpipe.errors import InvalidInputError, NotFoundError
@@ -144,7 +145,7 @@ class _Flattener:
         self.active: set[int] = set()  # containers on the current path: cycle detection
 
     def show(self, path: tuple[object, ...]) -> str:
-        return self.where + "".join(f"[{k!r}]" for k in path)
+        return self.where + "".join(f"[{printable(k)}]" for k in path)
 
     def refuse(self, path: tuple[object, ...], what: str) -> InvalidInputError:
         return InvalidInputError(f"{self.show(path)}: {what}; {_SUPPORTED}")

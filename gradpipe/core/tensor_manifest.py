@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 from gradpipe.core.chain import ChainInfo, DeltaLink
 from gradpipe.core.chunk_stats import ChunkStats, merge_stats, stats_from_columns
 from gradpipe.core.chunking import chunk_count, chunk_ranges, parse_chunk_shape, parse_shape
+from gradpipe.core.display import printable
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.ids import parse_id
 from gradpipe.core.lossy import LossyInfo
@@ -207,7 +208,7 @@ class TensorManifest(Manifest):
         inline = {}
         for index, text in data.get("inline", {}).items():
             if not (isinstance(index, str) and index.isdigit() and str(int(index)) == index):
-                raise ValueError(f"inline chunk key {index!r} is not a chunk number")
+                raise ValueError(f"inline chunk key {printable(index)} is not a chunk number")
             try:
                 inline[int(index)] = base64.b64decode(text, validate=True)
             except (binascii.Error, TypeError) as exc:
@@ -300,7 +301,7 @@ class TensorRef:
 def _ints(value: Any, what: str, tensor_id: str) -> tuple[int, ...]:
     """A stored list of ints as a tuple (not bools, not floats that equal ints)."""
     if type(value) is not list or not all(type(n) is int for n in value):
-        raise TypeError(f"tensor {tensor_id} has a malformed {what} {value!r}")
+        raise TypeError(f"tensor {tensor_id} has a malformed {what} {printable(value)}")
     return tuple(value)
 
 

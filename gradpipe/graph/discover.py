@@ -8,6 +8,7 @@ from typing import Any
 
 import fsspec
 
+from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.core.names import parse_name
 from gradpipe.errors import InvalidInputError, NotFoundError
 from gradpipe.formats.dump import check_regular_file
@@ -53,16 +54,17 @@ def parse_pattern(pattern: str) -> tuple[str, re.Pattern[str]]:
     {'step': '007', 'peer': 'p1'}
     """
     fields = _FIELD.findall(pattern)
+    shown = printable(pattern, limit=PATH_LIMIT)
     if "step" not in fields:
         raise InvalidInputError(
-            f"pattern {pattern!r} has no {{step}} field; write e.g. "
+            f"pattern {shown} has no {{step}} field; write e.g. "
             "'dumps/step={step}/peer={peer}.safetensors'"
         )
     leftover = _FIELD.sub("", pattern)
     if "{" in leftover or "}" in leftover:
-        raise InvalidInputError(f"pattern {pattern!r} has a field other than {{step}} and {{peer}}")
+        raise InvalidInputError(f"pattern {shown} has a field other than {{step}} and {{peer}}")
     if any(c in leftover for c in "*?["):
-        raise InvalidInputError(f"pattern {pattern!r}: use {{step}}/{{peer}} fields, not wildcards")
+        raise InvalidInputError(f"pattern {shown}: use {{step}}/{{peer}} fields, not wildcards")
     regex, glob, seen = [], [], set()
     for piece in _FIELD.split(pattern):
         if piece in ("step", "peer") and f"{{{piece}}}" in pattern:
@@ -119,7 +121,9 @@ def discover_dumps(
         step = int(match["step"])
         raw_peer = match.groupdict().get("peer") or SOLE_PEER
         try:
-            peer = parse_name(raw_peer, what=f"peer name in {candidate}")
+            # The peer keeps its exact text (JSON reports show it); messages escape it.
+            where = printable(candidate, limit=PATH_LIMIT)
+            peer = parse_name(raw_peer, what=f"peer name in {where}")
         except InvalidInputError as exc:
             refused.append(Failure(candidate, step, raw_peer, f"{exc}; rename the file"))
             continue
@@ -131,16 +135,19 @@ def discover_dumps(
         dump = DumpFile(step, peer, candidate, int(info.get("size") or 0), _fingerprint(info))
         claims.setdefault((step, peer), []).append(dump)
     if not claims and not refused:
-        raise NotFoundError(f"no dump file matches {pattern!r} (searched {glob!r})")
+        raise NotFoundError(
+            f"no dump file matches {printable(pattern, limit=PATH_LIMIT)} "
+            f"(searched {printable(glob, limit=PATH_LIMIT)})"
+        )
     dumps = []
     for (step, peer), group in sorted(claims.items()):
         if len(group) == 1:
             dumps.append(group[0])
             continue
-        paths = " and ".join(d.path for d in group)
+        paths = " and ".join(printable(d.path, limit=PATH_LIMIT) for d in group)
         reason = (
-            f"{paths} all claim step {step}, peer {peer!r}; remove all but one or make the "
-            "pattern more specific"
+            f"{paths} all claim step {step}, peer {printable(peer)}; remove all but one or make "
+            "the pattern more specific"
         )
         refused.extend(Failure(d.path, step, peer, reason) for d in group)
     return fs, dumps, refused

@@ -28,6 +28,7 @@ from typing import Any, Final
 import numpy as np
 
 from gradpipe.core.chain import ChainTotals
+from gradpipe.core.display import printable
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.run_manifest import DumpManifest
 from gradpipe.core.tensor_manifest import TensorManifest
@@ -124,7 +125,7 @@ def _write_version(
                 keyframe_interval=settings.keyframe_interval,
                 chunk_bytes=settings.chunk_bytes,
                 stats=stats,
-                where=f"{dump.path}: tensor {spec.name!r}",
+                where=f"{dump.path}: tensor {printable(spec.name)}",
             )
             totals.add_version(manifest)
             manifests[spec.name] = manifest
@@ -140,7 +141,7 @@ def _recorded_parent(
         manifest = store.get_typed(
             parent.dump_id,
             DumpManifest,
-            context=f"run {run!r}, step {parent.step}, peer {dump.peer!r}",
+            context=f"run {printable(run)}, step {parent.step}, peer {printable(dump.peer)}",
         )
         for _ in manifest.embedded_manifests():  # its tensors decode lazily: check them here
             pass

@@ -28,6 +28,7 @@ from numcodecs.abc import Codec
 from gradpipe.codecs._lossy import LossyCodec, bind_chain
 from gradpipe.core.chain import ChainTotals
 from gradpipe.core.chunking import chunk_ranges
+from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.ids import hash_bytes
 from gradpipe.core.manifest import encode_manifest
@@ -80,7 +81,7 @@ def _isolated(func: Callable[P, R]) -> Callable[P, R | Failure]:
         except Exception as exc:
             reason = str(exc) if str(exc) else type(exc).__name__
             if dump.path not in reason:
-                reason = f"{dump.path}: {reason}"
+                reason = f"{printable(dump.path, limit=PATH_LIMIT)}: {reason}"
             return Failure(dump.path, dump.step, dump.peer, reason)
 
     return task
@@ -297,7 +298,7 @@ def schema_conflict(
         known = schema.get(name)
         if known is not None and known != spec:
             return (
-                f"tensor {name!r} of {where} is {spec.describe()}, but the run has it as "
+                f"tensor {printable(name)} of {where} is {spec.describe()}, but the run has it as "
                 f"{known.describe()}; fix the dump or ingest it into another run"
             )
     return None
@@ -333,12 +334,13 @@ def commit_run(
         known = base.dump_entries(r.entry.sort_key for r in done)
         for result in done:
             key = (result.entry.step, result.entry.peer)
-            why = schema_conflict(schema, result.schema, f"step {key[0]}, peer {key[1]!r}")
+            why = schema_conflict(schema, result.schema, f"step {key[0]}, peer {printable(key[1])}")
             recorded = known.get(key)
             changed = recorded is not None and recorded.fingerprint != result.entry.fingerprint
             if why is None and changed and not replace:
                 why = (
-                    f"run {run!r} got step {key[0]}, peer {key[1]!r} from another version "
+                    f"run {printable(run)} got step {key[0]}, peer {printable(key[1])} "
+                    "from another version "
                     "of the file while this ingest ran; re-run with --replace to replace it"
                 )
             if why is None:

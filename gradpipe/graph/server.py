@@ -25,6 +25,7 @@ from typing import Any
 
 from dask.base import tokenize
 
+from gradpipe.core.display import printable
 from gradpipe.core.server_opt import ServerOptimizerConfig
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.graph.aggregate import overlapping, sources_of
@@ -103,7 +104,7 @@ def build_server_graph(
     token = tokenize(store.url, plan.snapshot, plan.step, plan.t, uuid.uuid4().hex)
     graph: dict[Hashable, Any] = {}
     out: list[tuple[str, Hashable]] = []
-    where = f"snapshot {plan.snapshot!r}"
+    where = f"snapshot {printable(plan.snapshot)}"
     versioner = ChunkVersioner(store, kind="int", threshold=0.0, interval=plan.interval)
     for j, tensor in enumerate(plan.tensors):
         ranges = tensor.params.chunk_ranges()
@@ -121,7 +122,7 @@ def build_server_graph(
         state_sources = {n: sources_of(m) for n, m in tensor.state.items() if not aligned[n]}
         step_keys: list[Hashable] = []
         for c, (start, stop) in enumerate(ranges):
-            context = f"{where}, tensor {tensor.name!r}"
+            context = f"{where}, tensor {printable(tensor.name)}"
             params_key = add_chunk_read(graph, store, tensor.params, c, f"{context} params")
             state_keys: list[Hashable | None] = []
             state: list[StateInput] = []

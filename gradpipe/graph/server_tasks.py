@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gradpipe.core.display import printable
 from gradpipe.core.dtypes import is_float, parse_dtype
 from gradpipe.core.server_opt import ServerOptimizerConfig, init_server_state, server_step
 from gradpipe.errors import InvalidInputError
@@ -113,7 +114,7 @@ def server_chunk(
     """
     store = versioner.store
     size = job.stop - job.start
-    where = f"{job.where}, tensor {job.tensor!r}, chunk {job.index}"
+    where = f"{job.where}, tensor {printable(job.tensor)}, chunk {job.index}"
     x = _typed(params, job.dtype, size)
     given = iter(state)
     current = {

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from gradpipe.config import get_setting
+from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.core.ids import hash_bytes
 from gradpipe.errors import ConflictError, NotFoundError, StorageError
 from gradpipe.storage.backend import TEMP_PREFIX, Backend, KeyInfo, VersionedBytes
@@ -83,13 +84,17 @@ class LocalBackend(Backend):
         return self.root / key
 
     def _error(self, exc: OSError, key: str, doing: str) -> StorageError:
-        return StorageError(f"could not {doing} {key!r} in store {self.url}: {exc}")
+        return StorageError(
+            f"could not {doing} {printable(key, limit=PATH_LIMIT)} in store {self.url}: {exc}"
+        )
 
     def read(self, key: str) -> bytes:
         try:
             return self._path(key).read_bytes()
         except FileNotFoundError:
-            raise NotFoundError(f"{key!r} not found in store {self.url}") from None
+            raise NotFoundError(
+                f"{printable(key, limit=PATH_LIMIT)} not found in store {self.url}"
+            ) from None
         except OSError as exc:
             raise self._error(exc, key, "read") from exc
 
@@ -200,7 +205,9 @@ class LocalBackend(Backend):
         try:
             os.utime(self._path(key))
         except FileNotFoundError:
-            raise NotFoundError(f"{key!r} not found in store {self.url}") from None
+            raise NotFoundError(
+                f"{printable(key, limit=PATH_LIMIT)} not found in store {self.url}"
+            ) from None
         except OSError as exc:
             raise self._error(exc, key, "touch") from exc
 
@@ -240,7 +247,8 @@ class LocalBackend(Backend):
                 current = self.read_versioned(key)
                 if (current.token if current else None) != expected:
                     raise ConflictError(
-                        f"ref {key!r} in store {self.url} was moved by another writer"
+                        f"ref {printable(key, limit=PATH_LIMIT)} in store {self.url} was "
+                        "moved by another writer"
                     )
                 os.replace(self._write_temp(path, data), path)
                 if self._fsync:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.errors import ConflictError, NotFoundError
 from gradpipe.storage.backend import Backend, KeyInfo, VersionedBytes
 
@@ -49,7 +50,7 @@ class MemoryBackend(Backend):
         self._tokens = itertools.count(1)
 
     def _missing(self, key: str) -> NotFoundError:
-        return NotFoundError(f"{key!r} not found in store {self.url}")
+        return NotFoundError(f"{printable(key, limit=PATH_LIMIT)} not found in store {self.url}")
 
     def read(self, key: str) -> bytes:
         with self._lock:
@@ -102,7 +103,10 @@ class MemoryBackend(Backend):
         with self._lock:
             obj = self._objects.get(key)
             if (obj.token if obj is not None else None) != expected:
-                raise ConflictError(f"ref {key!r} in store {self.url} was moved by another writer")
+                raise ConflictError(
+                    f"ref {printable(key, limit=PATH_LIMIT)} in store {self.url} was "
+                    "moved by another writer"
+                )
             token = self._token()
             self._objects[key] = _Object(bytes(data), time.time(), token)
         return token

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from fsspec.asyn import sync
 
 from gradpipe.config import get_setting
+from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.errors import ConflictError, InvalidInputError, NotFoundError, StorageError
 from gradpipe.storage.backend import Backend, KeyInfo, VersionedBytes
 from gradpipe.storage.retries import with_retries
@@ -96,12 +97,17 @@ class S3Backend(Backend):
     def _translate(self, exc: BaseException, key: str, doing: str) -> Exception:
         if _error_code(exc) == "NoSuchBucket":
             return StorageError(
-                f"bucket {self.bucket!r} does not exist (store {self.url}); create it first"
+                f"bucket {printable(self.bucket)} does not exist (store {self.url}); "
+                "create it first"
             )
         if isinstance(exc, FileNotFoundError) or _error_code(exc) in ("NoSuchKey", "404"):
-            return NotFoundError(f"{key!r} not found in store {self.url}")
+            return NotFoundError(
+                f"{printable(key, limit=PATH_LIMIT)} not found in store {self.url}"
+            )
         if _is_transport_error(exc) or _error_code(exc):
-            return StorageError(f"could not {doing} {key!r} in store {self.url}: {exc}")
+            return StorageError(
+                f"could not {doing} {printable(key, limit=PATH_LIMIT)} in store {self.url}: {exc}"
+            )
         return exc if isinstance(exc, Exception) else StorageError(str(exc))
 
     async def _call(self, method: str, **kwargs: Any) -> dict[str, Any]:
@@ -157,7 +163,9 @@ class S3Backend(Backend):
         if await self._mtime(key) is not None:
             return False
         raise StorageError(
-            f"could not write {key!r} in store {self.url}: concurrent writes kept conflicting"
+            f"could not write {printable(key, limit=PATH_LIMIT)} in store {self.url}: "
+            "concurrent writes "
+            "kept conflicting"
         )
 
     def write_if_absent(self, key: str, data: bytes | memoryview) -> bool:
@@ -219,7 +227,8 @@ class S3Backend(Backend):
                 first = errors[0]
                 raise StorageError(
                     f"could not delete {len(errors)} key(s) in store {self.url}, e.g. "
-                    f"{first.get('Key')!r}: {first.get('Code')} {first.get('Message', '')}"
+                    f"{printable(first.get('Key'), limit=PATH_LIMIT)}: "
+                    f"{first.get('Code')} {first.get('Message', '')}"
                 )
 
         batches = [keys[i : i + 1000] for i in range(0, len(keys), 1000)]
@@ -271,7 +280,8 @@ class S3Backend(Backend):
                 "NoSuchKey",
             ):
                 raise ConflictError(
-                    f"ref {key!r} in store {self.url} was moved by another writer"
+                    f"ref {printable(key, limit=PATH_LIMIT)} in store {self.url} was "
+                    "moved by another writer"
                 ) from None
             raise self._translate(exc, key, "update") from exc
         return str(response["ETag"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from gradpipe.core.display import printable
 from gradpipe.core.names import parse_name
 from gradpipe.core.rounds import RoundsManifest
 from gradpipe.core.run_manifest import RunManifest
@@ -44,13 +45,15 @@ def read_run(store: Store, run: str, *, missing_ok: bool = False) -> tuple[str |
         if missing_ok:
             return None, RunManifest(run)
         known = ", ".join(list_runs(store)) or "none"
-        raise NotFoundError(f"no run {run!r} in store {store.url} (runs: {known})") from None
+        raise NotFoundError(
+            f"no run {printable(run)} in store {store.url} (runs: {known})"
+        ) from None
     return run_id, read_run_at(store, run_id, run)
 
 
 def read_run_at(store: Store, run_id: str, run: str) -> RunManifest:
     """The run manifest with id ``run_id`` (a state of run ``run``)."""
-    return store.get_typed(run_id, RunManifest, context=f"run {run!r}")
+    return store.get_typed(run_id, RunManifest, context=f"run {printable(run)}")
 
 
 def rounds_ref(run: str) -> str:
@@ -68,4 +71,4 @@ def read_rounds(store: Store, run: str) -> tuple[str | None, RoundsManifest]:
 
 def read_rounds_at(store: Store, rounds_id: str, run: str) -> RoundsManifest:
     """The rounds manifest with id ``rounds_id`` (a state of run ``run``'s rounds)."""
-    return store.get_typed(rounds_id, RoundsManifest, context=f"rounds of run {run!r}")
+    return store.get_typed(rounds_id, RoundsManifest, context=f"rounds of run {printable(run)}")

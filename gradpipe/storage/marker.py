@@ -10,6 +10,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any, Final
 
+from gradpipe.core.display import printable
 from gradpipe.core.encoding import from_json_bytes, to_json_bytes
 from gradpipe.errors import IntegrityError, NotFoundError, UnsupportedFormatError
 from gradpipe.storage.backend import Backend
@@ -48,7 +49,8 @@ def read_marker(backend: Backend) -> dict[str, Any] | None:
     version = doc.get("format")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise IntegrityError(
-            f"{where} is damaged: its 'format' is {version!r}, expected a layout number such "
+            f"{where} is damaged: its 'format' is {printable(version)}, expected a layout "
+            "number such "
             f"as {STORE_FORMAT}; restore the file or rewrite it with "
             f'{{"gradpipe": "store", "format": {STORE_FORMAT}}}'
         )

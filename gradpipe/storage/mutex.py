@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from gradpipe.config import get_seconds
+from gradpipe.core.display import printable
 from gradpipe.core.names import parse_name
 from gradpipe.errors import GradpipeError, LockedError
 from gradpipe.storage.locks import LOCK_PREFIX, Lease, _sleep, _ttl
@@ -108,7 +109,8 @@ def _contend(store: Store, lease: _MutexLease, wait: float, deadline: float) -> 
             holder = others[0].key.rsplit("/", 1)[-1]
             raise LockedError(
                 f"'{lease.purpose}' waited {wait:.0f} s for another holder of "
-                f"{lease.folder.rsplit('/', 1)[-1]!r} on store {store.url} ({holder}, refreshed "
+                f"{printable(lease.folder.rsplit('/', 1)[-1])} on store {store.url} "
+                f"({holder}, refreshed "
                 f"{now - others[0].mtime:.0f} s ago) and gave up"
             )
         if older:

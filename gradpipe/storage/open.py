@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, get_args
 
+from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.errors import InvalidInputError, NotFoundError
 from gradpipe.storage.backend import TEMP_PREFIX, Backend
 from gradpipe.storage.marker import MARKER_KEY, marker_bytes, read_marker
@@ -39,7 +40,7 @@ def open_store(
         Passed to the fsspec filesystem (e.g. ``{"endpoint_url": ...}``).
     """
     if mode not in get_args(Mode):
-        raise InvalidInputError(f"mode must be one of {get_args(Mode)}, got {mode!r}")
+        raise InvalidInputError(f"mode must be one of {get_args(Mode)}, got {printable(mode)}")
     url = os.fspath(url)
     backend = backend_for_url(url, storage_options)
     marker = read_marker(backend)
@@ -75,6 +76,7 @@ def _check_empty(backend: Backend, url: str) -> None:
         return
     if stray is not None:
         raise InvalidInputError(
-            f"{url} is not a gradpipe store and is not empty (it holds {stray.key!r}); "
+            f"{url} is not a gradpipe store and is not empty (it holds "
+            f"{printable(stray.key, limit=PATH_LIMIT)}); "
             "choose an empty or new location"
         )

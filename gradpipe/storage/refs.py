@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Final
 
+from gradpipe.core.display import printable
 from gradpipe.core.ids import hash_bytes
 from gradpipe.core.manifest import decode_manifest, encode_manifest
 from gradpipe.core.names import parse_name, parse_ref_name
@@ -69,11 +70,15 @@ class Refs:
         if current is None:
             return None, None
         try:
-            entry = decode_manifest(current.data, what=f"ref {name!r} in store {self._store.url}")
+            entry = decode_manifest(
+                current.data, what=f"ref {printable(name)} in store {self._store.url}"
+            )
         except IntegrityError as exc:
             raise IntegrityError(f"{exc}; the ref is damaged, run `gradpipe verify`") from None
         if not isinstance(entry, RefEntry) or entry.ref != name:
-            raise IntegrityError(f"ref {name!r} in store {self._store.url} holds a foreign entry")
+            raise IntegrityError(
+                f"ref {printable(name)} in store {self._store.url} holds a foreign entry"
+            )
         return current, entry
 
     def entry(self, name: str) -> RefEntry | None:
@@ -85,7 +90,7 @@ class Refs:
         """The id ``name`` points at; :class:`NotFoundError` if there is none."""
         entry = self.entry(name)
         if entry is None or entry.target is None:
-            raise NotFoundError(f"ref {name!r} does not exist in store {self._store.url}")
+            raise NotFoundError(f"ref {printable(name)} does not exist in store {self._store.url}")
         return entry.target
 
     def set(
@@ -106,7 +111,7 @@ class Refs:
         def decide(current: str | None) -> str | None:
             if not isinstance(expected, _Any) and current != expected:
                 raise ConflictError(
-                    f"ref {name!r} points at {current}, not {expected}; "
+                    f"ref {printable(name)} points at {current}, not {expected}; "
                     "someone else moved it: re-read and retry"
                 )
             return target
@@ -170,7 +175,7 @@ class Refs:
                     continue
                 return new
         raise ConflictError(
-            f"ref {name!r} in store {self._store.url} kept moving; gave up after "
+            f"ref {printable(name)} in store {self._store.url} kept moving; gave up after "
             f"{_MAX_ATTEMPTS} attempts"
         )
 
@@ -209,7 +214,7 @@ class Refs:
             if mine is not None:
                 break
             entry = self._store.get_typed(
-                entry.previous, RefEntry, context=f"history of ref {name!r}"
+                entry.previous, RefEntry, context=f"history of ref {printable(name)}"
             )
             if entry.time < horizon:
                 break
@@ -219,13 +224,13 @@ class Refs:
         """Entries of ``name``, newest first (deletions included, target None)."""
         current, entry = self.read(name)
         if current is None or entry is None:
-            raise NotFoundError(f"ref {name!r} does not exist in store {self._store.url}")
+            raise NotFoundError(f"ref {printable(name)} does not exist in store {self._store.url}")
         while entry is not None:
             yield entry
             if entry.previous is None:
                 return
             entry = self._store.get_typed(
-                entry.previous, RefEntry, context=f"history of ref {name!r}"
+                entry.previous, RefEntry, context=f"history of ref {printable(name)}"
             )
 
     def names(self, kind: str | None = None) -> list[str]:

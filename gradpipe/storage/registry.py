@@ -6,6 +6,7 @@ import importlib
 import os
 from typing import Any, Final
 
+from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.errors import InvalidInputError
 from gradpipe.storage.backend import Backend
 
@@ -33,14 +34,17 @@ def backend_for_url(url: str, storage_options: dict[str, Any] | None = None) -> 
     has no backend for; nothing is created or written.
     """
     if not isinstance(url, str | os.PathLike) or not str(url):
-        raise InvalidInputError(f"store URL must be a non-empty string, got {url!r}")
+        raise InvalidInputError(
+            f"store URL must be a non-empty string, got {printable(url, limit=PATH_LIMIT)}"
+        )
     url = os.fspath(url)
     scheme = url_scheme(url)
     try:
         module_name, _, attr = BACKENDS[scheme].partition(":")
     except KeyError:
         raise InvalidInputError(
-            f"unsupported store URL scheme {scheme!r} in {url!r}; "
+            f"unsupported store URL scheme {printable(scheme)} in "
+            f"{printable(url, limit=PATH_LIMIT)}; "
             "use a local path, file://, memory:// or s3://bucket/prefix"
         ) from None
     factory = getattr(importlib.import_module(module_name), attr)

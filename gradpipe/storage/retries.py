@@ -23,6 +23,7 @@ import os
 from typing import Any, Final
 
 from gradpipe.config import get_setting
+from gradpipe.core.display import printable
 from gradpipe.errors import InvalidInputError
 
 __all__ = ["MODES", "with_retries"]
@@ -45,7 +46,8 @@ def with_retries(storage_options: dict[str, Any]) -> dict[str, Any]:
         mode = str(get_setting("storage.retries.mode"))
         if mode not in MODES:
             raise InvalidInputError(
-                f"gradpipe.storage.retries.mode must be one of {', '.join(MODES)}, not {mode!r}"
+                f"gradpipe.storage.retries.mode must be one of {', '.join(MODES)}, not "
+                f"{printable(mode)}"
             )
         retries["mode"] = mode
     given = "max_attempts" in retries or "total_max_attempts" in retries
@@ -54,7 +56,7 @@ def with_retries(storage_options: dict[str, Any]) -> dict[str, Any]:
         if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
             raise InvalidInputError(
                 "gradpipe.storage.retries.max-attempts must be an integer >= 1 "
-                f"(attempts in all, the first included), not {attempts!r}"
+                f"(attempts in all, the first included), not {printable(attempts)}"
             )
         # botocore's client option ``max_attempts`` counts retries; ``total_max_attempts``
         # counts attempts, as AWS_MAX_ATTEMPTS and the setting do.

@@ -20,6 +20,7 @@ from numcodecs.abc import Codec
 
 from gradpipe.codecs import choose_codec
 from gradpipe.config import get_seconds, get_setting
+from gradpipe.core.display import printable
 from gradpipe.core.ids import block_key, hash_bytes, parse_id
 from gradpipe.core.manifest import Manifest, decode_manifest, encode_manifest
 from gradpipe.core.names import parse_name
@@ -385,7 +386,7 @@ class Store:
         self.check_writable()
         if name is not None:
             parse_name(name, what="tensor name")
-        where = f"tensor {name!r}" if name else "tensor"
+        where = f"tensor {printable(name)}" if name else "tensor"
         with self.writing(f"put tensor {name}" if name else "put tensor"):
             manifest = _tensors.write_tensor(
                 self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from gradpipe.core.display import printable
 from gradpipe.core.ids import block_key, hash_bytes, parse_id
 from gradpipe.core.manifest import Manifest, decode_manifest
 from gradpipe.core.ref_entry import target_type
@@ -68,14 +69,14 @@ def _roots(store: Store, found: Reachable, skip: Collection[str] = ()) -> Iterat
             current, entry = store.refs.read(name)
         except GradpipeError as exc:
             kind = "unreadable" if isinstance(exc, UnsupportedFormatError) else "corrupt"
-            found.problems.append(Problem(kind, f"refs/{name}", f"ref {name!r}", str(exc)))
+            found.problems.append(Problem(kind, f"refs/{name}", f"ref {printable(name)}", str(exc)))
             continue
         if current is None:
             continue
         # The current entry was written as a block too; it heads the history.
-        yield hash_bytes(current.data), f"history of ref {name!r}", "ref"
+        yield hash_bytes(current.data), f"history of ref {printable(name)}", "ref"
         if entry is not None and entry.target is not None:
-            yield entry.target, f"ref {name!r}", target_type(name)
+            yield entry.target, f"ref {printable(name)}", target_type(name)
 
 
 def _read_levels(

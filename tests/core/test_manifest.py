@@ -79,3 +79,33 @@ def test_ref_names() -> None:
     for bad in ("runs", "runs/a/b", "runs/..", "/x", "runs/"):
         with pytest.raises(InvalidInputError):
             parse_ref_name(bad)
+
+
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        (b"{not json", "is not valid JSON"),
+        (b"\xff\xfe", "is not valid JSON"),
+        (b"[1, 2]", "is not a gradpipe manifest"),
+        (b'{"type": "tensor", "format": "1"}', "has a malformed format field"),
+    ],
+)
+def test_a_damaged_manifest_is_named_once(data: bytes, words: str) -> None:
+    # The JSON parser's own message already names what it parsed: wrapping it must not
+    # say "ref 'x' is not valid JSON: ref 'x' is not valid JSON: ...".
+    with pytest.raises(IntegrityError) as caught:
+        decode_manifest(data, what="ref 'runs/r'")
+    message = str(caught.value)
+    assert message.startswith(f"ref 'runs/r' {words}")
+    assert message.count("runs/r") == 1
+    assert message.count(words) == 1
+
+
+@pytest.mark.parametrize("bad", ["x" * 10_000, "evil\n\u202erun", "a\x1b[2Jb"])
+def test_name_errors_show_the_name_printable_and_short(bad: str) -> None:
+    for check in (parse_name, parse_ref_name, lambda n: parse_ref_name(f"runs/{n}")):
+        with pytest.raises(InvalidInputError) as caught:
+            check(bad)
+        message = str(caught.value)
+        assert message.isprintable()
+        assert len(message) < 300
