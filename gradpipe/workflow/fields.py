@@ -41,6 +41,11 @@ __all__ = [
 _ENV = re.compile(r"\$(\$|\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\})")
 
 
+def _has_digit(value: str | float) -> bool:
+    """Whether a duration or size has a number in it (text without one is no amount)."""
+    return not isinstance(value, str) or any(c.isdigit() for c in value)
+
+
 @dataclass(frozen=True)
 class Context:
     """What parsing needs beside the node: the environment and the file's folder."""
@@ -223,13 +228,12 @@ class Duration(Field):
         value = node.value
         if isinstance(value, bool) or not isinstance(value, int | float | str):
             raise self._wrong(node, 'a duration (seconds, or text like "24h")')
+        given = substitute(node, ctx) if isinstance(value, str) else value
         try:
-            seconds = float(
-                parse_timedelta(
-                    substitute(node, ctx) if isinstance(value, str) else value, default="s"
-                )
-            )
-        except (ValueError, KeyError, TypeError):
+            if not _has_digit(given):  # dask fails on "" and reads "h" as an hour
+                raise ValueError(given)
+            seconds = float(parse_timedelta(given, default="s"))
+        except (ValueError, KeyError, TypeError, IndexError, OverflowError):
             raise node.error(
                 f'{value!r} is not a duration; write e.g. 90, "90s", "5m" or "24h"'
             ) from None
@@ -253,9 +257,12 @@ class Size(Field):
         value = node.value
         if isinstance(value, bool) or not isinstance(value, int | str):
             raise self._wrong(node, 'a size (bytes, or text like "4 MiB")')
+        given = substitute(node, ctx) if isinstance(value, str) else value
         try:
-            size = parse_bytes(substitute(node, ctx) if isinstance(value, str) else value)
-        except (ValueError, TypeError):
+            if not _has_digit(given):  # dask reads "" as one byte and "kB" as 1000
+                raise ValueError(given)
+            size = parse_bytes(given)
+        except (ValueError, TypeError, OverflowError):
             raise node.error(f'{value!r} is not a size; write e.g. 4194304 or "4 MiB"') from None
         if size < 1:
             raise node.error(f"{value!r} must be at least one byte")
@@ -276,7 +283,12 @@ class StepRange(Field):
         match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text) if isinstance(text, str) else None
         if match is None:
             raise node.error(f'{text!r} is not a step range; write "A:B" (half-open), e.g. "0:10"')
-        first, last = int(match.group(1)), int(match.group(2))
+        try:
+            first, last = int(match.group(1)), int(match.group(2))
+        except ValueError:  # more digits than Python converts (4300): no step is that large
+            raise node.error(
+                'a step range whose numbers are too long to be steps; write "A:B", e.g. "0:10"'
+            ) from None
         if last <= first:
             raise node.error(f"step range {text!r} needs A < B")
         return range(first, last)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from gradpipe.workflow._yaml import Node, WorkflowError, load_nodes
+from gradpipe.workflow._yaml import Node, load_nodes, read_workflow_text
 from gradpipe.workflow.fields import (
     Bool,
     Choice,
@@ -255,13 +255,7 @@ class Workflow:
 def load_workflow(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> Workflow:
     """Read and check a workflow file; ``env`` is where ``${VAR}`` comes from (os.environ)."""
     name = os.fspath(path)
-    try:
-        text = Path(name).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise WorkflowError(f"{name}: no such workflow file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise WorkflowError(f"{name}: cannot read the workflow file: {exc}") from None
-    return parse_workflow(text, name, env=env)
+    return parse_workflow(read_workflow_text(name), name, env=env)
 
 
 def parse_workflow(text: str, path: str, *, env: Mapping[str, str] | None = None) -> Workflow:

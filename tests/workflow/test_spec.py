@@ -203,5 +203,7 @@ def test_outputs_are_local_and_empty_variables_take_their_default() -> None:
 
 
 def test_an_alias_inside_itself_is_an_error() -> None:
-    with pytest.raises(WorkflowError, match="3:9: an alias refers to a node that holds it"):
+    with pytest.raises(
+        WorkflowError, match=r"3:13: the alias \*a refers to a node that holds it \(&a at 3:9\)"
+    ):
         _parse("version: 1\nstore: a\nstages: &a [*a]")
