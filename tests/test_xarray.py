@@ -33,7 +33,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import gradpipe as gp
-from gradpipe._xarray_datasets import RUN_RESERVED
+from gradpipe._xarray_datasets import RUN_RESERVED, SNAPSHOT_RESERVED
 from gradpipe.core.dtypes import dtype_name
 from gradpipe.core.ids import block_key
 from gradpipe.errors import InvalidInputError, NotFoundError
@@ -510,6 +510,10 @@ def test_aggregate_opens_over_steps(store_url: str, small_chunks: None) -> None:
     assert ds.attrs["name"] == "mean"
     with pytest.raises(NotFoundError, match="no aggregate 'fedavg'"):
         gp.open_dataset(store, run="r", kind="aggregate", name="fedavg")
+    # A coordinate or dimension missing from the reserved names would clash with a tensor.
+    metadata = set(run.dump(step=0, peer="a").metadata)  # shown as coordinates too
+    for view in (ds, gp.open_dataset(store, run="r")):
+        assert fixed_names(view) - metadata <= RUN_RESERVED, fixed_names(view) - RUN_RESERVED
 
 
 @pytest.fixture
@@ -558,6 +562,12 @@ def test_snapshot_chain_opens_over_versions(
         log = gp.snapshot_log(store, "train")
         assert ds["snapshot_id"].values.tolist() == [i.id for i in log]
         assert ds.attrs["snapshot_id"] == log[-1].id
+        assert fixed_names(ds) - {"lr"} <= SNAPSHOT_RESERVED  # lr: the snapshots' metadata
+
+
+def fixed_names(ds: xr.Dataset) -> set[str]:
+    """A view's own coordinates and dimensions: all but the tensors' ``<name>_dimN``."""
+    return {str(n) for n in (*ds.coords, *ds.dims) if "_dim" not in str(n)}
 
 
 def test_bad_arguments_say_what_to_do(sample: tuple[gp.Store, Dumps]) -> None:

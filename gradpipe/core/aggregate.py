@@ -51,21 +51,25 @@ Weights are positive finite float64 numbers, from 5e-324 to 1.8e308. Used as
 given, tiny weights make the terms ``w_i * x_i`` underflow (weights of 5e-324
 average 0.3 and 0.5 to 0) and large ones make the terms or the total weight
 overflow. So every reduction first multiplies all weights of the step by one
-power of two, ``2**shift`` (:func:`weight_shift`), chosen so that the largest is
-below ``1/n`` and the total weight below 1. A power of two changes no bit of a
-normal float64 product, sum or quotient, so for ordinary weights the result is
-bit for bit the unshifted one; the terms can no longer overflow (``|c_i x_i| <=
-|x_i|``), and no weighted mean is lost to underflow. A coefficient that still
-falls below float64's normal range (a weight more than ``2**1022`` times
-smaller than the largest, or a tiny clipping factor) is applied as a normal
-mantissa times an exact power of two (``Item.exponent``), so it keeps its 53
-bits. ``sum`` scales its float64 total back by ``2**-shift`` before the one
-rounding. Error bound (tested against exact rationals over the whole float64
-range of weights): ``|result - exact| <= (4*ceil(log2 n) + 4) * 2**-53 *
-sum(w_i |x_i|) / D + n**2 * 2**-1073 * max(w) / D`` before the rounding to
-the output dtype (D: the total weight, or 1 for ``sum``), then at most one unit
-in the last place of the output dtype; a result that does not fit the output
-dtype is refused (:mod:`gradpipe.core.result_range`).
+power of two, ``2**shift`` (:func:`weight_shift`), chosen so that the largest
+is below ``1/n`` and the total weight below 1. A power of two changes no bit of
+a normal float64 product, sum or quotient, so for ordinary weights the result
+is bit for bit the unshifted one (the exception: float64 updates within a few
+hundred binades of the subnormal range, below about ``2**-960``, whose scaled
+terms may leave the normal range and round differently, within the bound below;
+float32, float16 and bfloat16 values never come near it); the terms can no
+longer overflow (``|c_i x_i| <= |x_i|``), and no weighted mean is lost to
+underflow. A coefficient that still falls below float64's normal range (a
+weight more than ``2**1022`` times smaller than the largest, or a tiny clipping
+factor) is applied as a normal mantissa times an exact power of two
+(``Item.exponent``), so it keeps its 53 bits. ``sum`` scales its float64 total
+back by ``2**-shift`` before the one rounding. Error bound (tested against
+exact rationals over the whole float64 range of weights): ``|result - exact| <=
+(4*ceil(log2 n) + 4) * 2**-53 * sum(w_i |x_i|) / D + n**2 * 2**-1073 * max(w) /
+D`` before the rounding to the output dtype (D: the total weight, or 1 for
+``sum``), then at most one unit in the last place of the output dtype; a result
+that does not fit the output dtype is refused
+(:mod:`gradpipe.core.result_range`).
 """
 
 from __future__ import annotations

@@ -104,6 +104,8 @@ def parse_weight_text(text: str, *, what: str = "weight") -> float:
         exact = Decimal(text.strip())
     except InvalidOperation:
         raise InvalidInputError(f"{what} {shown} is not a number") from None
+    if exact.is_nan():  # NaN and sNaN (float() of a signalling NaN raises ValueError)
+        raise InvalidInputError(f"{what} {shown} is not a number")
     value = float(exact)
     if exact.is_finite() and exact > 0 and (value == 0.0 or math.isinf(value)):
         raise InvalidInputError(

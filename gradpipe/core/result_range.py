@@ -5,6 +5,9 @@ dtype (the peers' dtype): the reducible methods in
 :mod:`gradpipe.core.aggregate_kernel`, the coordinate-wise and Bulyan
 methods in :mod:`gradpipe.core.robust`, clipping of the aggregate in
 :mod:`gradpipe.core.privacy`. They all round through :func:`round_result`.
+Krum copies one peer's chunk bit for bit, so it has nothing to round; the
+server optimizers check their own float32 parameters and state for
+non-finite values (``graph/server_tasks``) and refuse a step the same way.
 
 A finite float64 result can still be too large for the output dtype (a
 ``sum`` of float16 updates past 65504, a float32 sum past 3.4e38, DP noise
@@ -63,8 +66,9 @@ def round_result(
 def _all_finite(array: np.ndarray) -> bool:
     # One reduction, no temporary, in the common case: a sum of finite values is
     # finite unless it overflows, which the elementwise check then tells apart.
-    if array.dtype in _FAST and np.isfinite(np.add.reduce(array, axis=None)):
-        return True
+    with np.errstate(over="ignore", invalid="ignore"):  # finite values may sum past the range
+        if array.dtype in _FAST and np.isfinite(np.add.reduce(array, axis=None)):
+            return True
     return bool(np.isfinite(array).all())
 
 

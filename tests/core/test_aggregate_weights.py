@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from fractions import Fraction
 
 import ml_dtypes
@@ -21,6 +22,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gradpipe.core.aggregate import combine, finish, partial_of, reduce_peers, weight_shift
+from gradpipe.core.aggregate_input import parse_weight_text, parse_weights
 from gradpipe.core.privacy import apply_scale
 from gradpipe.core.robust import bulyan_combine, median, trimmed_mean
 from gradpipe.errors import InvalidInputError
@@ -293,3 +295,18 @@ def test_every_other_rounding_refuses_a_result_that_does_not_fit() -> None:
         with pytest.raises(InvalidInputError, match=r"element 1 of the result is .*float32"):
             compute()
     assert median([c[:1] for c in chunks], dtype="float32").tolist() == [1.0]
+
+
+def test_valid_results_near_the_largest_value_raise_no_overflow_warning() -> None:
+    """Finite results whose sum passes the range are checked without a numpy warning."""
+    chunks = [np.full(4, 3e38, np.float32)] * 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert median(chunks, dtype="float32").tolist() == [np.float32(3e38)] * 4
+        assert trimmed_mean(chunks, 0.0, dtype="float32").tolist() == [np.float32(3e38)] * 4
+
+
+@pytest.mark.parametrize("text", ["NaN", "sNaN", "-nan", "snan", "Infinity", "abc", ""])
+def test_weights_written_as_text_that_are_no_number_are_refused(text: str) -> None:
+    with pytest.raises(InvalidInputError, match="num_examples"):
+        parse_weights([parse_weight_text(text, what="num_examples")])

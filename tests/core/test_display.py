@@ -7,7 +7,7 @@ import doctest
 import unicodedata
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from gradpipe.core import display
@@ -40,6 +40,7 @@ def test_distinct_names_that_fit_are_shown_apart(a: str, b: str) -> None:
 
 
 @given(any_text, limits)
+@example("0" * 19 + ELLIPSIS + "0" * 24, 45)  # found by hypothesis: the ellipsis in the text
 def test_shortened_text_notes_its_length_and_keeps_its_ends(text: str, limit: int) -> None:
     shown = printable(text, limit=limit)
     if shown == repr(text):
@@ -48,11 +49,14 @@ def test_shortened_text_notes_its_length_and_keeps_its_ends(text: str, limit: in
     body, closing, note = shown[1:].rpartition(f"{quote} (")
     assert closing
     assert note == f"{len(text)} characters)"
-    head, sep, tail = body.partition(ELLIPSIS)
-    assert sep
-    # Each end is the escaped form of a run of the text's own first or last characters.
-    assert text.startswith(ast.literal_eval(quote + head + quote))
-    assert text.endswith(ast.literal_eval(quote + tail + quote))
+    # Each end is the escaped form of a run of the text's own first or last characters. The
+    # text may hold the ellipsis itself: one of its places in the body must be the cut.
+    cuts = [i for i in range(len(body)) if body.startswith(ELLIPSIS, i)]
+    assert any(
+        text.startswith(ast.literal_eval(quote + body[:i] + quote))
+        and text.endswith(ast.literal_eval(quote + body[i + len(ELLIPSIS) :] + quote))
+        for i in cuts
+    )
 
 
 def test_the_characters_that_act_on_a_terminal_are_escaped() -> None:
