@@ -11,6 +11,7 @@ after it, and the page is drawn by headless Chromium when it is installed.
 from __future__ import annotations
 
 import contextlib
+import html
 import json
 import os
 import shutil
@@ -302,12 +303,12 @@ def test_failed_dumps_show_with_their_reasons(
     assert op is not None, preloaded.doc()
     assert op["failed"] == 1
     [line] = op["failures"]
-    assert line.startswith(f"step 1 peer {sample.peers[0]}: ")
+    assert line.startswith(f"step 1 peer {sample.peers[0]!r}: ")  # names are quoted
     assert str(bad) in line
     assert op["commit"] is not None  # the good dumps were committed
     page = preloaded.get("/gradpipe")
     assert '<span class="failed">failed</span>' in page
-    assert f"step 1 peer {sample.peers[0]}" in page
+    assert html.escape(f"step 1 peer {sample.peers[0]!r}") in page
 
 
 def test_register_plugin_on_a_running_scheduler(sample: SampleRun, tmp_path: Path) -> None:
