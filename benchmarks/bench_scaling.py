@@ -359,7 +359,10 @@ def print_table(rows: list[Row], cores: int) -> None:
     )
     print(head)
     print("-" * len(head))
-    anchors = {r.op: r for r in rows if not r.label.startswith("gradpipe")}
+    anchors: dict[str, Row] = {}
+    for r in rows:  # each operation's first anchor (ZipNN is shown, not compared)
+        if not r.label.startswith("gradpipe"):
+            anchors.setdefault(r.op, r)
     for row in rows:
         anchor = anchors.get(row.op)
         ratio = row.all / anchor.all if anchor and row.label.startswith("gradpipe") else None
