@@ -23,6 +23,7 @@ import warnings
 
 import xarray as xr
 
+from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.core.view_names import tree_layout
 
 __all__ = ["nest"]
@@ -37,9 +38,9 @@ def nest(path: str, dataset: xr.Dataset) -> dict[str, xr.Dataset]:
     layout = tree_layout(list(dataset.data_vars), list(dataset.coords), set(dataset.dims))
     for name in layout.left_out:
         warnings.warn(
-            f"{path}: variable {name!r} is left out of the DataTree: its name with '/' "
-            f"escaped ({str(name).replace('/', '%2F')!r}) is another variable's; open the "
-            f"dataset itself (xr.open_dataset) to see it",
+            f"{printable(path, limit=PATH_LIMIT)}: variable {printable(name)} is left out of the "
+            f"DataTree: its name with '/' escaped ({printable(str(name).replace('/', '%2F'))}) "
+            "is another variable's; open the dataset itself (xr.open_dataset) to see it",
             UserWarning,
             stacklevel=2,
         )

@@ -30,8 +30,10 @@ from typing import IO, TYPE_CHECKING, Final
 import numpy as np
 from numpy.lib import format as npformat
 
+from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.core.dtypes import canonical_dtype, dtype_name
 from gradpipe.errors import InvalidInputError
+from gradpipe.formats.checksum import reason
 from gradpipe.formats.spec import TensorSpec, check_tensor_values, parse_tensor_spec
 
 if TYPE_CHECKING:
@@ -153,7 +155,7 @@ def read_npy_header(f: IO[bytes], *, where: str) -> NpyArrayHeader:
             raise ValueError(f"unknown format version {version}")
     except (ValueError, EOFError, OverflowError) as exc:
         raise InvalidInputError(
-            f"{where}: not a valid .npy array ({exc}); check that the file was written by "
+            f"{where}: not a valid .npy array ({reason(exc)}); check that the file was written by "
             "np.save and copied completely"
         ) from None
     if any(d < 0 for d in shape):
@@ -211,9 +213,9 @@ def _parse(source: DumpSource) -> tuple[TensorSpec, NpyArrayHeader]:
     header = read_npy_header(f, where=path)
     if header.header_size + header.nbytes != size:
         raise InvalidInputError(
-            f"{path}: truncated or padded .npy file: the header describes "
-            f"{header.header_size + header.nbytes} bytes but the file has {size}; "
-            "copy the file again"
+            f"{printable(path, limit=PATH_LIMIT)}: truncated or padded .npy file: the header "
+            f"describes {header.header_size + header.nbytes} bytes but the file has {size}; copy "
+            "the file again"
         )
     offset = header.header_size if header.ranged else None
     spec = parse_tensor_spec(
