@@ -23,7 +23,7 @@ import warnings
 
 import xarray as xr
 
-from gradpipe.core.display import PATH_LIMIT, printable
+from gradpipe.core.display import printable
 from gradpipe.core.view_names import tree_layout
 
 __all__ = ["nest"]
@@ -37,8 +37,10 @@ def nest(path: str, dataset: xr.Dataset) -> dict[str, xr.Dataset]:
     coords = set(dataset.coords)
     layout = tree_layout(list(dataset.data_vars), list(dataset.coords), set(dataset.dims))
     for name in layout.left_out:
+        # ``path`` is a group gradpipe built from run, aggregate and snapshot names, which
+        # the name rule keeps printable; the variable's name came from a dump.
         warnings.warn(
-            f"{printable(path, limit=PATH_LIMIT)}: variable {printable(name)} is left out of the "
+            f"{path}: variable {printable(name)} is left out of the "
             f"DataTree: its name with '/' escaped ({printable(str(name).replace('/', '%2F'))}) "
             "is another variable's; open the dataset itself (xr.open_dataset) to see it",
             UserWarning,
