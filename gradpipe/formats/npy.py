@@ -210,7 +210,7 @@ def _parse(source: DumpSource) -> tuple[TensorSpec, NpyArrayHeader]:
     """The one validation of an ``.npy`` file, for its header read and its whole read."""
     f, path, size = source.file, source.path, source.size
     f.seek(0)
-    header = read_npy_header(f, where=path)
+    header = read_npy_header(f, where=printable(path, limit=PATH_LIMIT))
     if header.header_size + header.nbytes != size:
         raise InvalidInputError(
             f"{printable(path, limit=PATH_LIMIT)}: truncated or padded .npy file: the header "
@@ -248,7 +248,7 @@ class NpyReader:
         spec, header = _parse(source)
         if spec.name not in specs:
             return {}
-        array = read_npy_data(source.file, header, where=source.path)
+        array = read_npy_data(source.file, header, where=printable(source.path, limit=PATH_LIMIT))
         check_tensor_values(spec, array, path=source.path)
         return {spec.name: array}
 

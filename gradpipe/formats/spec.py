@@ -157,8 +157,9 @@ def parse_tensor_spec(
         If the name, dtype or shape is unusable, or the tensor is larger than
         ``room`` or than ``gradpipe.max-tensor-bytes``.
     """
-    name, shape = _check(name, dtype, shape, where=path)
-    where = f"{printable(path, limit=PATH_LIMIT)}: tensor {printable(name)}"
+    shown = printable(path, limit=PATH_LIMIT)
+    name, shape = _check(name, dtype, shape, where=shown)
+    where = f"{shown}: tensor {printable(name)}"
     nbytes = prod(shape) * parse_dtype(dtype).itemsize
     limit = max_tensor_bytes()
     if nbytes > limit:

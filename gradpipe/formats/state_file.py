@@ -39,7 +39,7 @@ import fsspec
 import numpy as np
 from numpy.lib import format as npformat
 
-from gradpipe.core.display import PATH_LIMIT, printable
+from gradpipe.core.display import PATH_LIMIT, printable, printable_text
 from gradpipe.core.dtypes import dtype_name
 from gradpipe.core.state import flatten_state
 from gradpipe.errors import InvalidInputError
@@ -140,7 +140,9 @@ def read_state_file(path: str | os.PathLike[str]) -> tuple[dict[Any, Any], State
             specs, metadata = reader.parse_header(source)
             arrays = reader.read_tensors(source, {s.name: s for s in specs})
             state = {s.name: arrays[s.name] for s in specs}
-    flatten_state(state, where=name)  # refuse now, naming the file, what a snapshot cannot keep
+    # Refuse now, naming the file, what a snapshot cannot keep; the name is escaped but not
+    # quoted, as it leads "FILE['key']".
+    flatten_state(state, where=printable_text(name, limit=PATH_LIMIT))
     return state, StateFileInfo(kind, dict(metadata) if kind == "safetensors" else {})
 
 
