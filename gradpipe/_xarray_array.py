@@ -34,6 +34,7 @@ from gradpipe.core.chunk_select import (
     select_chunks,
     selected_length,
 )
+from gradpipe.core.display import printable
 from gradpipe.core.dtypes import is_float, parse_dtype
 from gradpipe.core.tensor_manifest import TensorManifest, TensorRef, resolve_tensor
 from gradpipe.errors import IntegrityError
@@ -159,7 +160,7 @@ class TensorStack(BackendArray):
             try:
                 manifest = resolve_tensor(cell)  # decoded on the first read that needs it
             except IntegrityError as exc:
-                raise IntegrityError(f"tensor {self.name!r} of {label}: {exc}") from None
+                raise IntegrityError(f"tensor {printable(self.name)} of {label}: {exc}") from None
             parts = parts_by_grid.get(manifest.chunk_shape)
             if parts is None:
                 parts = select_chunks(self.tensor_shape, manifest.chunk_shape, picks[nlead:])
@@ -179,7 +180,7 @@ class TensorStack(BackendArray):
                     ChunkRead(
                         block,
                         buffer,
-                        f"tensor {self.name!r} of {label}, chunk {part.chunk}",
+                        f"tensor {printable(self.name)} of {label}, chunk {part.chunk}",
                         manifest.inline.get(part.chunk),
                         manifest.deltas.get(part.chunk, ()),
                     )

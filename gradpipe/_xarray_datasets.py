@@ -42,6 +42,7 @@ from xarray.core import indexing
 from gradpipe._version import __version__
 from gradpipe._xarray_array import TensorStack
 from gradpipe.core.aggregate_manifest import AggregateManifest, stale_reason
+from gradpipe.core.display import printable, printable_names
 from gradpipe.core.gc_pause import gc_paused
 from gradpipe.core.run_manifest import DumpManifest
 from gradpipe.core.snapshot_manifest import SnapshotManifest
@@ -74,11 +75,14 @@ def run_dataset(store: Store, run: Run, *, drop: Iterable[str] = ()) -> xr.Datas
     """The dataset of a run: one variable per tensor name over ``(step, peer)``."""
     steps, peers = run.steps, run.peers
     entries = list(run)
-    dumps = _read_many(store, [e.dump for e in entries], DumpManifest, context=f"run {run.name!r}")
+    dumps = _read_many(
+        store, [e.dump for e in entries], DumpManifest, context=f"run {printable(run.name)}"
+    )
     where = {(e.step, e.peer): i for i, e in enumerate(entries)}
     positions = [where.get((s, p)) for s in steps for p in peers]
     cells = [None if i is None else dumps[i] for i in positions]
-    labels = [f"run {run.name!r}, step {s}, peer {p!r}" for s in steps for p in peers]
+    shown, shown_peers = printable(run.name), [printable(p) for p in peers]
+    labels = [f"run {shown}, step {s}, peer {p}" for s in steps for p in shown_peers]
     lead = (len(steps), len(peers))
     dims = ("step", "peer")
     coords: dict[str, xr.Variable] = {
@@ -118,14 +122,14 @@ def aggregate_dataset(store: Store, run: Run, name: str, *, drop: Iterable[str] 
     if not entries:
         known = sorted({a.name for a in run.aggregates})
         raise NotFoundError(
-            f"run {run.name!r} has no aggregate {name!r} (aggregates: "
-            f"{', '.join(known) or 'none'}); compute it with gradpipe aggregate"
+            f"run {printable(run.name)} has no aggregate {printable(name)} (aggregates: "
+            f"{printable_names(known) or 'none'}); compute it with gradpipe aggregate"
         )
     found = _read_many(
         store,
         [a.aggregate for a in entries],
         AggregateManifest,
-        context=f"run {run.name!r} aggregate {name!r}",
+        context=f"run {printable(run.name)} aggregate {printable(name)}",
     )
     steps = [a.step for a in entries]
     lead = (len(steps),)
@@ -144,13 +148,14 @@ def aggregate_dataset(store: Store, run: Run, name: str, *, drop: Iterable[str] 
         ),
         "weight": xr.Variable(("step", "peer"), weights),
     }
+    head = f"aggregate {printable(name)} of run {printable(run.name)}"
     variables = _tensor_variables(
         store,
         found,
         order=_names(run.schema, found),
         lead=lead,
         dims=("step",),
-        labels=[f"aggregate {name!r} of run {run.name!r}, step {s}" for s in steps],
+        labels=[f"{head}, step {s}" for s in steps],
         token=f"run {run.id} aggregate {name}",
         drop=set(drop),
     )
@@ -210,7 +215,7 @@ def snapshot_dataset(
                 other.append(version)
                 tensor = None
             cells.append(tensor)
-        labels = [f"snapshot {name!r} at step {m.step}" for m in manifests]
+        labels = [f"snapshot {printable(name)} at step {m.step}" for m in manifests]
         variables[shown] = _stack(
             store,
             key,
@@ -319,7 +324,7 @@ def _tensor_of(
     if embedded is not None:
         return embedded
     # Written by an older gradpipe (format 1): the tensor is a manifest of its own.
-    return store.get_typed(tensor_id, TensorManifest, context=f"tensor {name!r}")
+    return store.get_typed(tensor_id, TensorManifest, context=f"tensor {printable(name)}")
 
 
 def _snapshot_tensor(
@@ -329,7 +334,7 @@ def _snapshot_tensor(
     found = embedded_tensor(manifest.embedded, tensor_id)
     if found is not None:
         return found
-    where = f"snapshot {manifest.name!r} at step {manifest.step}, {key}"
+    where = f"snapshot {printable(manifest.name)} at step {manifest.step}, {printable(key)}"
     return store.get_typed(tensor_id, TensorManifest, context=where)
 
 

@@ -23,6 +23,7 @@ import warnings
 
 import xarray as xr
 
+from gradpipe.core.display import printable
 from gradpipe.core.view_names import tree_layout
 
 __all__ = ["nest"]
@@ -36,10 +37,12 @@ def nest(path: str, dataset: xr.Dataset) -> dict[str, xr.Dataset]:
     coords = set(dataset.coords)
     layout = tree_layout(list(dataset.data_vars), list(dataset.coords), set(dataset.dims))
     for name in layout.left_out:
+        # ``path`` is a group gradpipe built from run, aggregate and snapshot names, which
+        # the name rule keeps printable; the variable's name came from a dump.
         warnings.warn(
-            f"{path}: variable {name!r} is left out of the DataTree: its name with '/' "
-            f"escaped ({str(name).replace('/', '%2F')!r}) is another variable's; open the "
-            f"dataset itself (xr.open_dataset) to see it",
+            f"{path}: variable {printable(name)} is left out of the "
+            f"DataTree: its name with '/' escaped ({printable(str(name).replace('/', '%2F'))}) "
+            "is another variable's; open the dataset itself (xr.open_dataset) to see it",
             UserWarning,
             stacklevel=2,
         )

@@ -28,6 +28,7 @@ from gradpipe.core.aggregate_input import (
     where,
 )
 from gradpipe.core.aggregate_manifest import AggregateInput, AggregateManifest, aggregate_key
+from gradpipe.core.display import printable
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.names import parse_name
 from gradpipe.core.privacy import adaptive_noise_multiplier
@@ -268,8 +269,8 @@ def aggregate(
                     step,
                     "skipped",
                     entry.aggregate,
-                    f"already aggregated as {label!r} from these dumps with another method or "
-                    "parameters; choose another name, or force to replace it",
+                    f"already aggregated as {printable(label)} from these dumps with another "
+                    "method or parameters; choose another name, or force to replace it",
                 )
             )
         else:
@@ -358,7 +359,7 @@ def _same_inputs(store: Store, aggregate_id: str, plan: StepPlan) -> bool:
 def _parse_method(method: str) -> AggregationMethod:
     if method not in METHODS:
         raise InvalidInputError(
-            f"aggregation method {method!r} is not one gradpipe computes yet; "
+            f"aggregation method {printable(method)} is not one gradpipe computes yet; "
             f"choose one of {', '.join(METHODS)}"
         )
     return AggregationMethod(method)
@@ -367,17 +368,17 @@ def _parse_method(method: str) -> AggregationMethod:
 def _number(name: str, value: object, *, low: float, high: float = math.inf) -> float:
     """A finite number in ``[low, high)`` (``low`` excluded when it is 0 for a scale)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidInputError(f"{name} {value!r} must be a number")
+        raise InvalidInputError(f"{name} {printable(value)} must be a number")
     number = float(value)
     if not math.isfinite(number) or not low <= number < high:
         span = f">= {low}" if high == math.inf else f"in [{low}, {high})"
-        raise InvalidInputError(f"{name} {value!r} must be a finite number {span}")
+        raise InvalidInputError(f"{name} {printable(value)} must be a finite number {span}")
     return number
 
 
 def _count(name: str, value: object, *, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise InvalidInputError(f"{name} {value!r} must be an integer >= {low}")
+        raise InvalidInputError(f"{name} {printable(value)} must be an integer >= {low}")
     return value
 
 
@@ -432,12 +433,12 @@ def _parse_params(
         params["clip_aggregate"] = _number("clip_aggregate", clip_aggregate, low=0.0)
         if params["clip_aggregate"] <= 0:
             raise InvalidInputError(
-                f"clip_aggregate {clip_aggregate!r} must be a finite number > 0"
+                f"clip_aggregate {printable(clip_aggregate)} must be a finite number > 0"
             )
     if clip_norm is not None:
         params["clip_norm"] = _number("clip_norm", clip_norm, low=0.0)
         if params["clip_norm"] <= 0:
-            raise InvalidInputError(f"clip_norm {clip_norm!r} must be a finite number > 0")
+            raise InvalidInputError(f"clip_norm {printable(clip_norm)} must be a finite number > 0")
     if method is AggregationMethod.TRIMMED_MEAN:
         params["trim"] = _number("trim", 0.1 if trim is None else trim, low=0.0, high=0.5)
     if method in (AggregationMethod.KRUM, AggregationMethod.MULTI_KRUM, AggregationMethod.BULYAN):
@@ -459,7 +460,7 @@ def _parse_params(
             params["target_quantile"] = _number("target_quantile", gamma, low=0.0, high=1.0)
             params["clip_lr"] = _number("clip_lr", 0.2 if clip_lr is None else clip_lr, low=0.0)
             if params["clip_lr"] <= 0:
-                raise InvalidInputError(f"clip_lr {clip_lr!r} must be a finite number > 0")
+                raise InvalidInputError(f"clip_lr {printable(clip_lr)} must be a finite number > 0")
         elif target_quantile is not None or clip_lr is not None:
             raise InvalidInputError(
                 "target_quantile and clip_lr are adaptive clipping's (--adaptive-clip)"
@@ -473,25 +474,25 @@ def _parse_steps(
     present = set(recorded.steps)
     if steps is None:
         if not present:
-            raise InvalidInputError(f"run {recorded.run!r} has no dumps to aggregate")
+            raise InvalidInputError(f"run {printable(recorded.run)} has no dumps to aggregate")
         return recorded.steps
     if isinstance(steps, range):
         wanted = [s for s in steps if s in present]
         report.steps.extend(StepOutcome(s, "skipped") for s in steps if s not in present)
         if not wanted:
             raise InvalidInputError(
-                f"run {recorded.run!r} has no dumps in steps {steps.start}:{steps.stop} "
+                f"run {printable(recorded.run)} has no dumps in steps {steps.start}:{steps.stop} "
                 f"(it has steps {_span(recorded.steps)})"
             )
         return wanted
     out = []
     for s in steps:
         if isinstance(s, bool) or not isinstance(s, int):
-            raise InvalidInputError(f"step {s!r} is not an integer")
+            raise InvalidInputError(f"step {printable(s)} is not an integer")
         if s not in present:
             raise InvalidInputError(
-                f"step {s}: run {recorded.run!r} has no dumps at this step, nothing to aggregate "
-                f"(it has steps {_span(recorded.steps)})"
+                f"step {s}: run {printable(recorded.run)} has no dumps at this step, nothing to "
+                f"aggregate (it has steps {_span(recorded.steps)})"
             )
         if s not in out:
             out.append(s)
@@ -510,7 +511,7 @@ def _load_dumps(
     """The dump manifests of ``steps``, in peer order (one batched read)."""
     entries = [e for s in steps for e in recorded.step_dumps(s)]
     manifests = store.get_typed_many(
-        [e.dump for e in entries], DumpManifest, context=f"run {recorded.run!r}"
+        [e.dump for e in entries], DumpManifest, context=f"run {printable(recorded.run)}"
     )
     out: dict[int, list[DumpManifest]] = {s: [] for s in steps}
     for entry, manifest in zip(entries, manifests, strict=True):
@@ -588,9 +589,9 @@ def _plan_step(
             tensor = (missing or extra)[0]
             holder = first.peer if missing else dump.peer
             raise InvalidInputError(
-                f"{where(step=step, peer=dump.peer, tensor=tensor)}: peer {holder!r} has this "
-                f"tensor and peer {(dump.peer if missing else first.peer)!r} has not; every peer "
-                "of a step must send the same tensors"
+                f"{where(step=step, peer=dump.peer, tensor=tensor)}: peer {printable(holder)} has "
+                f"this tensor and peer {printable(dump.peer if missing else first.peer)} has not; "
+                "every peer of a step must send the same tensors"
             )
     tensors = []
     for tensor in names:
@@ -606,8 +607,8 @@ def _plan_step(
             if (info.dtype, info.shape) != (ref.dtype, ref.shape):
                 raise InvalidInputError(
                     f"{context}: {info.dtype}{list(info.shape)} differs from peer "
-                    f"{first.peer!r}'s {ref.dtype}{list(ref.shape)}; every peer must send the "
-                    "tensor with one shape and dtype"
+                    f"{printable(first.peer)}'s {ref.dtype}{list(ref.shape)}; every peer must send "
+                    "the tensor with one shape and dtype"
                 )
             summary = info.summary()
             if summary.nan or summary.inf:
@@ -697,7 +698,7 @@ def _recorded_clip_norm(
         entry = recorded.aggregate_entry(before[-1], name)
         if entry is not None:
             manifest = store.get_typed(
-                entry.aggregate, AggregateManifest, context=f"aggregate {name!r}"
+                entry.aggregate, AggregateManifest, context=f"aggregate {printable(name)}"
             )
             value = manifest.params.get("next_clip_norm")
             if isinstance(value, int | float) and math.isfinite(value) and value > 0:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from dask.utils import format_bytes
 
+from gradpipe.core.display import printable
 from gradpipe.core.html import ReportHtml
 from gradpipe.storage.blocks import WriteStats
 
@@ -153,13 +154,14 @@ class AggregateReport(ReportHtml):
     def summary(self) -> str:
         """A few lines for people."""
         lines = [
-            f"run {self.run!r}, aggregate {self.name!r} ({self.method}): {self.computed} steps "
+            f"run {printable(self.run)}, aggregate {printable(self.name)} ({self.method}): "
+            f"{self.computed} steps "
             f"computed, {self.memoised} memoised, {self.skipped} skipped, "
             f"{self.failed} failed",
         ]
         if self.snapshot is not None:
             lines.append(
-                f"snapshot {self.snapshot!r}: {self.applied} server steps applied, "
+                f"snapshot {printable(self.snapshot)}: {self.applied} server steps applied, "
                 f"{self._server_count('memoised')} memoised, {self._server_count('skipped')} "
                 f"skipped, {self._server_count('failed')} failed"
             )

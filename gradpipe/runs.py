@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gradpipe.core.aggregate_manifest import AggregateManifest, stale_reason
-from gradpipe.core.display import printable
+from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.core.html import human_bytes, key_values, table
 from gradpipe.core.names import parse_name
 from gradpipe.core.run_manifest import (
@@ -45,7 +45,9 @@ def open_run(store: Store, run: str) -> Run:
     """A run of the store, as recorded now."""
     run_id, manifest = read_run(store, run)
     if run_id is None:  # read_run raises for a missing run unless asked not to
-        raise NotFoundError(f"no run {printable(run)} in store {store.url}")
+        raise NotFoundError(
+            f"no run {printable(run)} in store {printable(store.url, limit=PATH_LIMIT)}"
+        )
     return Run(store, run_id, manifest)
 
 

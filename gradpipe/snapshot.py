@@ -33,6 +33,7 @@ import numpy as np
 
 from gradpipe.config import get_bytes
 from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
+from gradpipe.core.display import PATH_LIMIT, printable, printable_names
 from gradpipe.core.ids import hash_bytes
 from gradpipe.core.manifest import manifest_id
 from gradpipe.core.names import parse_name
@@ -325,7 +326,7 @@ def write_snapshot(
     """
     parse_name(name, what="snapshot name")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise InvalidInputError(f"snapshot step must be an integer >= 0, not {step!r}")
+        raise InvalidInputError(f"snapshot step must be an integer >= 0, not {printable(step)}")
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
     flat = flatten_state(state)
     ref = snapshot_ref(name)
@@ -365,7 +366,8 @@ def write_snapshot(
                 )
             return SnapshotWrite(snapshot_id, written=True)
     raise ConflictError(
-        f"snapshot {name!r}: other writers moved {ref} {_MAX_ATTEMPTS} times in a row; retry"
+        f"snapshot {printable(name)}: other writers moved {printable(ref, limit=PATH_LIMIT)} "
+        f"{_MAX_ATTEMPTS} times in a row; retry"
     )
 
 
@@ -429,7 +431,7 @@ def _recorded(
             tensors = {k: snapshot_tensor(store, manifest, k) for k in manifest.tensors}
             return snapshot_id if holds_state(manifest, tensors, *given) else None
         if snapshot_id in seen:
-            raise IntegrityError(f"snapshot {name!r}: its history loops at {snapshot_id}")
+            raise IntegrityError(f"snapshot {printable(name)}: its history loops at {snapshot_id}")
         seen.add(snapshot_id)
         snapshot_id = manifest.previous
         manifest = None if snapshot_id is None else _get(store, snapshot_id, name)
@@ -456,12 +458,13 @@ def _write(
     if head is not None:
         parents = {k: head.embedded[t] for k, t in head.tensors.items() if k in flat.arrays}
     keyframes = _recalled(store, name, head_id)
+    shown = printable(name)
 
     def write(key: str, *, parallel: bool) -> TensorManifest:
         parent = None
         if key in parents and head is not None:
             parent = ChainParent(parents[key], head.tensors[key], keyframes=keyframes)
-        where = f"snapshot {name!r}, {key}"
+        where = f"snapshot {shown}, {printable(key)}"
         array = flat.arrays[key]
         return write_version(store, array, parent, where=where, parallel=parallel, **options)
 
@@ -501,7 +504,7 @@ def snapshot_head(store: Store, name: str) -> tuple[str, SnapshotManifest]:
 
 
 def _get(store: Store, snapshot_id: str, name: str) -> SnapshotManifest:
-    return store.get_typed(snapshot_id, SnapshotManifest, context=f"snapshot {name!r}")
+    return store.get_typed(snapshot_id, SnapshotManifest, context=f"snapshot {printable(name)}")
 
 
 def snapshot_versions(
@@ -514,12 +517,15 @@ def snapshot_versions(
     """
     snapshot_id = head if head is not None else _head(store, name)
     if snapshot_id is None:
-        known = ", ".join(n.split("/", 1)[1] for n in store.refs.list("snapshots")) or "none"
-        raise NotFoundError(f"no snapshot {name!r} in store {store.url} (snapshots: {known})")
+        known = printable_names(n.split("/", 1)[1] for n in store.refs.list("snapshots"))
+        raise NotFoundError(
+            f"no snapshot {printable(name)} in store {printable(store.url, limit=PATH_LIMIT)} "
+            f"(snapshots: {known or 'none'})"
+        )
     seen: set[str] = set()
     while snapshot_id is not None:
         if snapshot_id in seen:
-            raise IntegrityError(f"snapshot {name!r}: its history loops at {snapshot_id}")
+            raise IntegrityError(f"snapshot {printable(name)}: its history loops at {snapshot_id}")
         seen.add(snapshot_id)
         manifest = _get(store, snapshot_id, name)
         yield snapshot_id, manifest
@@ -539,7 +545,7 @@ def find_snapshot(store: Store, name: str, step: int | None = None) -> tuple[str
             return snapshot_id, manifest
         steps.append(manifest.step)
     shown = ", ".join(map(str, sorted(steps)[-10:]))
-    raise NotFoundError(f"snapshot {name!r} has no step {step} (latest steps: {shown})")
+    raise NotFoundError(f"snapshot {printable(name)} has no step {step} (latest steps: {shown})")
 
 
 def restore(
@@ -575,7 +581,7 @@ def snapshot_tensor(store: Store, manifest: SnapshotManifest, key: str) -> Tenso
     found = manifest.embedded.get(tensor_id)
     if found is not None:
         return found
-    where = f"snapshot {manifest.name!r} at step {manifest.step}, {key}"
+    where = f"snapshot {printable(manifest.name)} at step {manifest.step}, {printable(key)}"
     return store.get_typed(tensor_id, TensorManifest, context=where)
 
 
@@ -603,11 +609,16 @@ def restore_steps(
             found[manifest.step] = manifest
     missing = [s for s in wanted if s not in found]
     if missing:
-        raise NotFoundError(f"snapshot {name!r} has no step {', '.join(map(str, missing))}")
+        raise NotFoundError(
+            f"snapshot {printable(name)} has no step {', '.join(map(str, missing))}"
+        )
     plans = [(step, *_plan(store, found[step], keys)) for step in wanted]
     tensors = [t for _, _, keys_, ts in plans for t in ts]
+    shown = printable(name)
     contexts = [
-        f"snapshot {name!r}, step {step}, {k}" for step, _, keys_, _ in plans for k in keys_
+        f"snapshot {shown}, step {step}, {printable(k)}"
+        for step, _, keys_, _ in plans
+        for k in keys_
     ]
     if runner is None:
         with Runner() as local:
@@ -632,8 +643,8 @@ def _plan(
     missing = [k for k in wanted if k not in manifest.tensors]
     if missing:
         raise IntegrityError(
-            f"snapshot {manifest.name!r} at step {manifest.step} lacks arrays {missing[:5]}; "
-            "run `gradpipe verify`"
+            f"snapshot {printable(manifest.name)} at step {manifest.step} lacks arrays "
+            f"{printable_names(missing, most=5)}; run `gradpipe verify`"
         )
     return tree, wanted, [snapshot_tensor(store, manifest, k) for k in wanted]
 
@@ -643,8 +654,8 @@ def _unflatten(manifest: SnapshotManifest, tree: dict[str, Any], arrays: dict[st
         return unflatten_state(tree, arrays)
     except (KeyError, TypeError, ValueError) as exc:
         raise IntegrityError(
-            f"snapshot {manifest.name!r} at step {manifest.step} has a damaged state skeleton: "
-            f"{exc!r}"
+            f"snapshot {printable(manifest.name)} at step {manifest.step} has a damaged state "
+            f"skeleton: {printable(exc, limit=PATH_LIMIT)}"
         ) from None
 
 
@@ -665,7 +676,8 @@ def restore_file(store: Store, manifest: SnapshotManifest, path: str, info: Stat
     specs = {n: (t.dtype, t.shape) for n, t in tensors.items()}
 
     def produce(order: list[str]) -> Iterator[np.ndarray]:
-        contexts = [f"snapshot {manifest.name!r}, step {manifest.step}, {n}" for n in order]
+        head = f"snapshot {printable(manifest.name)}, step {manifest.step}"
+        contexts = [f"{head}, {printable(n)}" for n in order]
         return store.iter_tensors([tensors[n] for n in order], contexts=contexts)
 
     write_safetensors_stream(path, specs, produce, info.metadata, keep_metadata_order=True)
@@ -680,7 +692,8 @@ def restore_manifest(
 ) -> Any:
     """The state of one snapshot manifest (see :func:`restore`)."""
     tree, wanted, tensors = _plan(store, manifest, keys)
-    contexts = [f"snapshot {manifest.name!r}, step {manifest.step}, {k}" for k in wanted]
+    head = f"snapshot {printable(manifest.name)}, step {manifest.step}"
+    contexts = [f"{head}, {printable(k)}" for k in wanted]
     if runner is None:
         arrays = read_tensors(store, tensors, contexts=contexts)
     else:

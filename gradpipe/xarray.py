@@ -305,10 +305,11 @@ def _open_store(target: object, storage_options: dict[str, Any] | None) -> Store
 
 
 def _check_target(kind: str, run: str | None, name: str | None) -> None:
+    from gradpipe.core.display import printable
     from gradpipe.errors import InvalidInputError
 
     if kind not in _KINDS:
-        raise InvalidInputError(f"kind must be one of {', '.join(_KINDS)}, not {kind!r}")
+        raise InvalidInputError(f"kind must be one of {', '.join(_KINDS)}, not {printable(kind)}")
     if kind == "snapshot":
         if name is None or run is not None:
             raise InvalidInputError(
@@ -317,7 +318,7 @@ def _check_target(kind: str, run: str | None, name: str | None) -> None:
         return
     if run is None:
         raise InvalidInputError(
-            f"kind={kind!r} needs run=<run name>; gradpipe ls STORE lists the runs"
+            f"kind={printable(kind)} needs run=<run name>; gradpipe ls STORE lists the runs"
         )
     if kind == "aggregate" and name is None:
         raise InvalidInputError(
@@ -328,6 +329,7 @@ def _check_target(kind: str, run: str | None, name: str | None) -> None:
 
 def _run(store: Store, run: str, at: str | None) -> Any:
     """The run as recorded now, or as its manifest ``at`` recorded it."""
+    from gradpipe.core.display import printable
     from gradpipe.errors import InvalidInputError
     from gradpipe.runs import Run, open_run
     from gradpipe.storage.catalog import read_run_at
@@ -336,18 +338,25 @@ def _run(store: Store, run: str, at: str | None) -> Any:
         return open_run(store, run)
     manifest = read_run_at(store, at, run)
     if manifest.run != run:
-        raise InvalidInputError(f"at={at} is a state of run {manifest.run!r}, not of {run!r}")
+        raise InvalidInputError(
+            f"at={printable(at)} is a state of run {printable(manifest.run)}, not of "
+            f"{printable(run)}"
+        )
     return Run(store, at, manifest)
 
 
 def _snapshot_chain(store: Store, name: str, at: str | None) -> list[tuple[str, Any]]:
     """The versions of snapshot chain ``name`` (from version ``at``), oldest first."""
+    from gradpipe.core.display import printable
     from gradpipe.errors import InvalidInputError
     from gradpipe.snapshot import snapshot_versions
 
     chain = list(snapshot_versions(store, name, head=at))
     if chain and chain[0][1].name != name:
-        raise InvalidInputError(f"at={at} is a snapshot of {chain[0][1].name!r}, not of {name!r}")
+        raise InvalidInputError(
+            f"at={printable(at)} is a snapshot of {printable(chain[0][1].name)}, not of "
+            f"{printable(name)}"
+        )
     return chain[::-1]
 
 

@@ -176,3 +176,44 @@ def test_python_weights_beyond_float64_are_refused_naming_the_peer(tmp_path: Pat
     store = _run(tmp_path, _arrays())
     with pytest.raises(gp.InvalidInputError, match=r"step 3, peer 'b': weight 1000.* float64"):
         gp.aggregate(store, run="r", method="fedavg", weights={"a": 1, "b": 10**400, "c": 1})
+
+
+_CONTEXT = "aggregate 'robust' of tensor 'w' of step 3, chunk 0"
+_OVERFLOW = "element 0 of the result is inf in float64 (the float64 computation overflows)"
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize(
+    ("method", "peers"),
+    [("median", 4), ("trimmed-mean", 3), ("bulyan", 3), ("multi-krum", 3)],
+)
+def test_a_robust_result_beyond_float64_names_step_tensor_and_chunk_once(
+    monkeypatch: pytest.MonkeyPatch, method: str, peers: int
+) -> None:
+    """The chunk's context leads the refusal once, as ``write_chunk``'s does (no ``tensor "…"``)."""
+    from gradpipe.core.result_range import round_result
+    from gradpipe.graph import robust_tasks
+    from gradpipe.graph.aggregate_tasks import StepFailure
+
+    chunks = [np.full(4, 1.7e308 - i * 1e307) for i in range(peers)]  # sums beyond float64
+    monkeypatch.setattr(robust_tasks, "read_group", lambda *args: chunks)
+    monkeypatch.setattr(robust_tasks, "_read", lambda store, source, *args: chunks[source])
+    if method == "multi-krum":  # its FedAvg is exact and fits: the refusal comes from finish
+        monkeypatch.setattr(
+            robust_tasks, "finish", lambda *args, **kwargs: round_result(np.array([np.inf]))
+        )
+    contexts = [f"peer {p}" for p in range(peers)]
+    if method in ("median", "trimmed-mean"):
+        failure = robust_tasks.robust_chunk(
+            3, None, [[]] * peers, 0, 4, "float64", contexts, method, 0.0, _CONTEXT
+        )
+    else:
+        everyone = tuple(range(peers))
+        selection = robust_tasks.Selection(everyone, tuple(map(str, everyone)), (0.0,) * peers)
+        failure = robust_tasks.selected_chunk(
+            3, None, list(everyone), 0, 4, "float64", contexts, selection, method, 0,
+            [1.0] * peers, _CONTEXT,
+        )  # fmt: skip
+    assert isinstance(failure, StepFailure)
+    assert failure.reason.startswith(f"{_CONTEXT}: {_OVERFLOW}"), failure.reason
+    assert failure.reason.count("tensor") == 1

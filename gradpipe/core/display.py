@@ -21,7 +21,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Final
 
-__all__ = ["ELLIPSIS", "MIN_LIMIT", "NAME_LIMIT", "PATH_LIMIT", "printable", "printable_text"]
+__all__ = [
+    "ELLIPSIS",
+    "MIN_LIMIT",
+    "NAME_LIMIT",
+    "PATH_LIMIT",
+    "printable",
+    "printable_names",
+    "printable_text",
+]
 
 #: The longest a name is shown in a message, quotes and length note included.
 NAME_LIMIT: Final = 80
@@ -134,3 +142,24 @@ def _fit(text: str, quote: str, limit: int | None) -> str:
     head = _take(text, quote, room - room // 4)
     tail = _take(reversed(text), quote, room - sum(map(len, head)))
     return f"{quote}{''.join(head)}{ELLIPSIS}{''.join(reversed(tail))}{quote}{note}"
+
+
+def printable_names(names: Iterable[object], *, most: int = 10) -> str:
+    """The first ``most`` of ``names``, each :func:`printable`, then how many more there are.
+
+    For messages that list what a store or a file holds: the list is as
+    bounded as each name in it.
+
+    >>> printable_names(["a", "b\\n"])
+    "'a', 'b\\\\n'"
+    >>> printable_names(map(str, range(12)), most=2)
+    "'0', '1' and 10 more"
+    """
+    shown: list[str] = []
+    more = 0
+    for name in names:
+        if len(shown) < most:
+            shown.append(printable(name))
+        else:
+            more += 1
+    return ", ".join(shown) + (f" and {more} more" if more else "")

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from gradpipe.core.display import printable
 from gradpipe.core.exact import ExactSum
 from gradpipe.core.result_range import round_result
 from gradpipe.errors import InvalidInputError
@@ -71,10 +72,10 @@ def clip_scale(sq_norm: ExactSum | float, clip_norm: float) -> float:
     0.2
     """
     if not math.isfinite(clip_norm) or clip_norm <= 0:
-        raise InvalidInputError(f"clip norm {clip_norm!r} must be a finite number > 0")
+        raise InvalidInputError(f"clip norm {printable(clip_norm)} must be a finite number > 0")
     total = float(sq_norm.to_array()) if isinstance(sq_norm, ExactSum) else float(sq_norm)
     if not math.isfinite(total) or total < 0:
-        raise InvalidInputError(f"a squared norm must be finite and >= 0, got {total!r}")
+        raise InvalidInputError(f"a squared norm must be finite and >= 0, got {printable(total)}")
     norm = math.sqrt(total)
     return 1.0 if norm <= clip_norm else clip_norm / norm
 
@@ -93,8 +94,8 @@ def dp_noise_std(noise_multiplier: float, clip_norm: float, peers: int) -> float
     """DP-FedAvg's noise standard deviation on the mean: ``z·C/n``."""
     if not noise_multiplier >= 0 or not clip_norm > 0 or peers < 1:
         raise InvalidInputError(
-            f"DP noise needs z >= 0, C > 0 and n >= 1; got z={noise_multiplier!r}, "
-            f"C={clip_norm!r}, n={peers!r}"
+            f"DP noise needs z >= 0, C > 0 and n >= 1; got z={printable(noise_multiplier)}, "
+            f"C={printable(clip_norm)}, n={printable(peers)}"
         )
     return noise_multiplier * clip_norm / peers
 
@@ -117,7 +118,9 @@ def gaussian_noise(seed: int, *, tensor: str, offset: int, count: int, std: floa
     if offset < 0 or count < 0:
         raise InvalidInputError(f"noise for elements [{offset}, {offset + count}) is out of range")
     if not math.isfinite(std) or std < 0:
-        raise InvalidInputError(f"noise standard deviation {std!r} must be finite and >= 0")
+        raise InvalidInputError(
+            f"noise standard deviation {printable(std)} must be finite and >= 0"
+        )
     key = _key(seed, tensor)
     out = np.empty(count, dtype=np.float64)
     first, last = offset // NOISE_BLOCK, (offset + count - 1) // NOISE_BLOCK
@@ -148,8 +151,8 @@ def update_clip_norm(
     """
     if not clip_norm > 0 or not 0.0 <= target_quantile <= 1.0 or not lr > 0:
         raise InvalidInputError(
-            f"adaptive clipping needs C > 0, 0 <= γ <= 1 and η > 0; got C={clip_norm!r}, "
-            f"γ={target_quantile!r}, η={lr!r}"
+            f"adaptive clipping needs C > 0, 0 <= γ <= 1 and η > 0; got C={printable(clip_norm)}, "
+            f"γ={printable(target_quantile)}, η={printable(lr)}"
         )
     if not norms:
         raise InvalidInputError("adaptive clipping: no update norms (empty peer set)")
@@ -168,7 +171,7 @@ def adaptive_noise_multiplier(noise_multiplier: float, count_stddev: float) -> f
         return 0.0
     if not count_stddev > 0 or noise_multiplier >= 2 * count_stddev:
         raise InvalidInputError(
-            f"adaptive clipping: z={noise_multiplier!r} needs a count noise σ_b > z/2, "
-            f"got σ_b={count_stddev!r}"
+            f"adaptive clipping: z={printable(noise_multiplier)} needs a count noise σ_b > z/2, "
+            f"got σ_b={printable(count_stddev)}"
         )
     return float((noise_multiplier**-2 - (2 * count_stddev) ** -2) ** -0.5)

@@ -37,6 +37,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from gradpipe.core.aggregate_input import check_byzantine, check_peer_chunks, where
+from gradpipe.core.display import printable
 from gradpipe.core.exact import ExactSum
 from gradpipe.core.result_range import round_result
 from gradpipe.errors import InvalidInputError
@@ -79,7 +80,9 @@ def median(
 def trim_count(n: int, beta: float) -> int:
     """``⌊β·n⌋`` as Flower's ``_trim_mean`` computes it (``int(beta * n)``), ``0 <= β < 0.5``."""
     if not 0.0 <= beta < 0.5:
-        raise InvalidInputError(f"trimmed mean: trim fraction {beta!r} must be in [0, 0.5)")
+        raise InvalidInputError(
+            f"trimmed mean: trim fraction {printable(beta)} must be in [0, 0.5)"
+        )
     return int(beta * n)
 
 

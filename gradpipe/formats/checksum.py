@@ -19,9 +19,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Final
 
+from gradpipe.core.display import PATH_LIMIT, printable, printable_text
 from gradpipe.errors import InvalidInputError
 
-__all__ = ["check_crc32", "crc32_combine", "crc32_remove_prefix", "join_crc32"]
+__all__ = ["check_crc32", "crc32_combine", "crc32_remove_prefix", "damaged", "join_crc32", "reason"]
 
 _POLY: Final = 0xEDB88320  # CRC-32 (zip, zlib), reflected
 _TOP: Final = 1 << 31  # the polynomial 1 (x**0), reflected
@@ -103,8 +104,42 @@ def check_crc32(path: str, name: str, got: int, want: int) -> None:
         Naming the file and the tensor, and saying the file is damaged.
     """
     if got != want:
-        raise InvalidInputError(
-            f"{path}: tensor {name!r} is damaged: the CRC-32 of its bytes is {got:08x}, but "
-            f"the file records {want:08x}; the file was damaged on disk or in transfer: "
-            "re-create it or copy it again"
+        raise damaged(
+            path,
+            f"tensor {printable(name)}",
+            f": the CRC-32 of its bytes is {got:08x}, but the file records {want:08x}",
         )
+
+
+def reason(exc: BaseException) -> str:
+    """What a library's exception (zipfile, numpy, json) says, escaped and at most 200 long.
+
+    Their messages quote bytes of the file (a member name, a header), which
+    may be anything.
+    """
+    return printable_text(str(exc), limit=PATH_LIMIT)
+
+
+def damaged(path: str, what: str, why: str, *, remedy: str = "re-create it") -> InvalidInputError:
+    """The refusal of a file whose bytes changed after it was written (a checksum, a zip record).
+
+    Parameters
+    ----------
+    path : str
+        The file, as the user named it (escaped here).
+    what : str
+        The part that is damaged, its name already :func:`printable`, e.g. ``"tensor 'w'"``.
+    why : str
+        What was found, appended to "is damaged": ``": the CRC-32 ..."`` or ``" (reason)"``.
+    remedy : str
+        How to make the file again, before "or copy it again".
+
+    Examples
+    --------
+    >>> print(damaged("a.npz", "member 'w.npy'", " (bad CRC)"))
+    'a.npz': member 'w.npy' is damaged (bad CRC); the file was damaged on disk or in transfer: re-create it or copy it again
+    """  # noqa: E501
+    return InvalidInputError(
+        f"{printable(path, limit=PATH_LIMIT)}: {what} is damaged{why}; the file was damaged on "
+        f"disk or in transfer: {remedy} or copy it again"
+    )

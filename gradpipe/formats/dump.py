@@ -56,9 +56,17 @@ from typing import IO, TYPE_CHECKING, Any, Final
 
 import numpy as np
 
+from gradpipe.core.display import (
+    NAME_LIMIT,
+    PATH_LIMIT,
+    printable,
+    printable_names,
+    printable_text,
+)
 from gradpipe.core.dtypes import dtype_name
 from gradpipe.core.encoding import reject_duplicate_keys
 from gradpipe.errors import InvalidInputError
+from gradpipe.formats.checksum import reason
 from gradpipe.formats.registry import DUMP_FORMATS, DumpSource, get_reader
 from gradpipe.formats.spec import TensorSpec
 from gradpipe.meter import READ, digest_bytes
@@ -153,8 +161,8 @@ def dump_format(path: str) -> str:
         return DUMP_FORMATS[ext]
     except KeyError:
         raise InvalidInputError(
-            f"{path}: not a known dump format; gradpipe reads files ending in "
-            f"{', '.join(DUMP_FORMATS)}. Rename or convert the file"
+            f"{printable(path, limit=PATH_LIMIT)}: not a known dump format; gradpipe reads files "
+            f"ending in {', '.join(DUMP_FORMATS)}. Rename or convert the file"
         ) from None
 
 
@@ -164,7 +172,8 @@ def _sidecar_value(value: object, *, where: str, key: str) -> str:
     if isinstance(value, bool | int | float):
         return json.dumps(value)
     raise InvalidInputError(
-        f"{where}: value of {key!r} is {json.dumps(value)}; sidecar values must be strings, "
+        f"{where}: value of {printable(key)} is "
+        f"{printable_text(json.dumps(value), limit=NAME_LIMIT)}; sidecar values must be strings, "
         "numbers or booleans"
     )
 
@@ -179,9 +188,10 @@ def read_sidecar(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, str]:
         than :data:`MAX_SIDECAR_BYTES`, or is not a JSON object of plain values;
         the message names the sidecar.
     """
-    where = path + SIDECAR_SUFFIX
+    sidecar = path + SIDECAR_SUFFIX
+    where = printable(sidecar, limit=PATH_LIMIT)
     try:
-        with open_regular(fs, where, advice=_SIDECAR_ADVICE) as f:
+        with open_regular(fs, sidecar, advice=_SIDECAR_ADVICE) as f:
             size = f.seek(0, os.SEEK_END)
             if size <= MAX_SIDECAR_BYTES:
                 f.seek(0)
@@ -198,7 +208,7 @@ def read_sidecar(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, str]:
     try:
         data = json.loads(bytes(raw).decode("utf-8"), object_pairs_hook=reject_duplicate_keys)
     except (UnicodeDecodeError, ValueError) as exc:
-        raise InvalidInputError(f"{where}: sidecar is not valid JSON ({exc})") from None
+        raise InvalidInputError(f"{where}: sidecar is not valid JSON ({reason(exc)})") from None
     if not isinstance(data, dict):
         raise InvalidInputError(
             f'{where}: sidecar must be a JSON object of metadata, e.g. {{"num_examples": 512}}'
@@ -217,7 +227,9 @@ def _refuse_mode(path: str, mode: int, advice: str) -> None:
     if stat.S_ISREG(mode):
         return
     kind = next((text for test, text in _KINDS if test(mode)), "a special file")
-    raise InvalidInputError(f"{path} is {kind}, not a regular file; {advice}")
+    raise InvalidInputError(
+        f"{printable(path, limit=PATH_LIMIT)} is {kind}, not a regular file; {advice}"
+    )
 
 
 def check_regular_file(
@@ -243,13 +255,16 @@ def check_regular_file(
             mode = Path(path).stat().st_mode
         except OSError as exc:
             raise InvalidInputError(
-                f"{path}: cannot examine it ({exc.strerror}); {_DUMP_ADVICE}"
+                f"{printable(path, limit=PATH_LIMIT)}: cannot examine it ({exc.strerror}); "
+                f"{_DUMP_ADVICE}"
             ) from None
         _refuse_mode(path, mode, _DUMP_ADVICE)
         return
     found = (info if info is not None else fs.info(path)).get("type")
     if found != "file":
-        raise InvalidInputError(f"{path} is a {found}, not a regular file; {_DUMP_ADVICE}")
+        raise InvalidInputError(
+            f"{printable(path, limit=PATH_LIMIT)} is a {found}, not a regular file; {_DUMP_ADVICE}"
+        )
 
 
 def _open_local(path: str, advice: str, buffering: int) -> IO[bytes]:
@@ -387,7 +402,9 @@ def read_byte_range(fs: fsspec.AbstractFileSystem, path: str, start: int, stop: 
         If the range is invalid or the file does not hold it (truncated file).
     """
     if not 0 <= start <= stop:
-        raise InvalidInputError(f"{path}: invalid byte range [{start}, {stop})")
+        raise InvalidInputError(
+            f"{printable(path, limit=PATH_LIMIT)}: invalid byte range [{start}, {stop})"
+        )
     if start == stop:
         return np.empty(0, dtype=np.uint8)
     array: np.ndarray
@@ -417,7 +434,8 @@ def read_byte_range(fs: fsspec.AbstractFileSystem, path: str, start: int, stop: 
 
 def _short(path: str, start: int, stop: int, what: str) -> InvalidInputError:
     return InvalidInputError(
-        f"{path}: truncated: asked for bytes [{start}, {stop}) but {what}; the file is "
+        f"{printable(path, limit=PATH_LIMIT)}: truncated: asked for bytes [{start}, {stop}) but "
+        f"{what}; the file is "
         "shorter than its header says, copy it again"
     )
 
@@ -430,8 +448,9 @@ def _select(header: DumpHeader, names: Iterable[str] | None) -> dict[str, Tensor
     missing = [n for n in wanted if n not in specs]
     if missing:
         raise InvalidInputError(
-            f"{header.path}: no tensor named {', '.join(map(repr, missing))}; "
-            f"it has {', '.join(map(repr, specs)) or 'none'}"
+            f"{printable(header.path, limit=PATH_LIMIT)}: no tensor named "
+            f"{', '.join(map(printable, missing))}; "
+            f"it has {printable_names(specs) or 'none'}"
         )
     return {n: specs[n] for n in wanted}
 
@@ -480,7 +499,8 @@ def read_dump_tensors(
         arr = arrays.get(n)
         if arr is None or arr.shape != spec.shape or dtype_name(arr.dtype) != spec.dtype:
             raise InvalidInputError(
-                f"{path}: tensor {n!r} no longer matches the header read before "
+                f"{printable(path, limit=PATH_LIMIT)}: tensor {printable(n)} no longer matches the "
+                "header read before "
                 f"({spec.dtype}{list(spec.shape)}); the file changed, ingest it again"
             )
         out[n] = arr

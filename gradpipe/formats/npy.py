@@ -30,8 +30,10 @@ from typing import IO, TYPE_CHECKING, Final
 import numpy as np
 from numpy.lib import format as npformat
 
+from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.core.dtypes import canonical_dtype, dtype_name
 from gradpipe.errors import InvalidInputError
+from gradpipe.formats.checksum import reason
 from gradpipe.formats.spec import TensorSpec, check_tensor_values, parse_tensor_spec
 
 if TYPE_CHECKING:
@@ -153,7 +155,7 @@ def read_npy_header(f: IO[bytes], *, where: str) -> NpyArrayHeader:
             raise ValueError(f"unknown format version {version}")
     except (ValueError, EOFError, OverflowError) as exc:
         raise InvalidInputError(
-            f"{where}: not a valid .npy array ({exc}); check that the file was written by "
+            f"{where}: not a valid .npy array ({reason(exc)}); check that the file was written by "
             "np.save and copied completely"
         ) from None
     if any(d < 0 for d in shape):
@@ -208,12 +210,12 @@ def _parse(source: DumpSource) -> tuple[TensorSpec, NpyArrayHeader]:
     """The one validation of an ``.npy`` file, for its header read and its whole read."""
     f, path, size = source.file, source.path, source.size
     f.seek(0)
-    header = read_npy_header(f, where=path)
+    header = read_npy_header(f, where=printable(path, limit=PATH_LIMIT))
     if header.header_size + header.nbytes != size:
         raise InvalidInputError(
-            f"{path}: truncated or padded .npy file: the header describes "
-            f"{header.header_size + header.nbytes} bytes but the file has {size}; "
-            "copy the file again"
+            f"{printable(path, limit=PATH_LIMIT)}: truncated or padded .npy file: the header "
+            f"describes {header.header_size + header.nbytes} bytes but the file has {size}; copy "
+            "the file again"
         )
     offset = header.header_size if header.ranged else None
     spec = parse_tensor_spec(
@@ -246,7 +248,7 @@ class NpyReader:
         spec, header = _parse(source)
         if spec.name not in specs:
             return {}
-        array = read_npy_data(source.file, header, where=source.path)
+        array = read_npy_data(source.file, header, where=printable(source.path, limit=PATH_LIMIT))
         check_tensor_values(spec, array, path=source.path)
         return {spec.name: array}
 

@@ -38,8 +38,9 @@ from typing import IO, TYPE_CHECKING, Final
 
 import numpy as np
 
+from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.errors import InvalidInputError
-from gradpipe.formats.checksum import crc32_remove_prefix
+from gradpipe.formats.checksum import crc32_remove_prefix, damaged, reason
 from gradpipe.formats.npy import NpyArrayHeader, read_npy_data, read_npy_header
 from gradpipe.formats.spec import (
     DEFLATE_MAX_RATIO,
@@ -92,7 +93,8 @@ class NpzMember:
 
 def _invalid(path: str, what: str) -> InvalidInputError:
     return InvalidInputError(
-        f"{path}: not a valid .npz file: {what}; write it with np.savez / np.savez_compressed "
+        f"{printable(path, limit=PATH_LIMIT)}: not a valid .npz file: {what}; write it with "
+        "np.savez / np.savez_compressed "
         "and check that it was copied completely"
     )
 
@@ -102,7 +104,7 @@ def _open_zip(f: IO[bytes], path: str) -> Iterator[zipfile.ZipFile]:
     try:
         zf = zipfile.ZipFile(f)
     except _ZIP_ERRORS as exc:
-        raise _invalid(path, f"not a readable zip archive ({exc})") from None
+        raise _invalid(path, f"not a readable zip archive ({reason(exc)})") from None
     with zf:
         yield zf
 
@@ -119,8 +121,8 @@ def _check_sizes(info: zipfile.ZipInfo, size: int, path: str) -> None:
     if info.compress_size > size:
         raise _invalid(
             path,
-            f"truncated: member {member} declares {info.compress_size} compressed bytes in a "
-            f"file of {size}",
+            f"truncated: member {member} declares {info.compress_size} compressed bytes in a file "
+            f"of {size}",
         )
     if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
         raise _invalid(
@@ -149,17 +151,19 @@ def _room(info: zipfile.ZipInfo) -> int:
 def _data_start(f: IO[bytes], info: zipfile.ZipInfo, size: int, path: str) -> int:
     """Absolute offset of a member's first data byte, from its local header."""
     if not 0 <= info.header_offset < size:
-        raise _invalid(path, f"member {info.filename!r} starts outside the file")
+        raise _invalid(path, f"member {printable(info.filename)} starts outside the file")
     f.seek(info.header_offset)
     raw = f.read(_LOCAL_HEADER.size)
     if len(raw) < _LOCAL_HEADER.size:
-        raise _invalid(path, f"truncated: local header of {info.filename!r} is cut short")
+        raise _invalid(path, f"truncated: local header of {printable(info.filename)} is cut short")
     signature, name_len, extra_len = _LOCAL_HEADER.unpack(raw)
     if signature != _LOCAL_SIGNATURE:
-        raise _invalid(path, f"bad local header signature for member {info.filename!r}")
+        raise _invalid(path, f"bad local header signature for member {printable(info.filename)}")
     start: int = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
     if start + info.compress_size > size:
-        raise _invalid(path, f"truncated: member {info.filename!r} does not fit in the file")
+        raise _invalid(
+            path, f"truncated: member {printable(info.filename)} does not fit in the file"
+        )
     return start
 
 
@@ -175,13 +179,13 @@ def _members(
     seen: set[str] = set()
     for info in zf.infolist():
         if info.is_dir() or not info.filename.endswith(".npy"):
-            raise _invalid(path, f"member {info.filename!r} is not an .npy array")
+            raise _invalid(path, f"member {printable(info.filename)} is not an .npy array")
         if info.flag_bits & 0x1:
-            raise _invalid(path, f"member {info.filename!r} is encrypted")
+            raise _invalid(path, f"member {printable(info.filename)} is encrypted")
         _check_sizes(info, size, path)
         name = info.filename.removesuffix(".npy")
         if name in seen:
-            raise _invalid(path, f"member {info.filename!r} appears twice")
+            raise _invalid(path, f"member {printable(info.filename)} appears twice")
         seen.add(name)
         out.append((name, info, _data_start(f, info, size, path)))
     extents = sorted(
@@ -192,8 +196,9 @@ def _members(
         if begin < end:
             raise _invalid(
                 path,
-                f"members {first.filename!r} and {second.filename!r} overlap in the file (the "
-                "zip directory points both at the same bytes); the file is damaged or forged",
+                f"members {printable(first.filename)} and {printable(second.filename)} overlap in "
+                "the file (the zip directory points both at the same bytes); the file is damaged "
+                "or forged",
             )
     return out
 
@@ -205,7 +210,7 @@ def _member_spec(
     if header.header_size + header.nbytes != info.file_size:
         raise _invalid(
             path,
-            f"member {info.filename!r} is {info.file_size} bytes but its .npy header "
+            f"member {printable(info.filename)} is {info.file_size} bytes but its .npy header "
             f"describes {header.header_size + header.nbytes}",
         )
     return parse_tensor_spec(
@@ -215,7 +220,7 @@ def _member_spec(
         offset,
         path=path,
         room=_room(info) - header.header_size,
-        source=f"member {info.filename!r}",
+        source=f"member {printable(info.filename)}",
     )
 
 
@@ -249,7 +254,7 @@ def read_npz_members(f: IO[bytes], *, path: str, size: int) -> list[NpzMember]:
     out = []
     with _open_zip(f, path) as zf:
         for name, info, start in _members(zf, f, path, size):
-            where = f"{path}: member {info.filename!r}"
+            where = f"{printable(path, limit=PATH_LIMIT)}: member {printable(info.filename)}"
             crc: int | None = None
             if info.compress_type == zipfile.ZIP_STORED:
                 f.seek(start)
@@ -267,7 +272,10 @@ def read_npz_members(f: IO[bytes], *, path: str, size: int) -> list[NpzMember]:
                 except InvalidInputError:
                     raise
                 except _ZIP_ERRORS as exc:
-                    raise _invalid(path, f"member {info.filename!r} is damaged ({exc})") from None
+                    raise _invalid(
+                        path,
+                        f"member {printable(info.filename)} is damaged ({reason(exc)})",
+                    ) from None
                 offset = None
             spec = _member_spec(name, info, header, offset if header.ranged else None, path)
             if header.ranged and crc is not None:
@@ -305,7 +313,7 @@ def read_npz_arrays(
         for name, info, _ in _members(zf, f, path, size):
             if names is not None and name not in names:
                 continue
-            where = f"{path}: member {info.filename!r}"
+            where = f"{printable(path, limit=PATH_LIMIT)}: member {printable(info.filename)}"
             try:
                 with zf.open(info) as member:
                     header = read_npy_header(member, where=where)
@@ -319,14 +327,20 @@ def read_npz_arrays(
                 raise
             except zipfile.BadZipFile as exc:
                 if "CRC" not in str(exc):
-                    raise _invalid(path, f"member {info.filename!r} is damaged ({exc})") from None
-                raise InvalidInputError(
-                    f"{path}: member {info.filename!r} is damaged: its bytes do not have the "
-                    "CRC-32 the zip directory records; the file was damaged on disk or in "
-                    "transfer: re-create it or copy it again"
+                    raise _invalid(
+                        path,
+                        f"member {printable(info.filename)} is damaged ({reason(exc)})",
+                    ) from None
+                raise damaged(
+                    path,
+                    f"member {printable(info.filename)}",
+                    ": its bytes do not have the CRC-32 the zip directory records",
                 ) from None
             except _ZIP_ERRORS as exc:
-                raise _invalid(path, f"member {info.filename!r} is damaged ({exc})") from None
+                raise _invalid(
+                    path,
+                    f"member {printable(info.filename)} is damaged ({reason(exc)})",
+                ) from None
     return out
 
 

@@ -20,6 +20,7 @@ from typing import IO, Final, Protocol, runtime_checkable
 
 import numpy as np
 
+from gradpipe.core.display import printable
 from gradpipe.errors import InvalidInputError
 from gradpipe.formats.spec import TensorSpec
 
@@ -103,11 +104,11 @@ def get_reader(fmt: str) -> DumpReader:
         target = READERS[fmt]
     except KeyError:
         raise InvalidInputError(
-            f"no reader for dump format {fmt!r}; gradpipe reads {', '.join(READERS)}"
+            f"no reader for dump format {printable(fmt)}; gradpipe reads {', '.join(READERS)}"
         ) from None
     module, _, name = target.partition(":")
     loaded = getattr(importlib.import_module(module), name)
     if not isinstance(loaded, DumpReader) or loaded.format != fmt:  # our own table's invariant
-        raise TypeError(f"{target} is not the DumpReader of format {fmt!r}")
+        raise TypeError(f"{target} is not the DumpReader of format {printable(fmt)}")
     _loaded[fmt] = loaded
     return loaded

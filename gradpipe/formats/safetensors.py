@@ -29,10 +29,12 @@ from typing import IO, TYPE_CHECKING, Final
 
 import numpy as np
 
+from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.core.dtypes import SAFETENSORS_NAMES, canonical_dtype, dtype_name, parse_dtype
 from gradpipe.core.encoding import reject_duplicate_keys
 from gradpipe.errors import InvalidInputError, UnsupportedFormatError
 from gradpipe.formats._output import write_output
+from gradpipe.formats.checksum import reason
 from gradpipe.formats.spec import (
     TensorSpec,
     check_tensor_values,
@@ -125,7 +127,8 @@ class SafetensorsHeader:
 
 def _invalid(path: str, what: str) -> InvalidInputError:
     return InvalidInputError(
-        f"{path}: not a valid safetensors file: {what}; re-export the file or check that "
+        f"{printable(path, limit=PATH_LIMIT)}: not a valid safetensors file: {what}; re-export the "
+        "file or check that "
         "it was copied completely"
     )
 
@@ -151,13 +154,14 @@ def _read_exact(f: IO[bytes], start: int, length: int, *, path: str, what: str) 
 
 
 def _parse_entry(name: str, raw: object, data_start: int, *, path: str) -> TensorEntry:
-    where = f"tensor {name!r}"
+    where = f"tensor {printable(name)}"
     if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "data_offsets"}:
         raise _invalid(path, f"{where} must be an object with dtype, shape and data_offsets")
     code, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
     if not isinstance(code, str) or code not in SAFETENSORS_NAMES:
         raise UnsupportedFormatError(
-            f"{path}: {where} has dtype {code!r}, which gradpipe does not store; supported: "
+            f"{printable(path, limit=PATH_LIMIT)}: {where} has dtype {printable(code)}, which "
+            "gradpipe does not store; supported: "
             f"{', '.join(SAFETENSORS_NAMES)}. Convert the tensor before dumping it"
         )
 
@@ -165,9 +169,13 @@ def _parse_entry(name: str, raw: object, data_start: int, *, path: str) -> Tenso
         return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
     if not isinstance(shape, list) or not all(is_uint(d) for d in shape):
-        raise _invalid(path, f"{where} has shape {shape!r}; expected a list of integers >= 0")
+        raise _invalid(
+            path, f"{where} has shape {printable(shape)}; expected a list of integers >= 0"
+        )
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(is_uint, offsets))):
-        raise _invalid(path, f"{where} has data_offsets {offsets!r}; expected [begin, end]")
+        raise _invalid(
+            path, f"{where} has data_offsets {printable(offsets)}; expected [begin, end]"
+        )
     begin, end = offsets
     dtype = SAFETENSORS_NAMES[code]
     expected = prod(shape) * parse_dtype(dtype).itemsize
@@ -216,7 +224,7 @@ def read_header(f: IO[bytes], *, path: str) -> SafetensorsHeader:
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=reject_duplicate_keys)
     except (UnicodeDecodeError, ValueError) as exc:
-        raise _invalid(path, f"header is not valid JSON ({exc})") from None
+        raise _invalid(path, f"header is not valid JSON ({reason(exc)})") from None
     if not isinstance(header, dict):
         raise _invalid(path, "header is not a JSON object")
 
@@ -232,7 +240,9 @@ def read_header(f: IO[bytes], *, path: str) -> SafetensorsHeader:
     for entry in sorted(tensors.values(), key=lambda e: (e.start, e.stop)):
         if entry.start != pos:
             problem = "overlaps the previous tensor" if entry.start < pos else "leaves a gap"
-            raise _invalid(path, f"tensor {entry.name!r} at offset {entry.start} {problem}")
+            raise _invalid(
+                path, f"tensor {printable(entry.name)} at offset {entry.start} {problem}"
+            )
         pos = entry.stop
     if pos != size:
         raise _invalid(path, f"tensor data ends at byte {pos} but the file has {size} bytes")
@@ -249,7 +259,8 @@ def read_tensor_range(
     """
     if not 0 <= start <= stop <= entry.nbytes:
         raise InvalidInputError(
-            f"{path}: byte range [{start}, {stop}) is outside tensor {entry.name!r} "
+            f"{printable(path, limit=PATH_LIMIT)}: byte range [{start}, {stop}) is outside tensor "
+            f"{printable(entry.name)} "
             f"of {entry.nbytes} bytes"
         )
     return _read_exact(f, entry.start + start, stop - start, path=path, what=repr(entry.name))
@@ -320,13 +331,13 @@ def _code(name: str, dtype: np.dtype | str) -> str:
     except (InvalidInputError, KeyError):
         shown = dtype if isinstance(dtype, str) else dtype_name(dtype)
         raise InvalidInputError(
-            f"tensor {name!r}: dtype {shown!r} cannot be written to safetensors"
+            f"tensor {printable(name)}: dtype {printable(shown)} cannot be written to safetensors"
         ) from None
 
 
 def _check_name(name: object) -> None:
     if not isinstance(name, str) or name == _METADATA_KEY:
-        raise InvalidInputError(f"tensor name {name!r} is not allowed in safetensors")
+        raise InvalidInputError(f"tensor name {printable(name)} is not allowed in safetensors")
     # Write only names the reader accepts back.
     parse_tensor_name(name, where="safetensors")
 
@@ -340,7 +351,7 @@ def _prepare(tensors: Mapping[str, np.ndarray]) -> list[tuple[str, str, np.ndarr
         try:
             code = _CODES[dtype_name(arr.dtype)]
         except InvalidInputError as exc:
-            raise InvalidInputError(f"tensor {name!r}: {exc}") from None
+            raise InvalidInputError(f"tensor {printable(name)}: {exc}") from None
         if arr.dtype.byteorder == ">":
             # byteswap + view moves bits, never values: NaN payloads stay exact.
             arr = arr.byteswap().view(canonical_dtype(arr.dtype))
@@ -389,10 +400,10 @@ def _write_stream(
     for name, code, shape, nbytes in entries:
         arr = next(arrays, None)
         if arr is None:
-            raise InvalidInputError(f"no data was given for tensor {name!r}")
+            raise InvalidInputError(f"no data was given for tensor {printable(name)}")
         if arr.shape != shape or arr.nbytes != nbytes or _code(name, arr.dtype) != code:
             raise InvalidInputError(
-                f"tensor {name!r} was announced as {code} {list(shape)} but its data is "
+                f"tensor {printable(name)} was announced as {code} {list(shape)} but its data is "
                 f"{arr.dtype} {list(arr.shape)}"
             )
         if arr.dtype.byteorder == ">":

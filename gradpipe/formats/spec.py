@@ -29,6 +29,7 @@ import numpy as np
 
 from gradpipe.config import get_bytes
 from gradpipe.core.chunking import parse_shape
+from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.core.dtypes import DTYPE_NAMES, check_values, parse_dtype
 from gradpipe.core.names import MAX_NAME_LENGTH, parse_tensor_name  # the one rule, in core
 from gradpipe.errors import InvalidInputError
@@ -73,10 +74,11 @@ def _check(name: object, dtype: str, shape: object, *, where: str) -> tuple[str,
     if dtype not in DTYPE_NAMES:
         stored = ", ".join(DTYPE_NAMES)
         raise InvalidInputError(
-            f"{where}: tensor {text!r} has dtype {dtype!r}; gradpipe stores {stored}"
+            f"{where}: tensor {printable(text)} has dtype {printable(dtype)}; gradpipe stores "
+            f"{stored}"
         )
     itemsize = parse_dtype(dtype).itemsize
-    return text, parse_shape(shape, itemsize, where=f"{where}: tensor {text!r}")
+    return text, parse_shape(shape, itemsize, where=f"{where}: tensor {printable(text)}")
 
 
 @dataclass(frozen=True)
@@ -113,10 +115,11 @@ class TensorSpec:
     def __post_init__(self) -> None:
         _check(self.name, self.dtype, self.shape, where="dump")
         if self.offset is not None and self.offset < 0:
-            raise InvalidInputError(f"tensor {self.name!r}: negative offset {self.offset}")
+            raise InvalidInputError(f"tensor {printable(self.name)}: negative offset {self.offset}")
         if self.crc32 is not None and (self.offset is None or not 0 <= self.crc32 < 1 << 32):
             raise InvalidInputError(
-                f"tensor {self.name!r}: a CRC-32 ({self.crc32}) needs an offset and 32 bits"
+                f"tensor {printable(self.name)}: a CRC-32 ({self.crc32}) needs an offset and 32 "
+                "bits"
             )
 
     @property
@@ -154,8 +157,9 @@ def parse_tensor_spec(
         If the name, dtype or shape is unusable, or the tensor is larger than
         ``room`` or than ``gradpipe.max-tensor-bytes``.
     """
-    name, shape = _check(name, dtype, shape, where=path)
-    where = f"{path}: tensor {name!r}"
+    shown = printable(path, limit=PATH_LIMIT)
+    name, shape = _check(name, dtype, shape, where=shown)
+    where = f"{shown}: tensor {printable(name)}"
     nbytes = prod(shape) * parse_dtype(dtype).itemsize
     limit = max_tensor_bytes()
     if nbytes > limit:
@@ -188,5 +192,7 @@ def check_tensor_values(spec: _Described, values: np.ndarray, *, path: str) -> N
     ``dtype``); ``values`` the whole tensor or any part of it, in any dtype of
     the same item size (raw bytes of a ranged read are viewed as bool).
     """
-    if spec.dtype == "bool":
-        check_values(values.view(np.bool_), where=f"{path}: tensor {spec.name!r}")
+    if spec.dtype == "bool" and values.size and int(values.view(np.uint8).max()) > 1:
+        # The message is built only when it is needed: this runs once per chunk.
+        where = f"{printable(path, limit=PATH_LIMIT)}: tensor {printable(spec.name)}"
+        check_values(values.view(np.bool_), where=where)

@@ -39,6 +39,7 @@ import fsspec
 import numpy as np
 from numpy.lib import format as npformat
 
+from gradpipe.core.display import PATH_LIMIT, printable, printable_text
 from gradpipe.core.dtypes import dtype_name
 from gradpipe.core.state import flatten_state
 from gradpipe.errors import InvalidInputError
@@ -85,7 +86,8 @@ class StateFileInfo:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise InvalidInputError(
-                f"unknown state file kind {self.kind!r}; expected one of {', '.join(KINDS)}"
+                f"unknown state file kind {printable(self.kind)}; expected one of "
+                f"{', '.join(KINDS)}"
             )
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.metadata.items()):
             raise InvalidInputError("state file metadata must map str to str")
@@ -98,12 +100,14 @@ class StateFileInfo:
     def from_dict(cls, data: Mapping[str, Any]) -> StateFileInfo:
         """Inverse of :meth:`to_dict` (``InvalidInputError``, a ``ValueError``, if malformed)."""
         if not isinstance(data, Mapping) or set(data) != {"kind", "metadata"}:
-            raise InvalidInputError(f"not a state file info: {data!r}")
+            raise InvalidInputError(f"not a state file info: {printable(data)}")
         pairs = data["metadata"]
         if not isinstance(pairs, list) or not all(
             isinstance(p, list) and len(p) == 2 for p in pairs
         ):
-            raise InvalidInputError(f"state file info metadata is not a list of pairs: {pairs!r}")
+            raise InvalidInputError(
+                f"state file info metadata is not a list of pairs: {printable(pairs)}"
+            )
         metadata = dict(map(tuple, pairs))
         if len(metadata) != len(pairs):
             raise InvalidInputError("state file info metadata repeats a key")
@@ -136,7 +140,9 @@ def read_state_file(path: str | os.PathLike[str]) -> tuple[dict[Any, Any], State
             specs, metadata = reader.parse_header(source)
             arrays = reader.read_tensors(source, {s.name: s for s in specs})
             state = {s.name: arrays[s.name] for s in specs}
-    flatten_state(state, where=name)  # refuse now, naming the file, what a snapshot cannot keep
+    # Refuse now, naming the file, what a snapshot cannot keep; the name is escaped but not
+    # quoted, as it leads "FILE['key']".
+    flatten_state(state, where=printable_text(name, limit=PATH_LIMIT))
     return state, StateFileInfo(kind, dict(metadata) if kind == "safetensors" else {})
 
 
@@ -207,7 +213,7 @@ def _flat_arrays(state: Mapping[Any, Any], kind: str) -> dict[str, np.ndarray]:
     )
     if bad is not None:
         raise InvalidInputError(
-            f"a {kind} file holds named arrays only; entry {bad[0]!r} is a "
+            f"a {kind} file holds named arrays only; entry {printable(bad[0])} is a "
             f"{type(bad[1]).__qualname__}: {_FLAT_HINT}"
         )
     return dict(state)
@@ -217,8 +223,8 @@ def _refuse_bfloat16(arrays: Mapping[str, np.ndarray], kind: str) -> None:
     for key, arr in arrays.items():
         if dtype_name(arr.dtype) == "bfloat16":
             raise InvalidInputError(
-                f"array {key!r} is bfloat16, which a .{kind} file cannot describe (np.save "
-                "writes raw 2-byte records); write .safetensors or .pt instead"
+                f"array {printable(key)} is bfloat16, which a .{kind} file cannot describe "
+                "(np.save writes raw 2-byte records); write .safetensors or .pt instead"
             )
 
 
@@ -228,8 +234,9 @@ def _read_torch(f: IO[bytes], path: str, size: int) -> dict[Any, Any]:
     obj = load_checkpoint(f, path=path, size=size)
     if not isinstance(obj, dict):
         raise InvalidInputError(
-            f"{path}: holds a {type(obj).__name__}; a state file is a dict, e.g. "
-            "torch.save({'model': model.state_dict(), 'optimizer': opt.state_dict()}, path)"
+            f"{printable(path, limit=PATH_LIMIT)}: holds a {type(obj).__name__}; a state file is a "
+            "dict, e.g. "
+            f"torch.save({{'model': model.state_dict(), 'optimizer': opt.state_dict()}}, path)"
         )
     state: dict[Any, Any] = from_torch(obj, path=path, file_size=size)
     return state
@@ -272,7 +279,8 @@ class _TorchWalk:
         self.nodes += 1
         if self.max_nodes is not None and self.nodes > self.max_nodes:
             raise InvalidInputError(
-                f"{self.path}: the checkpoint refers to the same objects over and over (more "
+                f"{printable(self.path, limit=PATH_LIMIT)}: the checkpoint refers to the same "
+                "objects over and over (more "
                 f"than {self.max_nodes} visits); save plain, unshared containers"
             )
         if isinstance(obj, torch.Tensor):
@@ -287,7 +295,10 @@ class _TorchWalk:
         if type(obj) not in (dict, OrderedDict, list, tuple):
             return obj
         if id(obj) in self.active:
-            raise InvalidInputError(f"{self.path}: the state contains itself at {list(path)}")
+            raise InvalidInputError(
+                f"{printable(self.path, limit=PATH_LIMIT)}: the state contains itself at "
+                f"{printable(list(path), limit=PATH_LIMIT)}"
+            )
         self.active.add(id(obj))
         try:
             if isinstance(obj, list | tuple):
@@ -315,8 +326,8 @@ def to_torch(state: Any) -> Any:
         return torch.from_numpy(state.copy())
     if isinstance(state, np.generic):
         raise InvalidInputError(
-            f"a numpy scalar ({state.dtype} {state!r}) cannot go into a torch checkpoint that "
-            "loads with weights_only=True; write .safetensors, or make it a Python number"
+            f"a numpy scalar ({state.dtype} {printable(state)}) cannot go into a torch checkpoint "
+            "that loads with weights_only=True; write .safetensors, or make it a Python number"
         )
     if type(state) in (list, tuple):
         return type(state)(to_torch(v) for v in state)

@@ -50,8 +50,10 @@ from typing import IO, TYPE_CHECKING, Final
 import numpy as np
 from dask.utils import format_bytes
 
+from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.core.dtypes import bfloat16
 from gradpipe.errors import InvalidInputError
+from gradpipe.formats.checksum import damaged, reason
 from gradpipe.formats.spec import TensorSpec, check_tensor_values, parse_tensor_spec
 
 if TYPE_CHECKING:
@@ -122,8 +124,8 @@ def _load(f: IO[bytes] | str, path: str) -> object:
         import torch
     except ImportError:
         raise InvalidInputError(
-            f"{path}: reading PyTorch files needs torch; install it with "
-            "pip install 'gradpipe[torch]'"
+            f"{printable(path, limit=PATH_LIMIT)}: reading PyTorch files needs torch; install it "
+            "with pip install 'gradpipe[torch]'"
         ) from None
     try:
         if isinstance(f, str):
@@ -140,16 +142,19 @@ def _load(f: IO[bytes] | str, path: str) -> object:
         reason = _summary(exc)
         if "Unsupported global" in str(exc):
             raise InvalidInputError(
-                f"{path}: refused for safety: loading it would need arbitrary unpickling "
+                f"{printable(path, limit=PATH_LIMIT)}: refused for safety: loading it would need "
+                "arbitrary unpickling "
                 f"({reason}), which can run code from the file; {_RESAVE}"
             ) from None
         raise InvalidInputError(
-            f"{path}: not a readable PyTorch file ({reason}): it is damaged, not written "
+            f"{printable(path, limit=PATH_LIMIT)}: not a readable PyTorch file ({reason}): it is "
+            "damaged, not written "
             f"by torch.save, or would need unsafe unpickling; {_RESAVE}"
         ) from None
     except Exception as exc:  # torch raises about anything on a corrupt file
         raise InvalidInputError(
-            f"{path}: not a readable PyTorch file ({type(exc).__name__}: {_summary(exc)}); "
+            f"{printable(path, limit=PATH_LIMIT)}: not a readable PyTorch file "
+            f"({type(exc).__name__}: {_summary(exc)}); "
             "check that it was written by torch.save and copied completely"
         ) from None
 
@@ -213,7 +218,7 @@ def _check_view(tensor: torch.Tensor, where: str, file_size: int) -> int:
 
 def tensor_spec(tensor: torch.Tensor, *, path: str, name: str, file_size: int) -> TensorSpec:
     """The one validation of a torch tensor, for the header read and the whole read alike."""
-    where = f"{path}: tensor {name!r}"
+    where = f"{printable(path, limit=PATH_LIMIT)}: tensor {printable(name)}"
     dtype = _dtype_name(tensor, where)
     stored = _check_view(tensor, where, file_size)
     return parse_tensor_spec(
@@ -254,7 +259,8 @@ class _Flattener:
             for k, v in obj.items():
                 if not isinstance(k, str | int):
                     raise InvalidInputError(
-                        f"{self.path}: key {k!r} under {key or 'the top level'!r} is a "
+                        f"{printable(self.path, limit=PATH_LIMIT)}: key {printable(k)} under "
+                        f"{printable(key or 'the top level')} is a "
                         f"{type(k).__name__}; only str and int keys can name tensors"
                     )
                 self.add(v, f"{key}.{k}" if key else str(k))
@@ -266,7 +272,8 @@ class _Flattener:
             self.metadata[key] = str(obj)
         else:
             raise InvalidInputError(
-                f"{self.path}: {key or 'the top level'!r} holds a {type(obj).__name__}; "
+                f"{printable(self.path, limit=PATH_LIMIT)}: {printable(key or 'the top level')} "
+                f"holds a {type(obj).__name__}; "
                 f"gradpipe reads tensors, dicts, lists, tuples and plain values; {_RESAVE}"
             )
 
@@ -276,10 +283,13 @@ class _Flattener:
 
     def _claim(self, key: str) -> None:
         if not key:
-            raise InvalidInputError(f"{self.path}: a value has an empty name; {_RESAVE}")
+            raise InvalidInputError(
+                f"{printable(self.path, limit=PATH_LIMIT)}: a value has an empty name; {_RESAVE}"
+            )
         if key in self.tensors or key in self.metadata:
             raise InvalidInputError(
-                f"{self.path}: two entries flatten to the same name {key!r} (e.g. a key "
+                f"{printable(self.path, limit=PATH_LIMIT)}: two entries flatten to the same name "
+                f"{printable(key)} (e.g. a key "
                 "'a.b' beside a nested {'a': {'b': ...}}); rename one before saving"
             )
 
@@ -292,11 +302,11 @@ def check_claimed(path: str, count: int, claimed: int, file_size: int) -> None:
     bound = SHARED_STORAGE_FACTOR * file_size + SHARED_STORAGE_FLOOR
     if claimed > bound:
         raise InvalidInputError(
-            f"{path}: its {count} tensors claim {claimed} bytes ({format_bytes(claimed)}) in "
-            f"total, more than {bound} bytes ({SHARED_STORAGE_FACTOR} x the file's {file_size} "
-            f"bytes + {SHARED_STORAGE_FLOOR}): many names refer to the same storage. Save each "
-            "tensor once, or call .clone() on the tensors that must stay separate before "
-            "torch.save"
+            f"{printable(path, limit=PATH_LIMIT)}: its {count} tensors claim {claimed} bytes "
+            f"({format_bytes(claimed)}) in total, more than {bound} bytes ({SHARED_STORAGE_FACTOR} "
+            f"x the file's {file_size} bytes + {SHARED_STORAGE_FLOOR}): many names refer to the "
+            "same storage. Save each tensor once, or call .clone() on the tensors that must stay "
+            "separate before torch.save"
         )
 
 
@@ -329,14 +339,16 @@ def _check_archive(f: IO[bytes] | str, *, path: str, size: int, data: bool) -> N
         for info in records:
             if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size:
                 raise InvalidInputError(
-                    f"{path}: record {info.filename!r} is compressed ({info.file_size} bytes "
+                    f"{printable(path, limit=PATH_LIMIT)}: record {printable(info.filename)} is "
+                    f"compressed ({info.file_size} bytes "
                     f"declared from {info.compress_size}); torch.save writes uncompressed "
                     f"records, so the file was altered; {_RESAVE}"
                 )
         total = sum(info.file_size for info in records)
         if total > size:
             raise InvalidInputError(
-                f"{path}: its {len(records)} records declare {total} bytes in total in a file "
+                f"{printable(path, limit=PATH_LIMIT)}: its {len(records)} records declare {total} "
+                "bytes in total in a file "
                 f"of {size}: the zip directory lists the same bytes under several names; the "
                 "file is damaged or forged, save it again"
             )
@@ -358,9 +370,11 @@ def _check_record(archive: zipfile.ZipFile, info: zipfile.ZipInfo, path: str) ->
             while record.read(_CRC_PIECE):
                 pass
     except (zipfile.BadZipFile, EOFError, ValueError) as exc:
-        raise InvalidInputError(
-            f"{path}: record {info.filename!r} is damaged ({exc}); the file was damaged on "
-            "disk or in transfer: save it again or copy it again"
+        raise damaged(
+            path,
+            f"record {printable(info.filename)}",
+            f" ({reason(exc)})",
+            remedy="save it again",
         ) from None
 
 
@@ -390,7 +404,8 @@ def _flatten(
         flat.add(obj, "")
     else:
         raise InvalidInputError(
-            f"{path}: holds a {type(obj).__name__}, not tensors; save a dict of tensors "
+            f"{printable(path, limit=PATH_LIMIT)}: holds a {type(obj).__name__}, not tensors; save "
+            "a dict of tensors "
             "(a state_dict) instead"
         )
     flat.check_total()  # before any tensor is copied

@@ -42,6 +42,7 @@ from dask.base import tokenize
 
 from gradpipe.core.aggregate import weight_shift
 from gradpipe.core.chunking import chunk_ranges
+from gradpipe.core.display import printable
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import InvalidInputError
 from gradpipe.graph.aggregate_tasks import (
@@ -110,7 +111,7 @@ def parse_split_every(value: int | None) -> int:
         return DEFAULT_SPLIT_EVERY
     if isinstance(value, bool) or not isinstance(value, int) or value < 2 or value & (value - 1):
         raise InvalidInputError(
-            f"split_every {value!r} must be a power of two >= 2 (2, 4, 8, ...): "
+            f"split_every {printable(value)} must be a power of two >= 2 (2, 4, 8, ...): "
             "then every partial holds one array per chunk"
         )
     return value
@@ -259,18 +260,22 @@ def build_aggregate_graph(
         shift = weight_shift(weights)  # one power of two for every partial of the step
         groups = [(lo, min(n, lo + fan)) for lo in range(0, n, fan)]
         tensor_keys = []
+        # Names escaped once per step and tensor, not per chunk: contexts only add the chunk.
+        shown_peers = [printable(name) for name in names]
+        shown_aggregate = printable(spec.name)
         for t, tensor in enumerate(plan.tensors):
             sources = [sources_of(m) for m in tensor.peers]
             chunk_keys = []
+            shown_tensor = printable(tensor.name)
             for c, (start, stop) in enumerate(chunk_ranges(tensor.shape, tensor.chunk_shape)):
-                where = f"tensor {tensor.name!r} of step {spec.step}, chunk {c}"
+                where = f"tensor {shown_tensor} of step {spec.step}, chunk {c}"
                 peer_sources = [overlapping(sources[p], start, stop) for p in range(n)]
                 contexts = [
-                    f"tensor {tensor.name!r} of step {spec.step}, peer {name!r}, chunk {c}"
-                    for name in names
+                    f"tensor {shown_tensor} of step {spec.step}, peer {peer}, chunk {c}"
+                    for peer in shown_peers
                 ]
                 write_key = (f"gradpipe-aggregate-write-{token}", s, t, c)
-                context = f"aggregate {spec.name!r} of {where}"
+                context = f"aggregate {shown_aggregate} of {where}"
                 if len(groups) == 1 and not private:
                     # Every peer fits one task: read, reduce and write it there.
                     write_key = (f"gradpipe-aggregate-reduce-{token}", s, t, c)
@@ -429,12 +434,13 @@ def _norm_graph(
 ) -> Any:
     """The tasks of peer ``p``'s squared norm over its stored chunks; its key (0.0: empty)."""
     step = plan.spec.step
-    peer = plan.spec.inputs[p].peer
+    peer = printable(plan.spec.inputs[p].peer)
     leaves: list[Hashable] = []
     for t, tensor in enumerate(plan.tensors):
+        head = f"tensor {printable(tensor.name)} of step {step}, peer {peer}"
         for c, source in enumerate(sources_of(tensor.peers[p])):
             key = (f"gradpipe-aggregate-norm-{token}", s, p, t, c)
-            context = f"tensor {tensor.name!r} of step {step}, peer {peer!r}, chunk {c}"
+            context = f"{head}, chunk {c}"
             graph[key] = (read_sq_norm, step, store, source, tensor.dtype, context)
             leaves.append(key)
     if not leaves:  # a peer whose tensors are all empty: a zero norm, never clipped

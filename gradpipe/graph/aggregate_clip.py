@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from gradpipe.core.chunking import chunk_ranges
+from gradpipe.core.display import printable
 from gradpipe.core.dtypes import is_float, parse_dtype
 from gradpipe.core.exact import ExactSum
 from gradpipe.core.privacy import apply_scale, clip_scale, sq_norm_partial
@@ -64,6 +65,7 @@ def add_aggregate_clip(
     clip = float(spec.params["clip_aggregate"])
     leaves: list[Hashable] = []
     for t, (tensor, key) in enumerate(zip(plan.tensors, tensor_keys, strict=True)):
+        head = _where(spec.name, tensor.name, step)
         for c in range(_chunks(tensor)):
             leaf = (f"gradpipe-aggregate-resultnorm-{token}", s, t, c)
             graph[leaf] = (
@@ -72,7 +74,7 @@ def add_aggregate_clip(
                 store,
                 key,
                 c,
-                _where(spec.name, tensor.name, step, c),
+                f"{head}, chunk {c}",
             )
             leaves.append(leaf)
     total: Any = 0.0
@@ -93,9 +95,10 @@ def add_aggregate_clip(
     clipped: list[Hashable] = []
     for t, (tensor, key) in enumerate(zip(plan.tensors, tensor_keys, strict=True)):
         chunk_keys: list[Hashable] = []
+        head = _where(spec.name, tensor.name, step)
         for c in range(_chunks(tensor)):
             chunk = (f"gradpipe-aggregate-rescale-{token}", s, t, c)
-            where = _where(spec.name, tensor.name, step, c)
+            where = f"{head}, chunk {c}"
             graph[chunk] = (rescale_chunk, step, store, key, c, factor, where)
             chunk_keys.append(chunk)
         out = (f"gradpipe-aggregate-cliptensor-{token}", s, t)
@@ -104,8 +107,9 @@ def add_aggregate_clip(
     return clipped, decided
 
 
-def _where(name: str, tensor: str, step: int, c: int) -> str:
-    return f"aggregate {name!r} of tensor {tensor!r} of step {step}, chunk {c}"
+def _where(name: str, tensor: str, step: int) -> str:
+    # Once per tensor: its chunks' contexts add ", chunk C" (names escaped once, not per chunk).
+    return f"aggregate {printable(name)} of tensor {printable(tensor)} of step {step}"
 
 
 def _chunk(store: Store, out: TensorOut, c: int, where: str) -> np.ndarray:

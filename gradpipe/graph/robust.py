@@ -28,6 +28,7 @@ from typing import Any, Final
 
 from gradpipe.core.aggregate import AggregationMethod
 from gradpipe.core.chunking import chunk_ranges
+from gradpipe.core.display import printable
 from gradpipe.graph.aggregate import (
     StepPlan,
     add_tensor_task,
@@ -78,6 +79,7 @@ def add_robust_step(
         leaves: list[Hashable] = []
         for t, tensor in enumerate(plan.tensors):
             sources = [sources_of(m) for m in tensor.peers]
+            heads = _peer_heads(spec, tensor.name)
             for c, (start, stop) in enumerate(chunk_ranges(tensor.shape, tensor.chunk_shape)):
                 key = (f"gradpipe-aggregate-distance-{token}", s, t, c)
                 graph[key] = (
@@ -88,7 +90,7 @@ def add_robust_step(
                     start,
                     stop,
                     tensor.dtype,
-                    _contexts(spec, tensor.name, c),
+                    [f"{h}, chunk {c}" for h in heads],
                 )
                 leaves.append(key)
         total = tree(
@@ -114,12 +116,12 @@ def add_robust_step(
     for t, tensor in enumerate(plan.tensors):
         sources = [sources_of(m) for m in tensor.peers]
         chunk_keys: list[Hashable] = []
+        heads = _peer_heads(spec, tensor.name)
+        head = f"aggregate {printable(spec.name)} of tensor {printable(tensor.name)}"
         for c, (start, stop) in enumerate(chunk_ranges(tensor.shape, tensor.chunk_shape)):
             parts = [overlapping(src, start, stop) for src in sources]
-            contexts = _contexts(spec, tensor.name, c)
-            context = (
-                f"aggregate {spec.name!r} of tensor {tensor.name!r} of step {spec.step}, chunk {c}"
-            )
+            contexts = [f"{h}, chunk {c}" for h in heads]
+            context = f"{head} of step {spec.step}, chunk {c}"
             if selection is None:
                 key = (f"gradpipe-aggregate-robust-{token}", s, t, c)
                 graph[key] = (
@@ -162,7 +164,7 @@ def add_robust_step(
     return tensor_keys, outcome
 
 
-def _contexts(spec: StepSpec, tensor: str, c: int) -> list[str]:
-    return [
-        f"tensor {tensor!r} of step {spec.step}, peer {i.peer!r}, chunk {c}" for i in spec.inputs
-    ]
+def _peer_heads(spec: StepSpec, tensor: str) -> list[str]:
+    """Each peer's context for ``tensor`` (", chunk C" is added per chunk): names escaped once."""
+    shown = printable(tensor)
+    return [f"tensor {shown} of step {spec.step}, peer {printable(i.peer)}" for i in spec.inputs]

@@ -83,10 +83,15 @@ def robust_chunk(
 ) -> ChunkOut:
     """One chunk of every peer, reduced coordinate-wise (median or trimmed mean), written."""
     chunks = read_group(store, sources, start, stop, dtype, contexts)
-    if method == AggregationMethod.MEDIAN:
-        result = median(chunks, tensor=context)
-    else:
-        result = trimmed_mean(chunks, trim, tensor=context)
+    # ``context`` names the aggregate, tensor, step and chunk: it leads the message once,
+    # as write_chunk's does, rather than being passed as a tensor name.
+    try:
+        if method == AggregationMethod.MEDIAN:
+            result = median(chunks)
+        else:
+            result = trimmed_mean(chunks, trim)
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"{context}: {exc}") from None
     return write_result(store, result, context)
 
 
@@ -177,10 +182,17 @@ def selected_chunk(
             state = leaf if state is None else combine([state, leaf])
         if state is None:  # krum_select keeps 1 <= m peers
             raise InvalidInputError(f"{context}: no peer selected")
-        result = finish(state, method=AggregationMethod.FEDAVG, peers=len(chosen))
+        try:
+            result = finish(state, method=AggregationMethod.FEDAVG, peers=len(chosen))
+        except InvalidInputError as exc:  # the FedAvg does not fit the dtype
+            raise InvalidInputError(f"{context}: {exc}") from None
         return write_result(store, result, context)
     chunks = [_read(store, sources[p], start, stop, dtype, contexts[p]) for p in chosen]
-    return write_result(store, bulyan_combine(chunks, byzantine, tensor=context), context)
+    try:
+        result = bulyan_combine(chunks, byzantine)
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"{context}: {exc}") from None
+    return write_result(store, result, context)
 
 
 # --- DP-FedAvg --------------------------------------------------------------------

@@ -85,7 +85,8 @@ class LocalBackend(Backend):
 
     def _error(self, exc: OSError, key: str, doing: str) -> StorageError:
         return StorageError(
-            f"could not {doing} {printable(key, limit=PATH_LIMIT)} in store {self.url}: {exc}"
+            f"could not {doing} {printable(key, limit=PATH_LIMIT)} in store "
+            f"{printable(self.url, limit=PATH_LIMIT)}: {exc}"
         )
 
     def read(self, key: str) -> bytes:
@@ -93,7 +94,8 @@ class LocalBackend(Backend):
             return self._path(key).read_bytes()
         except FileNotFoundError:
             raise NotFoundError(
-                f"{printable(key, limit=PATH_LIMIT)} not found in store {self.url}"
+                f"{printable(key, limit=PATH_LIMIT)} not found in store "
+                f"{printable(self.url, limit=PATH_LIMIT)}"
             ) from None
         except OSError as exc:
             raise self._error(exc, key, "read") from exc
@@ -206,7 +208,8 @@ class LocalBackend(Backend):
             os.utime(self._path(key))
         except FileNotFoundError:
             raise NotFoundError(
-                f"{printable(key, limit=PATH_LIMIT)} not found in store {self.url}"
+                f"{printable(key, limit=PATH_LIMIT)} not found in store "
+                f"{printable(self.url, limit=PATH_LIMIT)}"
             ) from None
         except OSError as exc:
             raise self._error(exc, key, "touch") from exc
@@ -247,7 +250,8 @@ class LocalBackend(Backend):
                 current = self.read_versioned(key)
                 if (current.token if current else None) != expected:
                     raise ConflictError(
-                        f"ref {printable(key, limit=PATH_LIMIT)} in store {self.url} was "
+                        f"ref {printable(key, limit=PATH_LIMIT)} in store "
+                        f"{printable(self.url, limit=PATH_LIMIT)} was "
                         "moved by another writer"
                     )
                 os.replace(self._write_temp(path, data), path)

@@ -50,7 +50,10 @@ class MemoryBackend(Backend):
         self._tokens = itertools.count(1)
 
     def _missing(self, key: str) -> NotFoundError:
-        return NotFoundError(f"{printable(key, limit=PATH_LIMIT)} not found in store {self.url}")
+        return NotFoundError(
+            f"{printable(key, limit=PATH_LIMIT)} not found in store "
+            f"{printable(self.url, limit=PATH_LIMIT)}"
+        )
 
     def read(self, key: str) -> bytes:
         with self._lock:
@@ -104,7 +107,8 @@ class MemoryBackend(Backend):
             obj = self._objects.get(key)
             if (obj.token if obj is not None else None) != expected:
                 raise ConflictError(
-                    f"ref {printable(key, limit=PATH_LIMIT)} in store {self.url} was "
+                    f"ref {printable(key, limit=PATH_LIMIT)} in store "
+                    f"{printable(self.url, limit=PATH_LIMIT)} was "
                     "moved by another writer"
                 )
             token = self._token()

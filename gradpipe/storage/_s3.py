@@ -37,10 +37,13 @@ def from_url(url: str, path: str, storage_options: dict[str, Any]) -> S3Backend:
         fs, root = fsspec.core.url_to_fs(url, **with_retries(storage_options))
     except ImportError:
         raise InvalidInputError(
-            f"{url}: S3 stores need s3fs; install it with `pip install 'gradpipe[s3]'`"
+            f"{printable(url, limit=PATH_LIMIT)}: S3 stores need s3fs; install it with `pip "
+            "install 'gradpipe[s3]'`"
         ) from None
     if not root.strip("/"):
-        raise InvalidInputError(f"{url}: name a bucket, as in s3://bucket/prefix")
+        raise InvalidInputError(
+            f"{printable(url, limit=PATH_LIMIT)}: name a bucket, as in s3://bucket/prefix"
+        )
     return S3Backend(fs, root)
 
 
@@ -97,16 +100,19 @@ class S3Backend(Backend):
     def _translate(self, exc: BaseException, key: str, doing: str) -> Exception:
         if _error_code(exc) == "NoSuchBucket":
             return StorageError(
-                f"bucket {printable(self.bucket)} does not exist (store {self.url}); "
+                f"bucket {printable(self.bucket)} does not exist (store "
+                f"{printable(self.url, limit=PATH_LIMIT)}); "
                 "create it first"
             )
         if isinstance(exc, FileNotFoundError) or _error_code(exc) in ("NoSuchKey", "404"):
             return NotFoundError(
-                f"{printable(key, limit=PATH_LIMIT)} not found in store {self.url}"
+                f"{printable(key, limit=PATH_LIMIT)} not found in store "
+                f"{printable(self.url, limit=PATH_LIMIT)}"
             )
         if _is_transport_error(exc) or _error_code(exc):
             return StorageError(
-                f"could not {doing} {printable(key, limit=PATH_LIMIT)} in store {self.url}: {exc}"
+                f"could not {doing} {printable(key, limit=PATH_LIMIT)} in store "
+                f"{printable(self.url, limit=PATH_LIMIT)}: {exc}"
             )
         return exc if isinstance(exc, Exception) else StorageError(str(exc))
 
@@ -163,7 +169,8 @@ class S3Backend(Backend):
         if await self._mtime(key) is not None:
             return False
         raise StorageError(
-            f"could not write {printable(key, limit=PATH_LIMIT)} in store {self.url}: "
+            f"could not write {printable(key, limit=PATH_LIMIT)} in store "
+            f"{printable(self.url, limit=PATH_LIMIT)}: "
             "concurrent writes "
             "kept conflicting"
         )
@@ -226,7 +233,8 @@ class S3Backend(Backend):
             if errors:
                 first = errors[0]
                 raise StorageError(
-                    f"could not delete {len(errors)} key(s) in store {self.url}, e.g. "
+                    f"could not delete {len(errors)} key(s) in store "
+                    f"{printable(self.url, limit=PATH_LIMIT)}, e.g. "
                     f"{printable(first.get('Key'), limit=PATH_LIMIT)}: "
                     f"{first.get('Code')} {first.get('Message', '')}"
                 )
@@ -280,7 +288,8 @@ class S3Backend(Backend):
                 "NoSuchKey",
             ):
                 raise ConflictError(
-                    f"ref {printable(key, limit=PATH_LIMIT)} in store {self.url} was "
+                    f"ref {printable(key, limit=PATH_LIMIT)} in store "
+                    f"{printable(self.url, limit=PATH_LIMIT)} was "
                     "moved by another writer"
                 ) from None
             raise self._translate(exc, key, "update") from exc

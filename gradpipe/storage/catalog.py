@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gradpipe.core.display import printable
+from gradpipe.core.display import PATH_LIMIT, printable, printable_names
 from gradpipe.core.names import parse_name
 from gradpipe.core.rounds import RoundsManifest
 from gradpipe.core.run_manifest import RunManifest
@@ -44,9 +44,10 @@ def read_run(store: Store, run: str, *, missing_ok: bool = False) -> tuple[str |
     except NotFoundError:
         if missing_ok:
             return None, RunManifest(run)
-        known = ", ".join(list_runs(store)) or "none"
+        known = printable_names(list_runs(store)) or "none"
         raise NotFoundError(
-            f"no run {printable(run)} in store {store.url} (runs: {known})"
+            f"no run {printable(run)} in store {printable(store.url, limit=PATH_LIMIT)} (runs: "
+            f"{known})"
         ) from None
     return run_id, read_run_at(store, run_id, run)
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Literal
 
 from gradpipe.config import get_seconds
+from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.errors import GradpipeError, LockedError, NotFoundError
 
 if TYPE_CHECKING:
@@ -161,9 +162,9 @@ class Lease:
             self._lost = f"it was last refreshed {age:.0f} s ago"
         if self._lost is not None:
             raise LockedError(
-                f"the {self.mode} lease of '{self.purpose}' on store {self.store.url} lapsed: "
-                f"{self._lost}; nothing more was published. Re-run the job (what it wrote is "
-                "reused)"
+                f"the {self.mode} lease of {printable(self.purpose)} on store "
+                f"{printable(self.store.url, limit=PATH_LIMIT)} lapsed: {self._lost}; nothing more "
+                "was published. Re-run the job (what it wrote is reused)"
             )
 
     def backend_now(self) -> float:
@@ -181,7 +182,8 @@ def check_lease(store: Store, key: str, *, purpose: str = "job") -> None:
     [mtime] = store.backend.mtimes([key])
     if mtime is None:
         raise LockedError(
-            f"the lease of '{purpose}' on store {store.url} is gone (its holder stopped, or "
+            f"the lease of {printable(purpose)} on store {printable(store.url, limit=PATH_LIMIT)} "
+            "is gone (its holder stopped, or "
             "was taken for dead); nothing was published. Re-run the job"
         )
     # Our clock against the backend's: measure it with a touch-free probe of the
@@ -190,7 +192,8 @@ def check_lease(store: Store, key: str, *, purpose: str = "job") -> None:
     age = time.time() + skew - mtime
     if age > _ttl() / 2:
         raise LockedError(
-            f"the lease of '{purpose}' on store {store.url} was last refreshed {age:.0f} s "
+            f"the lease of {printable(purpose)} on store {printable(store.url, limit=PATH_LIMIT)} "
+            f"was last refreshed {age:.0f} s "
             "ago, too long for it to be safe; nothing was published. Re-run the job"
         )
 
@@ -316,9 +319,9 @@ class StoreLock:
             now = lease.backend_now()
             if time.monotonic() >= deadline:
                 raise LockedError(
-                    f"store {self._store.url} is held by "
-                    f"{_describe(self._store, blockers[0], now)}; '{purpose}' waited and gave "
-                    "up. Retry when it is done, or raise gradpipe.lock.wait"
+                    f"store {printable(self._store.url, limit=PATH_LIMIT)} is held by "
+                    f"{_describe(self._store, blockers[0], now)}; {printable(purpose)} waited and "
+                    "gave up. Retry when it is done, or raise gradpipe.lock.wait"
                 )
             if not announced:
                 _log.warning("gradpipe: waiting for %s", _describe(self._store, blockers[0], now))
@@ -349,7 +352,8 @@ class StoreLock:
         """Hold the store alone: no writer runs while the block runs."""
         if self._shared is not None or self._joined.get() is not None:
             raise LockedError(
-                f"'{purpose}' cannot take store {self._store.url} exclusively while this "
+                f"{printable(purpose)} cannot take store "
+                f"{printable(self._store.url, limit=PATH_LIMIT)} exclusively while this "
                 "store object is writing; use another Store object or wait for the write"
             )
         lease = self._acquire_exclusive(purpose, wait)
@@ -378,8 +382,8 @@ class StoreLock:
                 lease.release()
                 if time.monotonic() >= deadline:
                     raise LockedError(
-                        f"store {self._store.url} is held by "
-                        f"{_describe(self._store, older[0], now)}; '{purpose}' gave up"
+                        f"store {printable(self._store.url, limit=PATH_LIMIT)} is held by "
+                        f"{_describe(self._store, older[0], now)}; {printable(purpose)} gave up"
                     )
                 _sleep(deadline)
                 lease = Lease(self._store, "exclusive", purpose)
@@ -389,9 +393,10 @@ class StoreLock:
             if time.monotonic() >= deadline:
                 lease.release()
                 raise LockedError(
-                    f"store {self._store.url} is in use by {len(others)} job(s), e.g. "
-                    f"{_describe(self._store, others[0], now)}; '{purpose}' waited for them and "
-                    "gave up. Retry later, or raise the wait (gc --wait, gradpipe.lock.wait)"
+                    f"store {printable(self._store.url, limit=PATH_LIMIT)} is in use by "
+                    f"{len(others)} job(s), e.g. {_describe(self._store, others[0], now)}; "
+                    f"{printable(purpose)} waited for them and gave up. Retry later, or raise the "
+                    "wait (gc --wait, gradpipe.lock.wait)"
                 )
             if not announced:
                 _log.warning(

@@ -47,13 +47,16 @@ def open_store(
     if marker is None:
         if mode in ("r", "r+"):
             raise NotFoundError(
-                f"no gradpipe store at {url}; check the path, or create one with "
-                f"`gradpipe init {url}` (open_store(..., mode='a'))"
+                f"no gradpipe store at {printable(url, limit=PATH_LIMIT)}; check the path, or "
+                "create one with "
+                f"`gradpipe init {printable(url, limit=PATH_LIMIT)}` (open_store(..., mode='a'))"
             )
         _check_empty(backend, url)
         backend.write_if_absent(MARKER_KEY, marker_bytes())
     elif mode == "w-":
-        raise InvalidInputError(f"a gradpipe store already exists at {url} (mode='w-')")
+        raise InvalidInputError(
+            f"a gradpipe store already exists at {printable(url, limit=PATH_LIMIT)} (mode='w-')"
+        )
     elif mode == "w":
         backend.delete_all()
         backend.write_if_absent(MARKER_KEY, marker_bytes())
@@ -76,7 +79,6 @@ def _check_empty(backend: Backend, url: str) -> None:
         return
     if stray is not None:
         raise InvalidInputError(
-            f"{url} is not a gradpipe store and is not empty (it holds "
-            f"{printable(stray.key, limit=PATH_LIMIT)}); "
-            "choose an empty or new location"
+            f"{printable(url, limit=PATH_LIMIT)} is not a gradpipe store and is not empty (it "
+            f"holds {printable(stray.key, limit=PATH_LIMIT)}); choose an empty or new location"
         )

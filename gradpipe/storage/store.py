@@ -20,7 +20,7 @@ from numcodecs.abc import Codec
 
 from gradpipe.codecs import choose_codec
 from gradpipe.config import get_seconds, get_setting
-from gradpipe.core.display import printable
+from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.core.ids import block_key, hash_bytes, parse_id
 from gradpipe.core.manifest import Manifest, decode_manifest, encode_manifest
 from gradpipe.core.names import parse_name
@@ -104,7 +104,10 @@ class Store:
     def check_writable(self) -> None:
         """Raise :class:`ReadOnlyError` on a read-only store."""
         if not self.writable:
-            raise ReadOnlyError(f"store {self.url} is open read-only; open it with mode='a'")
+            raise ReadOnlyError(
+                f"store {printable(self.url, limit=PATH_LIMIT)} is open read-only; open it with "
+                "mode='a'"
+            )
 
     def writing(self, purpose: str) -> AbstractContextManager[Lease | None]:
         """Hold a writer's lease on the store for the ``with`` block.
@@ -264,7 +267,8 @@ class Store:
         """The error for a block that is not in the store, naming what needed it."""
         where = f" ({context})" if context else ""
         return NotFoundError(
-            f"block {block_id}{where} is missing from store {self.url}; "
+            f"block {block_id}{where} is missing from store "
+            f"{printable(self.url, limit=PATH_LIMIT)}; "
             "run `gradpipe verify` to see what else is affected"
         )
 
@@ -424,7 +428,8 @@ class Store:
             return self.get_typed(tensor_id, TensorManifest, context="tensor")
         except NotFoundError:
             raise NotFoundError(
-                f"no tensor {tensor_id} stored on its own in {self.url}. If it is a tensor "
+                f"no tensor {tensor_id} stored on its own in "
+                f"{printable(self.url, limit=PATH_LIMIT)}. If it is a tensor "
                 "of an ingested dump, it is kept inside the dump's manifest: read it with "
                 "gp.open_run(store, run).dump(step, peer).read(name); otherwise run "
                 "`gradpipe verify`"

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import yaml
 
+from gradpipe.core.display import PATH_LIMIT, printable, printable_text
 from gradpipe.errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -127,14 +128,18 @@ def read_workflow_text(path: str | os.PathLike[str]) -> str:
     The read stops one byte past the limit, so a huge file, ``/dev/zero`` or a
     pipe that never ends costs no more than the limit.
     """
-    name = os.fspath(path)
+    path = os.fspath(path)
+    # Messages start "FILE:LINE:COLUMN:" as compilers write them: the path escaped, not quoted.
+    name = printable_text(path, limit=PATH_LIMIT)
     try:
-        with Path(name).open("rb") as file:
+        with Path(path).open("rb") as file:
             data = file.read(MAX_WORKFLOW_BYTES + 1)
     except FileNotFoundError:
         raise WorkflowError(f"{name}: no such workflow file") from None
     except OSError as exc:
-        raise WorkflowError(f"{name}: cannot read the workflow file: {exc}") from None
+        raise WorkflowError(
+            f"{name}: cannot read the workflow file: {exc.strerror or type(exc).__name__}"
+        ) from None
     if len(data) > MAX_WORKFLOW_BYTES:
         raise _too_long(name, data)
     try:
@@ -154,6 +159,8 @@ def read_workflow_text(path: str | os.PathLike[str]) -> str:
 
 def load_nodes(text: str, file: str) -> Node:
     """Parse ``text`` (the contents of ``file``) into a :class:`Node` tree, within the limits."""
+    # Every message and Node.where starts with the file name: escaped once, here.
+    file = printable_text(file, limit=PATH_LIMIT)
     if len(text) > MAX_WORKFLOW_BYTES or len(_utf8(text)) > MAX_WORKFLOW_BYTES:
         raise _too_long(file, _utf8(text[: MAX_WORKFLOW_BYTES + 1]))
     try:
@@ -165,9 +172,12 @@ def load_nodes(text: str, file: str) -> Node:
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark is not None else file
-        raise WorkflowError(f"{where}: not valid YAML: {exc.problem}") from None
+        problem = printable_text(str(exc.problem), limit=PATH_LIMIT)  # may quote the file's text
+        raise WorkflowError(f"{where}: not valid YAML: {problem}") from None
     except yaml.YAMLError as exc:
-        raise WorkflowError(f"{file}: not valid YAML: {exc}") from None
+        raise WorkflowError(
+            f"{file}: not valid YAML: {printable_text(str(exc), limit=PATH_LIMIT)}"
+        ) from None
     if root is None:
         raise WorkflowError(
             f"{file}: the file is empty; a workflow needs version, store and stages"
@@ -311,7 +321,7 @@ class _Converter:
             if key.value in values:
                 first = keys[key.value]
                 raise key.error(
-                    f"{key.value!r} appears twice in this mapping (first at {first.where})"
+                    f"{printable(key.value)} appears twice in this mapping (first at {first.where})"
                 )
             values[key.value] = self.convert(value_node)
             keys[key.value] = key
@@ -322,16 +332,15 @@ class _Converter:
         operator = _OPERATORS.get(node.tag)
         if operator is not None:
             raise WorkflowError(
-                f"{where}: {node.value!r} is YAML's {operator}, which workflow files do not "
-                f"support; write the keys out, or quote it ('{node.value}') to make it a string"
+                f"{where}: {printable(node.value)} is YAML's {operator}, which workflow files do "
+                f"not support; write the keys out, or quote it ('{node.value}') to make it a string"
             )
         if node.tag in (_CORE + "int", _CORE + "float") and (
             len(node.value) > MAX_WORKFLOW_NUMBER_CHARS
         ):
             raise WorkflowError(
-                f"{where}: a number of {len(node.value):,} characters; a number in a workflow "
-                f"file has at most {MAX_WORKFLOW_NUMBER_CHARS} characters (quote it to make it "
-                "a string)"
+                f"{where}: a number of {len(node.value):,} characters; a number in a workflow file "
+                f"has at most {MAX_WORKFLOW_NUMBER_CHARS} characters (quote it to make it a string)"
             )
         try:
             value = self.loader.construct_object(node)

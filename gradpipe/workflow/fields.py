@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gradpipe.core.display import printable
 from gradpipe.workflow._yaml import Node, WorkflowError
 
 __all__ = [
@@ -85,7 +86,7 @@ class Field(ABC):
         """This type as JSON Schema."""
 
     def _wrong(self, node: Node, wanted: str) -> WorkflowError:
-        return node.error(f"expected {wanted}, got {node.kind} ({node.plain()!r})")
+        return node.error(f"expected {wanted}, got {node.kind} ({printable(node.plain())})")
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ class Str(Field):
             raise self._wrong(node, "a string")
         value = substitute(node, ctx)
         if self.pattern is not None and not re.fullmatch(self.pattern, value):
-            raise node.error(f"{node.value!r} is not valid here: {self.help}")
+            raise node.error(f"{printable(node.value)} is not valid here: {self.help}")
         return value
 
     def schema(self) -> dict[str, Any]:
@@ -133,7 +134,7 @@ class LocalPath(Field):
         value = PathOrUrl(self.help).parse(node, ctx)
         if "://" in value:
             raise node.error(
-                f"{node.value!r}: a local path is needed here ({self.help}), not a URL"
+                f"{printable(node.value)}: a local path is needed here ({self.help}), not a URL"
             )
         return value
 
@@ -184,11 +185,11 @@ class Float(Field):
         except OverflowError:  # an integer of more than 308 digits
             raise node.error("the number is beyond float64's range (1.8e308)") from None
         if not math.isfinite(value):
-            raise node.error(f"{node.value!r} must be a finite number")
+            raise node.error(f"{printable(node.value)} must be a finite number")
         if self.positive and value <= 0:
-            raise node.error(f"{node.value!r} must be > 0")
+            raise node.error(f"{printable(node.value)} must be > 0")
         if value < self.low:
-            raise node.error(f"{node.value!r} must be >= {self.low}")
+            raise node.error(f"{printable(node.value)} must be >= {self.low}")
         return value
 
     def schema(self) -> dict[str, Any]:
@@ -209,7 +210,7 @@ class Choice(Field):
         if not isinstance(node.value, str):
             raise self._wrong(node, f"one of {', '.join(self.choices)}")
         if node.value not in self.choices:
-            raise node.error(f"{node.value!r} is not one of {', '.join(self.choices)}")
+            raise node.error(f"{printable(node.value)} is not one of {', '.join(self.choices)}")
         return node.value
 
     def schema(self) -> dict[str, Any]:
@@ -235,10 +236,10 @@ class Duration(Field):
             seconds = float(parse_timedelta(given, default="s"))
         except (ValueError, KeyError, TypeError, IndexError, OverflowError):
             raise node.error(
-                f'{value!r} is not a duration; write e.g. 90, "90s", "5m" or "24h"'
+                f'{printable(value)} is not a duration; write e.g. 90, "90s", "5m" or "24h"'
             ) from None
         if not math.isfinite(seconds) or seconds < 0:
-            raise node.error(f"{value!r} must be a duration >= 0")
+            raise node.error(f"{printable(value)} must be a duration >= 0")
         return seconds
 
     def schema(self) -> dict[str, Any]:
@@ -263,9 +264,11 @@ class Size(Field):
                 raise ValueError(given)
             size = parse_bytes(given)
         except (ValueError, TypeError, OverflowError):
-            raise node.error(f'{value!r} is not a size; write e.g. 4194304 or "4 MiB"') from None
+            raise node.error(
+                f'{printable(value)} is not a size; write e.g. 4194304 or "4 MiB"'
+            ) from None
         if size < 1:
-            raise node.error(f"{value!r} must be at least one byte")
+            raise node.error(f"{printable(value)} must be at least one byte")
         return int(size)
 
     def schema(self) -> dict[str, Any]:
@@ -282,7 +285,9 @@ class StepRange(Field):
         text = node.value
         match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text) if isinstance(text, str) else None
         if match is None:
-            raise node.error(f'{text!r} is not a step range; write "A:B" (half-open), e.g. "0:10"')
+            raise node.error(
+                f'{printable(text)} is not a step range; write "A:B" (half-open), e.g. "0:10"'
+            )
         try:
             first, last = int(match.group(1)), int(match.group(2))
         except ValueError:  # more digits than Python converts (4300): no step is that large
@@ -290,7 +295,7 @@ class StepRange(Field):
                 'a step range whose numbers are too long to be steps; write "A:B", e.g. "0:10"'
             ) from None
         if last <= first:
-            raise node.error(f"step range {text!r} needs A < B")
+            raise node.error(f"step range {printable(text)} needs A < B")
         return range(first, last)
 
     def schema(self) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from gradpipe.core.display import NAME_LIMIT, PATH_LIMIT, printable, printable_text
 from gradpipe.core.html import ReportHtml
 from gradpipe.errors import (
     GradpipeError,
@@ -124,16 +125,18 @@ class WorkflowReport(ReportHtml):
         }
 
     def summary(self) -> str:
-        title = f"workflow {self.name or self.path}"
+        shown = printable_text(self.name or self.path, limit=PATH_LIMIT)
+        title = f"workflow {shown}"
+        store = printable(self.store, limit=PATH_LIMIT)
         if self.dry_run:
-            lines = [f"{title}: {len(self.stages)} stages on store {self.store} (dry run)"]
+            lines = [f"{title}: {len(self.stages)} stages on store {store} (dry run)"]
             lines += [f"  {s.index + 1}. {s.kind} {_shown(s.params)}" for s in self.stages]
             return "\n".join(lines)
         done = sum(1 for s in self.stages if s.state == "ok")
         if self.error is not None:
             return f"{title}: nothing ran (exit {self.exit_status}): {self.error}"
         lines = [
-            f"{title}: {done} of {len(self.stages)} stages ok on store {self.store} "
+            f"{title}: {done} of {len(self.stages)} stages ok on store {store} "
             f"in {self.seconds:.1f} s (exit {self.exit_status})"
         ]
         for s in self.stages:
@@ -145,7 +148,8 @@ class WorkflowReport(ReportHtml):
 
 
 def _shown(params: Mapping[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in params.items())
+    # The keys are the stage's own fields; the values come from the workflow file.
+    return ", ".join(f"{k}={printable_text(str(v), limit=NAME_LIMIT)}" for k, v in params.items())
 
 
 def run_workflow(
@@ -195,7 +199,8 @@ def run_workflow(
     unknown = sorted(wanted - set(range(len(workflow.stages))))
     if unknown:
         raise InvalidInputError(
-            f"{workflow.path}: no stage {unknown[0]} (stages 0 to {len(workflow.stages) - 1})"
+            f"{printable_text(workflow.path, limit=PATH_LIMIT)}: no stage {unknown[0]} "
+            f"(stages 0 to {len(workflow.stages) - 1})"
         )
     report = WorkflowReport(
         workflow.path,
@@ -209,7 +214,8 @@ def run_workflow(
     except Exception as exc:
         if _classify(exc) != "broken":
             raise
-        report.error = f"store {workflow.store_shown}: {_message(exc)}"
+        shown = printable(workflow.store_shown, limit=PATH_LIMIT)
+        report.error = f"store {shown}: {_message(exc)}"
         report.seconds = time.perf_counter() - started
         return report
     if dry_run or store is None:
@@ -260,7 +266,8 @@ def _open(workflow: Workflow, *, dry_run: bool) -> Store | None:
         if dry_run and workflow.create:
             return None  # the run would create it
         raise InvalidInputError(
-            f"{workflow.path}: store {workflow.store_shown}: {exc} "
+            f"{printable_text(workflow.path, limit=PATH_LIMIT)}: store "
+            f"{printable(workflow.store_shown, limit=PATH_LIMIT)}: {exc} "
             "(write `store: {url: ..., create: true}` to create it)"
         ) from None
 

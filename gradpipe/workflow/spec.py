@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from gradpipe.core.display import printable
 from gradpipe.workflow._yaml import Node, load_nodes, read_workflow_text
 from gradpipe.workflow.fields import (
     Bool,
@@ -268,11 +269,11 @@ def parse_workflow(text: str, path: str, *, env: Mapping[str, str] | None = None
     )
     for key in ("version", "store", "stages"):
         if key not in top.value:
-            raise root.error(f"the workflow needs {key!r} (version: 1, store, stages)")
+            raise root.error(f"the workflow needs {printable(key)} (version: 1, store, stages)")
     version = top.value["version"]
     if version.value != VERSION or isinstance(version.value, bool):
         raise version.error(
-            f"this gradpipe reads workflow version {VERSION}, not {version.value!r}"
+            f"this gradpipe reads workflow version {VERSION}, not {printable(version.value)}"
         )
     url, shown, options, create = _store(top.value["store"], ctx)
     retries = _common(top, "retries", DEFAULT_RETRIES, ctx)
@@ -310,7 +311,7 @@ def _known(node: Node, keys: set[str] | Mapping[str, Any], what: str) -> None:
     for key, key_node in (node.keys or {}).items():
         if key not in keys:
             known = ", ".join(sorted(keys))
-            raise key_node.error(f"unknown key {key!r} in {what} (known: {known})")
+            raise key_node.error(f"unknown key {printable(key)} in {what} (known: {known})")
 
 
 def _common(node: Node, key: str, default: Any, ctx: Context) -> Any:
@@ -349,15 +350,17 @@ def _stage(index: int, node: Node, ctx: Context, retries: int, backoff: float) -
     kind_node = (node.keys or {})[kind]
     spec = STAGES.get(kind)
     if spec is None:
-        raise kind_node.error(f"unknown stage {kind!r} (stages: {', '.join(STAGES)})")
+        raise kind_node.error(f"unknown stage {printable(kind)} (stages: {', '.join(STAGES)})")
     if body.value is None:  # `- verify:` with nothing after it
         body = Node({}, body.file, body.line, body.column, {})
-    _mapping(body, f"stage {kind!r}")
+    _mapping(body, f"stage {printable(kind)}")
     fields = {**spec.fields, **_COMMON}
-    _known(body, fields, f"stage {kind!r}")
+    _known(body, fields, f"stage {printable(kind)}")
     for key in spec.required:
         if key not in body.value:
-            raise body.error(f"stage {kind!r} needs {key!r}: {spec.fields[key].help}")
+            raise body.error(
+                f"stage {printable(kind)} needs {printable(key)}: {spec.fields[key].help}"
+            )
     params = {k: fields[k].parse(v, ctx) for k, v in body.value.items() if k not in _COMMON}
     shown = {
         k: ("<hidden>" if isinstance(fields[k], Options) else v.plain())

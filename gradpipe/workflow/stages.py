@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.core.html import ReportHtml
 
 if TYPE_CHECKING:
@@ -56,7 +57,8 @@ class SampleReport(ReportHtml):
 
     def summary(self) -> str:
         did = "wrote" if self.written else "found"
-        return f"{did} {self.dumps} sample dumps and {self.states} states in {self.directory}"
+        shown = printable(self.directory, limit=PATH_LIMIT)
+        return f"{did} {self.dumps} sample dumps and {self.states} states in {shown}"
 
 
 @dataclass
@@ -84,11 +86,13 @@ class SnapshotStageReport(ReportHtml):
 
     def summary(self) -> str:
         lines = [
-            f"snapshot {self.name!r}: {len(self.taken)} versions taken, "
+            f"snapshot {printable(self.name)}: {len(self.taken)} versions taken, "
             f"{len(self.passed)} steps not newer than the chain's newest, "
             f"{len(self.failures)} failed"
         ]
-        lines += [f"FAILED {f['path']}: {f['reason']}" for f in self.failures]
+        lines += [
+            f"FAILED {printable(f['path'], limit=PATH_LIMIT)}: {f['reason']}" for f in self.failures
+        ]
         return "\n".join(lines)
 
 
@@ -142,7 +146,7 @@ def _snapshot(ctx: StageContext, p: dict[str, Any]) -> Report:
     name, pattern = p["name"], p["pattern"]
     if "://" in pattern:
         raise InvalidInputError(
-            f"snapshot stage: state files are read from local disk, not {pattern!r}"
+            f"snapshot stage: state files are read from local disk, not {printable(pattern)}"
         )
     report = SnapshotStageReport(name)
     try:  # the chain only moves forward: a step it pruned is not taken again
@@ -206,7 +210,7 @@ class StatsStageReport(ReportHtml):
             f"{t.get('raw_bytes', 0) / 2**20:.1f} MiB raw -> "
             f"{t.get('stored_bytes', 0) / 2**20:.1f} MiB stored (ratio {t.get('ratio')})"
         )
-        files = ", ".join(f"{k} {v}" for k, v in self.written.items())
+        files = ", ".join(f"{k} {printable(v, limit=PATH_LIMIT)}" for k, v in self.written.items())
         missing = (
             f"; {self.missing_blocks} block(s) missing: run verify" if self.missing_blocks else ""
         )

@@ -131,7 +131,7 @@ def test_python_dash_m() -> None:
         text=True,
     )
     assert done.returncode == 2
-    assert done.stderr.startswith("gradpipe gc: error: no gradpipe store at no/such/store")
+    assert done.stderr.startswith("gradpipe gc: error: no gradpipe store at 'no/such/store'")
 
 
 def test_lazy_package_keeps_ingest_a_function() -> None:

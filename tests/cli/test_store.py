@@ -122,8 +122,8 @@ def test_errors_exit_codes(tmp_path: Path) -> None:
         status, doc = run_cli_json(command, missing)
         assert status == 2  # a path that names no store is a usage error
         assert doc["type"] == "NotFoundError"
-        assert f"no gradpipe store at {missing}" in str(doc["error"])
-        assert f"gradpipe init {missing}" in str(doc["error"])
+        assert f"no gradpipe store at '{missing}'" in str(doc["error"])  # escaped, quoted
+        assert f"gradpipe init '{missing}'" in str(doc["error"])
     assert not Path(missing).exists()
 
     status, doc = run_cli_json("init", "ftp://host/x")
@@ -154,7 +154,7 @@ def test_commands_never_create_a_store(command: str, store_url: str) -> None:
     outcome = run_cli(command, store_url)
     assert outcome.status == 2
     assert outcome.out == ""
-    assert outcome.err.startswith(f"gradpipe {command}: error: no gradpipe store at {store_url}")
+    assert outcome.err.startswith(f"gradpipe {command}: error: no gradpipe store at '{store_url}'")
     assert "gradpipe init" in outcome.err
     with pytest.raises(gp.NotFoundError):
         gp.open_store(store_url, mode="r")  # still nothing there

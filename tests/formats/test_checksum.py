@@ -43,5 +43,5 @@ def test_long_lengths_shift_as_zlib_does() -> None:
 
 def test_a_mismatch_names_the_file_and_tensor_and_says_what_to_do() -> None:
     check_crc32("d.npz", "w", 5, 5)
-    with pytest.raises(InvalidInputError, match=r"d\.npz: tensor 'w' is damaged.*copy it again"):
+    with pytest.raises(InvalidInputError, match=r"'d\.npz': tensor 'w' is damaged.*copy it again"):
         check_crc32("d.npz", "w", 5, 6)

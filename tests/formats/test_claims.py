@@ -77,6 +77,6 @@ def test_a_small_file_claiming_gigabytes_is_refused_cheaply(
     assert path.stat().st_size < 4 << 20
     result = kit.read_in_capped_child(path)
     outcome = str(result["outcome"])
-    assert outcome.startswith(f"refused: {path}"), outcome
+    assert outcome.startswith(f"refused: '{path}'"), outcome  # the path, escaped
     assert reason in outcome
     assert int(str(result["grown_kib"])) < 64 * 1024  # a small multiple of what the file holds

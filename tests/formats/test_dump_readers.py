@@ -779,4 +779,4 @@ def test_a_path_swapped_for_a_fifo_after_the_stat_is_refused_from_what_was_opene
     }
     error = _without_hanging(calls[where], fifo)
     assert isinstance(error, InvalidInputError), error
-    assert f"{fifo} is a named pipe (FIFO), not a regular file" in str(error)
+    assert f"'{fifo}' is a named pipe (FIFO), not a regular file" in str(error)

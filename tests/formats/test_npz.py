@@ -137,6 +137,6 @@ def test_member_claiming_more_than_it_holds_is_read_in_proportion(
     result = kit.read_in_capped_child(path)
     outcome = str(result["outcome"])
     assert outcome.startswith("refused: "), outcome
-    assert f"{path}: member 'w.npy'" in outcome
+    assert f"'{path}': member 'w.npy'" in outcome
     assert f"holds only {len(body)}" in outcome
     assert int(str(result["grown_kib"])) < 64 * 1024  # a small multiple of the 4 MiB held
