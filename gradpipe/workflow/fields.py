@@ -159,16 +159,22 @@ class Bool(Field):
 class Int(Field):
     help: str = ""
     low: int = 0
+    high: int | None = None
 
     def parse(self, node: Node, ctx: Context) -> int:
         if isinstance(node.value, bool) or not isinstance(node.value, int):
             raise self._wrong(node, "an integer")
         if node.value < self.low:
             raise node.error(f"{node.value} must be >= {self.low}")
+        if self.high is not None and node.value > self.high:
+            raise node.error(f"{node.value} is more than {self.high}, the most allowed here")
         return node.value
 
     def schema(self) -> dict[str, Any]:
-        return {"type": "integer", "minimum": self.low, "description": self.help}
+        out: dict[str, Any] = {"type": "integer", "minimum": self.low, "description": self.help}
+        if self.high is not None:
+            out["maximum"] = self.high
+        return out
 
 
 @dataclass(frozen=True)
@@ -222,6 +228,7 @@ class Duration(Field):
     """Seconds, as a number or text such as ``"24h"``, ``"90s"``, ``"5m"``."""
 
     help: str = ""
+    high: float | None = None  # seconds
 
     def parse(self, node: Node, ctx: Context) -> float:
         from dask.utils import parse_timedelta
@@ -240,10 +247,17 @@ class Duration(Field):
             ) from None
         if not math.isfinite(seconds) or seconds < 0:
             raise node.error(f"{printable(value)} must be a duration >= 0")
+        if self.high is not None and seconds > self.high:
+            raise node.error(
+                f"{printable(value)} is longer than {self.high:g} s, the most allowed here"
+            )
         return seconds
 
     def schema(self) -> dict[str, Any]:
-        return {"type": ["number", "string"], "description": self.help}
+        out: dict[str, Any] = {"type": ["number", "string"], "description": self.help}
+        if self.high is not None:
+            out["maximum"] = self.high  # applies to numbers; text is checked when parsed
+        return out
 
 
 @dataclass(frozen=True)

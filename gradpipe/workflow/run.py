@@ -18,9 +18,10 @@ state         meaning                                                    exit
 ============  =========================================================  ======
 
 A file that does not check out is exit 2 before anything runs. Retries wait
-``backoff * 2**k`` seconds (k = 0, 1, ...). Every operation is idempotent (a
-dump already recorded is skipped, an aggregate memoised, a snapshot step kept),
-so a retried stage, or a second run of the same workflow, does no work twice.
+``backoff * 2**k`` seconds (k = 0, 1, ...), each wait at most an hour. Every
+operation is idempotent (a dump already recorded is skipped, an aggregate
+memoised, a snapshot step kept), so a retried stage, or a second run of the
+same workflow, does no work twice.
 Two runs of one workflow at once (a cron job overlapping the previous night's)
 take turns: a run holds a mutex in the store (:mod:`gradpipe.storage.mutex`)
 while its stages run, and the other waits up to ``wait`` (default 1h), then
@@ -56,7 +57,10 @@ if TYPE_CHECKING:
 
     from gradpipe.storage.store import Mode, Store
 
-__all__ = ["EXIT_STATUS", "StageOutcome", "WorkflowReport", "run_workflow"]
+__all__ = ["EXIT_STATUS", "StageOutcome", "WorkflowReport", "retry_wait", "run_workflow"]
+
+#: The longest wait before one retry, however many came before it.
+MAX_RETRY_WAIT: Final = 3600.0
 
 #: The exit status of each stage state (the workflow's is the largest).
 EXIT_STATUS: Final = {"ok": 0, "planned": 0, "failed": 1, "error": 2, "broken": 3, "not-run": 0}
@@ -249,6 +253,15 @@ def run_workflow(
     return report
 
 
+def retry_wait(backoff: float, attempt: int) -> float:
+    """Seconds before retry ``attempt`` (0 for the first): doubling, at most an hour.
+
+    >>> [retry_wait(5, k) for k in (0, 1, 2)], retry_wait(3600, 20)
+    ([5.0, 10.0, 20.0], 3600.0)
+    """
+    return float(min(backoff * 2.0**attempt, MAX_RETRY_WAIT))
+
+
 def _mutex_name(workflow: Workflow) -> str:
     """Runs of one workflow (by name, else by file) exclude each other on a store."""
     key = workflow.name or str(Path(workflow.path).resolve())
@@ -282,7 +295,7 @@ def _retrying(
         except Exception as exc:
             if _classify(exc) != "broken" or attempt == workflow.retries:
                 raise
-            sleep(workflow.backoff * 2**attempt)
+            sleep(retry_wait(workflow.backoff, attempt))
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -299,7 +312,7 @@ def _run_stage(
             kind = _classify(exc)
             outcome.error = f"{stage.where}: {stage.kind}: {_message(exc)}"
             if kind == "broken" and attempt < stage.retries:
-                sleep(stage.backoff * 2**attempt)
+                sleep(retry_wait(stage.backoff, attempt))
                 continue
             outcome.state = kind
             break

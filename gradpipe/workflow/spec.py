@@ -62,6 +62,10 @@ __all__ = [
 VERSION: Final = 1
 DEFAULT_RETRIES: Final = 2
 DEFAULT_BACKOFF: Final = 5.0
+#: Most retries of a stage, and longest first backoff: enough to ride out an outage of an
+#: hour or two, never a job that sleeps for ever (each wait is also capped: see ``run``).
+MAX_RETRIES: Final = 20
+MAX_BACKOFF: Final = 3600.0
 DEFAULT_WAIT: Final = 3600.0
 _WAIT: Final = Duration(
     "how long a run waits while another run of this workflow holds the store (default 1h)"
@@ -217,8 +221,11 @@ STAGES: Final[dict[str, StageSpec]] = {
 }
 
 _COMMON: Final[dict[str, Field]] = {
-    "retries": Int("attempts after the first, on infrastructure errors"),
-    "backoff": Duration("seconds before the first retry; doubles every retry"),
+    "retries": Int("attempts after the first, on infrastructure errors", high=MAX_RETRIES),
+    "backoff": Duration(
+        "seconds before the first retry; doubles every retry, each wait at most an hour",
+        high=MAX_BACKOFF,
+    ),
 }
 
 

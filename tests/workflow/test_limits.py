@@ -529,3 +529,28 @@ def _laughs_flow(levels: int) -> str:
     parts = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
     parts += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels + 1)]
     return "{" + ", ".join(parts) + "}"
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("version: 1\nstore: a\nretries: 21\nstages:\n  - gc: {}\n", "more than 20"),
+        ("version: 1\nstore: a\nstages:\n  - gc: {retries: 1000000000}\n", "more than 20"),
+        ("version: 1\nstore: a\nbackoff: 2h\nstages:\n  - gc: {}\n", "longer than 3600 s"),
+        ("version: 1\nstore: a\nstages:\n  - gc: {backoff: 1e300}\n", "longer than 3600 s"),
+    ],
+)
+def test_retries_and_backoff_are_bounded(text: str, words: str) -> None:
+    """A workflow that would retry or sleep for ever is refused where it says so."""
+    line, _, message = _refused(text)
+    assert line in (3, 4)
+    assert words in message
+
+
+def test_each_retry_waits_at_most_an_hour() -> None:
+    from gradpipe.workflow.run import MAX_RETRY_WAIT, retry_wait
+
+    waits = [retry_wait(3600, attempt) for attempt in range(20)]
+    assert waits[0] == 3600
+    assert max(waits) == MAX_RETRY_WAIT
+    assert [retry_wait(5, k) for k in range(4)] == [5, 10, 20, 40]
