@@ -219,6 +219,7 @@ def dcp_rows(
         assert same_model(back, state["model_obj"])
         best("DCP async_save / load", "load", seconds)
         del back, back_opt
+    dist.destroy_process_group()
 
 
 def print_table(rows: dict[str, dict[str, float]], nbytes: int) -> None:

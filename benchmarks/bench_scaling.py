@@ -42,7 +42,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -282,7 +282,9 @@ def prepare(args: argparse.Namespace, work: Path) -> None:
 
     data = Path(args.root) / f"run-{args.mib:g}"
     if not data.exists():
-        config = TransformerConfig.for_dump_size(args.mib, steps=max(args.states, 1))
+        config = TransformerConfig.for_dump_size(args.mib)  # full-size dumps, steps to fit
+        if config.steps < args.states:  # each step also writes one training state
+            config = replace(config, steps=args.states)
         write_transformer_run(data, config)
     args.root = data
     subprocess.run(["cp", "-r", str(data), str(work / "warm")], check=True)  # page cache
