@@ -24,7 +24,11 @@ Host copies go into staging buffers that later saves of the same state reuse
 is made. A GPU tensor is copied by a non-blocking device-to-host copy on a
 side stream that waits for the training stream's work so far; the call waits
 once for all of them, so the training loop is held only for the copies.
-:func:`release_staging` gives the buffers back.
+The buffers hold one state: saving states of other shapes in turn (two
+models from one process) allocates them anew each time. Tensors are checked
+before they are copied (sparse, quantized and storage-repeating tensors are
+refused at the call, as a blocking save refuses them). :func:`release_staging`
+gives the buffers back.
 
 torch is an optional dependency (the ``torch`` extra); ``import gradpipe``
 does not import this module.
@@ -42,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
 from gradpipe.core.display import printable
 from gradpipe.errors import InvalidInputError
-from gradpipe.formats.state_file import from_torch, to_torch
+from gradpipe.formats.state_file import check_torch, from_torch, to_torch
 from gradpipe.snapshot import SnapshotInfo, find_snapshot, restore_manifest, snapshot
 
 if TYPE_CHECKING:
@@ -183,29 +187,32 @@ def save_state(
     >>> future.result()                                                         # doctest: +SKIP
     'b3f1...'
     """
-    _WRITER.wait_for_pending()
     state: dict[str, Any] = {"model": model.state_dict()}
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
-    # A blocking save may read CPU tensors in place: the caller waits for it. The previous
-    # save has finished (waited for above), so its staging buffers are free to reuse.
-    host = from_torch(
-        _STAGING.stage(state, copy=not blocking), path=f"save_state {printable(name)}"
-    )
-    future = _WRITER.submit(
-        lambda executor: executor.submit(
-            snapshot,
-            store,
-            name,
-            host,
-            step=step,
-            loss=loss,
-            metadata=metadata,
-            delta=delta,
-            threshold=threshold,
-            keyframe_interval=keyframe_interval,
+    where = f"save_state {printable(name)}"
+    check_torch(state, path=where)  # as the tensors are: a copy must not densify a bad one
+    # One save at a time stages and submits: the previous save has finished (waited for
+    # here, under the lock, so no other thread's save slips in between), so its staging
+    # buffers are free to reuse.
+    with _SAVING:
+        _WRITER.wait_for_pending()
+        # A blocking save may read CPU tensors in place: the caller waits for it.
+        host = from_torch(_STAGING.stage(state, copy=not blocking), path=where)
+        future = _WRITER.submit(
+            lambda executor: executor.submit(
+                snapshot,
+                store,
+                name,
+                host,
+                step=step,
+                loss=loss,
+                metadata=metadata,
+                delta=delta,
+                threshold=threshold,
+                keyframe_interval=keyframe_interval,
+            )
         )
-    )
     return future if not blocking else future.result()
 
 
@@ -325,6 +332,18 @@ class _Staging:
 
 
 _STAGING = _Staging()
+#: Held from the wait for the previous save to the submit of the next (see save_state).
+_SAVING = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    # A lock held by a parent's thread is never released here, and pinned buffers belong
+    # to the parent's CUDA context: the child starts with its own.
+    global _STAGING, _SAVING
+    _STAGING, _SAVING = _Staging(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def release_staging() -> None:
@@ -332,8 +351,9 @@ def release_staging() -> None:
 
     Waits for a background save still writing from them first.
     """
-    _WRITER.wait_for_pending()
-    _STAGING.release()
+    with _SAVING:
+        _WRITER.wait_for_pending()
+        _STAGING.release()
 
 
 def _to_device(obj: Any, device: str | torch.device) -> Any:

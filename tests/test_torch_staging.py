@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 import gradpipe as gp
+from gradpipe.errors import InvalidInputError, NotFoundError
 
 torch = pytest.importorskip("torch")
 gpt = pytest.importorskip("gradpipe.torch")
@@ -141,3 +142,59 @@ def test_blocking_cpu_saves_read_in_place_and_stage_nothing(tmp_path: Path) -> N
     train_step(model, opt, 0)
     gpt.save_state(store, "run", model, opt, step=0)
     assert buffer_pointers() == set()
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")  # deprecated
+@pytest.mark.parametrize("blocking", [True, False])
+@pytest.mark.parametrize(
+    "make_bad",
+    [
+        pytest.param(lambda: torch.zeros(4, 4).to_sparse(), id="sparse"),
+        pytest.param(
+            lambda: torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8), id="quantized"
+        ),
+        pytest.param(lambda: torch.ones(1, 4).expand(8, 4), id="expanded"),
+    ],
+)
+def test_unstorable_tensors_are_refused_at_the_call_whether_blocking_or_not(
+    tmp_path: Path, make_bad: Any, blocking: bool
+) -> None:
+    store = gp.open_store(str(tmp_path / "store"), mode="w")
+    model, opt = make("cpu")
+    model.register_buffer("bad", make_bad())
+    with pytest.raises(InvalidInputError, match="bad"):
+        gpt.save_state(store, "run", model, opt, step=0, blocking=blocking)
+    with pytest.raises(NotFoundError):
+        gp.snapshot_log(store, "run")  # nothing was written
+
+
+def test_saves_from_two_threads_never_share_buffers(tmp_path: Path) -> None:
+    """Two training threads saving at once: each snapshot holds its own thread's values."""
+    import threading
+
+    store = gp.open_store(str(tmp_path / "store"), mode="w")
+    models = [make("cpu") for _ in range(2)]
+    for i, (model, opt) in enumerate(models):
+        train_step(model, opt, i)
+    wanted = [host_tensors(m.state_dict()) for m, _ in models]
+    futures: list[Any] = [None, None]
+    start = threading.Barrier(2)
+
+    def save(i: int) -> None:
+        model, opt = models[i]
+        start.wait()
+        for step in range(3):
+            futures[i] = gpt.save_state(store, f"run{i}", model, opt, step=step, blocking=False)
+
+    threads = [threading.Thread(target=save, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    gpt.release_staging()
+    for i in range(2):
+        for step in range(3):
+            fresh, _ = make("cpu")
+            gpt.load_state(store, f"run{i}", fresh, step=step)
+            got = host_tensors(fresh.state_dict())
+            assert all(torch.equal(got[k], wanted[i][k]) for k in wanted[i]), (i, step)

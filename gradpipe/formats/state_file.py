@@ -53,6 +53,7 @@ __all__ = [
     "STATE_FILE_KEY",
     "StateFileInfo",
     "check_state_path",
+    "check_torch",
     "from_torch",
     "read_state_file",
     "to_torch",
@@ -240,6 +241,16 @@ def _read_torch(f: IO[bytes], path: str, size: int) -> dict[Any, Any]:
         )
     state: dict[Any, Any] = from_torch(obj, path=path, file_size=size)
     return state
+
+
+def check_torch(obj: Any, *, path: str = "state") -> None:
+    """Refuse what :func:`from_torch` would refuse, without copying a byte.
+
+    For a caller that copies the tensors elsewhere first (``save_state``
+    stages them in host buffers): a sparse, quantized or meta tensor, or a view
+    repeating its storage, is refused as it is, never densified by the copy.
+    """
+    _TorchWalk(path, None).walk(obj, ())
 
 
 def from_torch(obj: Any, *, path: str = "state", file_size: int | None = None) -> Any:
