@@ -9,13 +9,15 @@ training states are parameters + both Adam moments, 260 MiB each), the script pr
   affinity, and ``workers=`` follows it), and the speed-up;
 - the **GIL share**: of the samples in which a thread of the process was busy (``py-spy
   record``, idle threads left out), the share that held the GIL (``py-spy record --gil``),
-  both recorded at all cores;
+  both recorded at all cores over the timed part only (py-spy attaches to the child once its
+  imports and data loading are done);
 - the speed-up Amdahl's law allows on 16 and 64 cores if the GIL-holding part were the only
   serial part: ``1 / (g + (1 - g) / n)``.
 
 Anchors, measured in the same run on the same files, each with the same core counts:
 
-- ``cp -r`` of the dump directory (ingest's anchor),
+- ``cp -r`` of the dump directory (ingest's anchor; one process whatever the core count, so
+  its "all cores" figure is the same copy again),
 - safetensors ``load_file`` + ``save_file`` of every dump, one thread per core
   (export's anchor: what a Python user would run),
 - ``torch.save`` / ``torch.load`` of every training state, one thread per core
@@ -107,6 +109,22 @@ def _pool(cores: int, func: Callable[[Any], Any], items: list[Any]) -> None:
             pass
 
 
+#: Set in a child run under py-spy: called where the timed part starts.
+_READY: list[Callable[[], None]] = []
+
+
+def _start() -> float:
+    """The start of the timed part: a profiler attaches here, after imports and loading."""
+    for ready in _READY:
+        ready()
+    return time.perf_counter()
+
+
+def _wait_for_profiler() -> None:
+    print("READY", flush=True)
+    sys.stdin.readline()
+
+
 def child(op: str, cores: int, data: Path, work: Path, states: int) -> dict[str, float]:
     """Run ``op`` once, pinned to ``cores`` cores; the seconds and logical bytes it handled."""
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:cores])
@@ -120,7 +138,7 @@ def child(op: str, cores: int, data: Path, work: Path, states: int) -> dict[str,
     nbytes = _logical_bytes(dumps)
     if op == "ingest":
         store = gp.open_store(out / "store", mode="w")
-        started = time.perf_counter()
+        started = _start()
         report = gp.ingest(store, pattern, run="r", workers=cores)
         seconds = time.perf_counter() - started
         if report.failures:
@@ -128,7 +146,7 @@ def child(op: str, cores: int, data: Path, work: Path, states: int) -> dict[str,
     elif op == "export":
         store = gp.open_store(work / "ingested", mode="r")
         keys = [(int(p.parent.name.split("=")[1]), p.stem.split("=")[1]) for p in dumps]
-        started = time.perf_counter()
+        started = _start()
         _pool(
             cores,
             lambda k: gp.export_dump(store, "r", k[0], k[1], out / f"{k[0]}-{k[1]}.safetensors"),
@@ -140,23 +158,23 @@ def child(op: str, cores: int, data: Path, work: Path, states: int) -> dict[str,
         nbytes = sum(_state_bytes(s) for s in loaded)
         if op == "snapshot":
             store = gp.open_store(out / "store", mode="w")
-            started = time.perf_counter()
+            started = _start()
             for step, state in enumerate(loaded):
                 gp.snapshot(store, "s", state, step=step)
         else:
             store = gp.open_store(work / "snapshots", mode="r")
-            started = time.perf_counter()
+            started = _start()
             for step in range(len(loaded)):
                 gp.restore(store, "s", step=step)
         seconds = time.perf_counter() - started
     elif op == "cp-r":
-        started = time.perf_counter()
+        started = _start()
         subprocess.run(["cp", "-r", str(data / "dumps"), str(out / "dumps")], check=True)
         seconds = time.perf_counter() - started
     elif op == "safetensors":
         from safetensors.numpy import load_file, save_file
 
-        started = time.perf_counter()
+        started = _start()
         _pool(cores, lambda p: save_file(load_file(p), out / f"{p.parent.name}-{p.name}"), dumps)
         seconds = time.perf_counter() - started
     elif op in ("torch-save", "torch-load"):
@@ -173,7 +191,7 @@ def child(op: str, cores: int, data: Path, work: Path, states: int) -> dict[str,
         if op == "torch-load":
             for state, path in zip(tensors, files, strict=True):
                 torch.save(state, path)
-        started = time.perf_counter()
+        started = _start()
         if op == "torch-save":
             _pool(cores, lambda i: torch.save(tensors[i], files[i]), list(range(len(files))))
         else:
@@ -185,7 +203,7 @@ def child(op: str, cores: int, data: Path, work: Path, states: int) -> dict[str,
 
         arrays = [a for p in dumps for a in load_file(p).values()]
         z = zipnn.ZipNN(input_format="numpy", bytearray_dtype="float32", threads=cores)
-        started = time.perf_counter()
+        started = _start()
         for array in arrays:
             z.compress(array)
         seconds = time.perf_counter() - started
@@ -259,20 +277,45 @@ def _samples(raw: Path) -> int:
 
 
 def gil_share(op: str, cores: int, args: argparse.Namespace, work: Path) -> float | None:
-    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    """GIL-holding over busy samples of the timed part of ``op`` (two runs, one each)."""
     counts = []
     for extra in ([], ["--gil"]):
-        raw = work / f"{op}{'-gil' if extra else ''}.txt"
-        argv = [spy, "record", "-r", "200", "-f", "raw", "-o", str(raw), *extra, "--"]
-        done = subprocess.run(
-            argv + _child_argv(op, cores, args, work), capture_output=True, text=True, check=False
-        )
-        if done.returncode != 0 or not raw.exists():
-            print(f"py-spy failed on {op}: {done.stderr.strip()[-300:]}", file=sys.stderr)
+        samples = _spied(op, cores, args, work, extra)
+        if samples is None:
             return None
-        counts.append(_samples(raw))
+        counts.append(samples)
     busy, held = counts
     return held / busy if busy else None
+
+
+def _spied(
+    op: str, cores: int, args: argparse.Namespace, work: Path, extra: list[str]
+) -> int | None:
+    """py-spy samples of one child run, attached once the child is set up (``_start``)."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    raw = work / f"{op}{'-gil' if extra else ''}.txt"
+    raw.unlink(missing_ok=True)
+    argv = [*_child_argv(op, cores, args, work), "--spy"]
+    child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None
+    assert child.stdout is not None
+    if child.stdout.readline().strip() != "READY":
+        child.kill()
+        print(f"{op}: the child did not get ready", file=sys.stderr)
+        return None
+    record = [spy, "record", "-r", "200", "-f", "raw", "-o", str(raw), *extra]
+    profiler = subprocess.Popen(
+        [*record, "--pid", str(child.pid)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    time.sleep(1.0)  # py-spy attaches and starts sampling
+    child.stdin.write("\n")
+    child.stdin.flush()
+    child.communicate()
+    _, err = profiler.communicate(timeout=120)
+    if child.returncode != 0 or not raw.exists():
+        print(f"py-spy failed on {op}: {err.decode()[-300:]}", file=sys.stderr)
+        return None
+    return _samples(raw)
 
 
 def prepare(args: argparse.Namespace, work: Path) -> None:
@@ -318,7 +361,10 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--cores", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
+    parser.add_argument("--spy", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.spy:
+        _READY.append(_wait_for_profiler)
     if args.child:
         result = child(args.child, args.cores, Path(args.root), Path(args.work), args.states)
         print(json.dumps(result))
