@@ -18,7 +18,7 @@ from numcodecs.abc import Codec
 
 from gradpipe.config import get_bytes
 from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL, ChainTotals, parse_keyframe_interval
-from gradpipe.core.display import printable
+from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.core.html import ReportHtml
 from gradpipe.core.names import parse_name
 from gradpipe.core.run_manifest import RunManifest, TensorSchema
@@ -119,7 +119,7 @@ class IngestReport(ReportHtml):
     def summary(self) -> str:
         """A few lines for people."""
         lines = [
-            f"run {self.run!r}: {self.ingested} dumps ingested, {self.skipped} skipped "
+            f"run {printable(self.run)}: {self.ingested} dumps ingested, {self.skipped} skipped "
             f"(already recorded), {len(self.failures)} failed"
             + (f", {self.repaired} repaired" if self.repaired else ""),
             f"{self.tensors} tensors, {format_bytes(self.raw_bytes)} raw -> "
@@ -178,7 +178,8 @@ def _select(
                     dump.path,
                     dump.step,
                     dump.peer,
-                    f"run {recorded.run!r} already has step {dump.step}, peer {dump.peer!r} from "
+                    f"run {printable(recorded.run)} already has step {dump.step}, peer "
+                    f"{printable(dump.peer)} from "
                     "a different version of this file; pass replace=True (--replace) to replace it",
                 )
             )
@@ -192,8 +193,9 @@ def _damaged(store: Store, recorded: RunManifest, dumps: list[DumpFile]) -> list
     for dump in dumps:
         entry = known.get((dump.step, dump.peer))
         if entry is None:  # _select only passes recorded dumps
-            raise RuntimeError(f"step {dump.step}, peer {dump.peer!r} is not recorded")
-        roots.append((entry.dump, f"run {recorded.run!r}, step {dump.step}, peer {dump.peer!r}"))
+            raise RuntimeError(f"step {dump.step}, peer {printable(dump.peer)} is not recorded")
+        where = f"run {printable(recorded.run)}, step {dump.step}, peer {printable(dump.peer)}"
+        roots.append((entry.dump, where))
     problems = find_missing(store, roots)
     return [dump for dump, found in zip(dumps, problems, strict=True) if found]
 
@@ -212,7 +214,11 @@ def _check_schema(
             report.failures.append(header)
             continue
         theirs = {t.name: TensorSchema(t.dtype, t.shape) for t in header.tensors}
-        why = schema_conflict(schema, theirs, f"step {dump.step}, peer {dump.peer!r} ({dump.path})")
+        where = (
+            f"step {dump.step}, peer {printable(dump.peer)} "
+            f"({printable(dump.path, limit=PATH_LIMIT)})"
+        )
+        why = schema_conflict(schema, theirs, where)
         if why is not None:
             report.failures.append(Failure(dump.path, dump.step, dump.peer, why))
             continue
@@ -386,7 +392,8 @@ def _chain_settings(
         return None
     if kind not in DELTA_KINDS:
         raise InvalidInputError(
-            f"delta kind {kind!r} is not one ingest stores; choose one of {', '.join(DELTA_KINDS)}"
+            f"delta kind {printable(kind)} is not one ingest stores; choose one of "
+            f"{', '.join(DELTA_KINDS)}"
         )
     if codecs is not None:
         raise InvalidInputError(
@@ -491,7 +498,8 @@ def _add_commit(report: IngestReport, result: CommitResult, repairs: set[tuple[i
             report.chains.add(done.chain)
         for name, (nan, inf) in sorted(done.nonfinite.items()):
             report.nonfinite.append(
-                f"tensor {printable(name)} of step {done.entry.step}, peer {done.entry.peer!r} has "
+                f"tensor {printable(name)} of step {done.entry.step}, peer "
+                f"{printable(done.entry.peer)} has "
                 f"{nan} NaN and {inf} Inf values (stored bit-exact)"
             )
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
-from gradpipe.core.display import printable
+from gradpipe.core.display import printable, printable_error
 from gradpipe.core.dtypes import is_float, parse_dtype
 from gradpipe.core.manifest import manifest_id
 from gradpipe.core.names import parse_name
@@ -345,7 +345,8 @@ def _plan(
         skeleton = state_skeleton(head.state)
     except (ValueError, KeyError, TypeError) as exc:
         raise IntegrityError(
-            f"snapshot {snapshot!r} at step {head.step} has a damaged state skeleton: {exc!r}"
+            f"snapshot {printable(snapshot)} at step {head.step} has a damaged state skeleton: "
+            f"{printable_error(exc)}"
         ) from None
     params, stored, t = _parse_state(skeleton, snapshot, config)
     _check_updates(params, updates, snapshot, step, config)

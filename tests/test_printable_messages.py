@@ -123,3 +123,70 @@ def test_opening_a_missing_store_names_it_escaped(tmp_path: Path) -> None:
         gp.open_store(tmp_path / (HOSTILE + "s" * 240), mode="r")
     assert "no gradpipe store at" in str(caught.value)
     _assert_safe(str(caught.value))
+
+
+def test_an_ingest_schema_conflict_names_a_long_hostile_path_short(tmp_path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    # HOSTILE less its "[", which a pattern refuses as a wildcard; 1,200 characters and more.
+    folder = tmp_path.joinpath(*["\n\x1b\u202e" + "d" * 190] * 6)
+    for step, size in ((1, 4), (2, 5)):  # step 2 breaks the schema step 1 fixed
+        target = folder / f"step={step}" / "peer=p0.safetensors"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        save_file({"w": np.zeros(size, dtype=np.float32)}, str(target))
+    store = gp.open_store(tmp_path / "store", mode="w")
+    pattern = str(folder / "step={step}" / "peer={peer}.safetensors")
+    report = gp.ingest(store, pattern, run="r")
+    assert [f.step for f in report.failures] == [2]
+    reason = report.failures[0].reason
+    assert "but the run has it as" in reason
+    for raw, escaped in (("\n", "\\n"), ("\x1b", "\\x1b"), ("\u202e", "\\u202e")):
+        assert raw not in reason, reason[:300]
+        assert escaped in reason, reason[:300]
+    assert len(reason) < SHORT, len(reason)
+    assert report.failures[0].path.startswith(str(folder))  # the record keeps the exact path
+
+
+def test_an_aggregate_input_error_names_a_hostile_peer_and_tensor_short() -> None:
+    from gradpipe.core.aggregate_input import check_peer_chunks
+
+    chunks = [np.zeros(4, np.float32), np.full(4, np.nan, np.float32)]
+    with pytest.raises(gp.InvalidInputError) as caught:
+        check_peer_chunks(chunks, step=3, peers=["p0", LONG], tensor=LONG)
+    assert "the update holds NaN or infinity" in str(caught.value)
+    _assert_safe(str(caught.value))
+
+    with pytest.raises(gp.InvalidInputError) as caught:
+        check_peer_chunks([np.zeros(4, np.float32), np.zeros(5, np.float32)], peers=[LONG, "p1"])
+    assert "differs from peer" in str(caught.value)
+    _assert_safe(str(caught.value))
+
+
+def test_an_aggregate_manifest_listing_a_peer_twice_lists_them_short() -> None:
+    from gradpipe.core.aggregate_manifest import AggregateInput, AggregateManifest
+    from gradpipe.core.ids import hash_bytes
+
+    dump = hash_bytes(b"d")
+    inputs = tuple(AggregateInput("p" * 200, dump, 1.0) for _ in range(30))
+    with pytest.raises(gp.InvalidInputError) as caught:
+        AggregateManifest("r", 1, "a", "mean", {}, inputs, (), dump)
+    message = str(caught.value)
+    assert "lists a peer twice" in message
+    assert "and 20 more" in message
+    assert len(message) < SHORT, len(message)
+
+
+def test_a_block_header_naming_a_hostile_codec_is_refused_short() -> None:
+    from gradpipe.core.ids import hash_bytes
+    from gradpipe.storage.blocks import BLOCK_VERSION, decode_block
+
+    # numcodecs quotes the unknown codec id whole in its own error.
+    header = json.dumps({"size": 4, "codecs": [{"id": LONG}]}).encode()
+    frame = struct.pack("<4sBI", b"GPBK", BLOCK_VERSION, len(header)) + header + b"\0" * 4
+    with pytest.raises(gp.IntegrityError) as caught:
+        decode_block(frame, hash_bytes(b"\0" * 4))
+    message = str(caught.value)
+    assert "has a damaged header" in message
+    assert "\n" not in message
+    assert "\x1b" not in message
+    assert len(message) < 400, len(message)

@@ -122,7 +122,7 @@ def exit_status(exc: BaseException) -> int:
 
 
 def _message(exc: BaseException) -> str:
-    text = " ".join(str(exc).splitlines()).strip()
+    text = str(exc).strip()  # exact: --json shows it so; the text line is made one in _report
     if isinstance(exc, GradpipeError) and text:
         return text
     if isinstance(exc, OSError) and text:  # e.g. writing -o: the OS says what and where
@@ -145,7 +145,8 @@ def _public_type(exc: BaseException) -> str:
 
 
 def _report(prog: str, message: str, kind: str, *, as_json: bool) -> None:
-    message = printable_text(message, limit=MESSAGE_LIMIT)  # one line, nothing a terminal acts on
-    if as_json:
+    if as_json:  # the exact message: JSON escapes it itself, and programs compare it
         print(json.dumps({"ok": False, "error": message, "type": kind}))
-    print(f"{prog}: error: {message}", file=sys.stderr)
+    # One line, bounded, nothing a terminal acts on.
+    text = printable_text(" ".join(message.splitlines()), limit=MESSAGE_LIMIT)
+    print(f"{prog}: error: {text}", file=sys.stderr)

@@ -137,7 +137,9 @@ def run_snapshot(args: argparse.Namespace) -> CommandResult:
     doc = {"store": store.url, "file": args.state_file, **info_doc.to_dict()}
     doc["written"] = done.written
     if not done.written:  # the same file and step, run again: exit 0, as ingest does
-        text = f"snapshot {args.name!r} step {args.step} already recorded as {snapshot_id}: "
+        text = (
+            f"snapshot {printable(args.name)} step {args.step} already recorded as {snapshot_id}: "
+        )
         return CommandResult(doc, text + "nothing written")
     text = (
         f"snapshot {printable(args.name)} step {args.step}: "

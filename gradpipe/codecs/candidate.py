@@ -32,6 +32,7 @@ from gradpipe.codecs.registry import (
     make_codec,
     parse_codec_name,
 )
+from gradpipe.core.display import printable
 from gradpipe.core.dtypes import dtype_name
 from gradpipe.core.lossy import ErrorBound
 from gradpipe.errors import InvalidInputError
@@ -91,11 +92,11 @@ class Candidate:
         parts = tuple(parse_codec_name(item.strip()) for item in items)
         if len(parts) > 1 and any(p.family == "default" for p in parts):
             raise InvalidInputError(
-                f"codec {text!r}: 'default' is the lossless policy, it cannot be chained"
+                f"codec {printable(text)}: 'default' is the lossless policy, it cannot be chained"
             )
         if any(p.lossy for p in parts[1:]):
             raise InvalidInputError(
-                f"codec {text!r}: a lossy codec must come first, and only one; "
+                f"codec {printable(text)}: a lossy codec must come first, and only one; "
                 "for example 'bf16+zstd'"
             )
         for part in parts:  # the parameter's range (topk-2) is the codec's to check
@@ -144,7 +145,7 @@ class Candidate:
                 continue
             codec = make_codec(part.name, dtype=dtype, shape=shape)
             if codec is None:  # pragma: no cover - only "default" makes none, handled above
-                raise InvalidInputError(f"codec {part.name!r} has no codec object")
+                raise InvalidInputError(f"codec {printable(part.name)} has no codec object")
             codecs.append(codec)
         return codecs
 

@@ -37,6 +37,7 @@ from gradpipe.core.delta import (
     sparse_delta,
     xor_delta,
 )
+from gradpipe.core.display import printable
 from gradpipe.core.dtypes import dtype_name, is_float, parse_dtype
 from gradpipe.errors import IntegrityError, InvalidInputError
 
@@ -56,7 +57,7 @@ def parse_delta_kind(kind: object) -> str:
     if kind not in DELTA_KINDS:
         raise InvalidInputError(
             f"delta kind must be one of {', '.join(DELTA_KINDS)} (int is the lossless default), "
-            f"not {kind!r}"
+            f"not {printable(kind)}"
         )
     return str(kind)
 
@@ -92,7 +93,9 @@ class DeltaCodec(Codec):  # type: ignore[misc]
         if not float(threshold) >= 0:
             raise InvalidInputError(f"sparse delta threshold must be >= 0, not {threshold!r}")
         if kind != "sparse" and threshold:
-            raise InvalidInputError(f"a threshold applies to the sparse delta only, not {kind!r}")
+            raise InvalidInputError(
+                f"a threshold applies to the sparse delta only, not {printable(kind)}"
+            )
         if kind == "sparse" and not is_float(self._dtype):
             raise InvalidInputError(f"the sparse delta is for float tensors, not {self.dtype}")
         self.threshold = float(threshold)

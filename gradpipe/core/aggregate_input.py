@@ -14,6 +14,7 @@ from decimal import Decimal, InvalidOperation
 
 import numpy as np
 
+from gradpipe.core.display import printable
 from gradpipe.errors import InvalidInputError
 
 __all__ = [
@@ -31,9 +32,9 @@ def where(*, step: int | None = None, peer: str | None = None, tensor: str | Non
     if step is not None:
         parts.append(f"step {step}")
     if peer is not None:
-        parts.append(f"peer {peer!r}")
+        parts.append(f"peer {printable(peer)}")
     if tensor is not None:
-        parts.append(f"tensor {tensor!r}")
+        parts.append(f"tensor {printable(tensor)}")
     return ", ".join(parts)
 
 
@@ -142,7 +143,7 @@ def check_peer_chunks(
         if chunk.shape != first.shape or chunk.dtype != first.dtype:
             raise InvalidInputError(
                 f"{context}: {chunk.dtype}{list(chunk.shape)} differs from peer "
-                f"{_peer_name(peers, 0)!r}'s {first.dtype}{list(first.shape)}; every peer "
+                f"{printable(_peer_name(peers, 0))}'s {first.dtype}{list(first.shape)}; every peer "
                 "must send the tensor with one shape and dtype"
             )
         if not allow_nan and not np.isfinite(chunk).all():
@@ -161,11 +162,14 @@ def check_byzantine(
     (El Mhamdi et al. 2018). Multi-Krum keeps ``1 <= m <= n`` peers.
     """
     context = _prefix(where(step=step))
+    factor = {"krum": 2, "multi-krum": 2, "bulyan": 4}.get(method)
+    if factor is None:  # first: the messages below name the method as it is
+        raise InvalidInputError(f"{context}unknown Byzantine-robust method {printable(method)}")
     if isinstance(f, bool) or not isinstance(f, int) or f < 0:
-        raise InvalidInputError(f"{context}{method}: the Byzantine count f={f!r} must be >= 0")
-    need = {"krum": 2 * f + 3, "multi-krum": 2 * f + 3, "bulyan": 4 * f + 3}.get(method)
-    if need is None:
-        raise InvalidInputError(f"{context}unknown Byzantine-robust method {method!r}")
+        raise InvalidInputError(
+            f"{context}{method}: the Byzantine count f={printable(f)} must be >= 0"
+        )
+    need = factor * f + 3
     if n < need:
         raise InvalidInputError(
             f"{context}{method} with f={f} needs at least {need} peers, got {n}; "

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from gradpipe.core.display import printable, printable_names
 from gradpipe.core.encoding import to_json_bytes
 from gradpipe.core.ids import hash_bytes, parse_id
 from gradpipe.core.manifest import Manifest
@@ -44,7 +45,7 @@ class AggregateInput:
         parse_id(self.dump)
         if not math.isfinite(self.weight) or self.weight <= 0:
             raise InvalidInputError(
-                f"peer {self.peer!r}: weight {self.weight!r} is not a finite number > 0"
+                f"peer {printable(self.peer)}: weight {self.weight!r} is not a finite number > 0"
             )
 
     def to_list(self) -> list[Any]:
@@ -95,12 +96,18 @@ class AggregateManifest(EmbeddedTensors, Manifest):
         parse_name(self.run, what="run name")
         parse_name(self.name, what="aggregate name")
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
-            raise InvalidInputError(f"aggregate step must be an integer >= 0, not {self.step!r}")
+            raise InvalidInputError(
+                f"aggregate step must be an integer >= 0, not {printable(self.step)}"
+            )
         if not self.inputs:
-            raise InvalidInputError(f"aggregate {self.name!r} of step {self.step} has no inputs")
+            raise InvalidInputError(
+                f"aggregate {printable(self.name)} of step {self.step} has no inputs"
+            )
         peers = [i.peer for i in self.inputs]
         if len(set(peers)) != len(peers):
-            raise InvalidInputError(f"aggregate {self.name!r} lists a peer twice: {peers}")
+            raise InvalidInputError(
+                f"aggregate {printable(self.name)} lists a peer twice: {printable_names(peers)}"
+            )
         parse_id(self.key)
         for _, tensor_id in self.tensors:
             parse_id(tensor_id)

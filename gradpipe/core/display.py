@@ -27,6 +27,7 @@ __all__ = [
     "NAME_LIMIT",
     "PATH_LIMIT",
     "printable",
+    "printable_error",
     "printable_names",
     "printable_text",
 ]
@@ -102,6 +103,19 @@ def printable_text(text: str, *, limit: int | None = None) -> str:
     if text.isprintable() and (limit is None or len(text) <= limit):
         return text  # the common case, checked at C speed
     return _fit(text, "", limit)
+
+
+def printable_error(exc: BaseException, *, limit: int = PATH_LIMIT) -> str:
+    r"""An exception's type and text, escaped and at most ``limit`` long.
+
+    For an error raised by code that read stored or given content (a JSON
+    parser, a codec, a dataclass built from a file), whose text may quote
+    that content at any length.
+
+    >>> print(printable_error(ValueError("bad\x1b[2J")))
+    ValueError: bad\x1b[2J
+    """
+    return printable_text(f"{type(exc).__name__}: {exc}", limit=limit)
 
 
 def _check_limit(limit: int) -> None:

@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Final, Protocol, Self, TypeVar
 
-from gradpipe.core.display import printable
+from gradpipe.core.display import printable, printable_error
 from gradpipe.core.encoding import from_json_bytes, to_json_bytes
 from gradpipe.core.ids import hash_bytes
 from gradpipe.errors import IntegrityError, InvalidInputError, UnsupportedFormatError
@@ -166,7 +166,7 @@ def decode_manifest(data: bytes, *, what: str = "manifest") -> Manifest:
     except UnsupportedFormatError:
         raise
     except Exception as exc:  # e.g. RecursionError on JSON nested too deep
-        raise IntegrityError(f"{what} is not valid JSON: {exc!r}") from None
+        raise IntegrityError(f"{what} is not valid JSON: {printable_error(exc)}") from None
     if not isinstance(doc, dict) or "type" not in doc or "format" not in doc:
         raise IntegrityError(f"{what} is not a gradpipe manifest (no type and format)")
     version = doc.pop("format")
@@ -182,4 +182,6 @@ def decode_manifest(data: bytes, *, what: str = "manifest") -> Manifest:
     try:
         return cls.from_dict(doc)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise IntegrityError(f"{what} of type {printable(kind)} is malformed: {exc!r}") from None
+        raise IntegrityError(
+            f"{what} of type {printable(kind)} is malformed: {printable_error(exc)}"
+        ) from None

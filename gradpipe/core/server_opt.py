@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from gradpipe.core.display import PATH_LIMIT, printable, printable_text
 from gradpipe.errors import InvalidInputError
 
 __all__ = [
@@ -113,7 +114,10 @@ class ServerOptimizerConfig:
         try:
             return cls(**data)
         except (TypeError, ValueError) as exc:
-            raise InvalidInputError(f"bad server optimizer config {data!r}: {exc}") from None
+            raise InvalidInputError(
+                f"bad server optimizer config {printable(data, limit=PATH_LIMIT)}: "
+                f"{printable_text(str(exc), limit=PATH_LIMIT)}"
+            ) from None
 
 
 def state_dtype(params: np.dtype) -> np.dtype:

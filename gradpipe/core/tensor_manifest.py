@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 from gradpipe.core.chain import ChainInfo, DeltaLink
 from gradpipe.core.chunk_stats import ChunkStats, merge_stats, stats_from_columns
 from gradpipe.core.chunking import chunk_count, chunk_ranges, parse_chunk_shape, parse_shape
-from gradpipe.core.display import printable
+from gradpipe.core.display import printable, printable_error
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.ids import parse_id
 from gradpipe.core.lossy import LossyInfo
@@ -281,7 +281,8 @@ class TensorRef:
                     decoded = TensorManifest.from_dict(dict(self._raw or {}))
                 except (KeyError, TypeError, ValueError, AttributeError) as exc:
                     raise IntegrityError(
-                        f"tensor {self.tensor_id}, kept in a stored manifest, is malformed: {exc!r}"
+                        f"tensor {self.tensor_id}, kept in a stored manifest, is malformed: "
+                        f"{printable_error(exc)}"
                     ) from None
                 # The stored form goes: a dataset that read a tensor holds it once.
                 self._decoded, self._raw = decoded, None

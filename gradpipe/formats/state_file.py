@@ -295,7 +295,8 @@ class _TorchWalk:
                 f"than {self.max_nodes} visits); save plain, unshared containers"
             )
         if isinstance(obj, torch.Tensor):
-            name = "".join(f"[{k!r}]" for k in path)[:1000] or "[]"
+            # Keys come from the file: each escaped and short, the whole bounded, the cut shown.
+            name = printable_text("".join(f"[{printable(k)}]" for k in path), limit=1000) or "[]"
             spec = torch_format.tensor_spec(
                 obj, path=self.path, name=name, file_size=self.file_size or 2**62
             )

@@ -122,8 +122,7 @@ def discover_dumps(
         raw_peer = match.groupdict().get("peer") or SOLE_PEER
         try:
             # The peer keeps its exact text (JSON reports show it); messages escape it.
-            where = printable(candidate, limit=PATH_LIMIT)
-            peer = parse_name(raw_peer, what=f"peer name in {where}")
+            peer = _parse_peer(raw_peer, candidate)
         except InvalidInputError as exc:
             refused.append(Failure(candidate, step, raw_peer, f"{exc}; rename the file"))
             continue
@@ -151,3 +150,15 @@ def discover_dumps(
         )
         refused.extend(Failure(d.path, step, peer, reason) for d in group)
     return fs, dumps, refused
+
+
+def _parse_peer(raw: str, path: str) -> str:
+    """The peer name cut out of the file name ``path``; an error names the file.
+
+    The path is formatted only for a refusal: a glob may match a million files.
+    """
+    try:
+        return parse_name(raw, what="peer name")
+    except InvalidInputError:
+        pass
+    return parse_name(raw, what=f"peer name in {printable(path, limit=PATH_LIMIT)}")

@@ -121,8 +121,8 @@ def build_server_graph(
         update = sources_of(tensor.update) if tensor.update is not None else None
         state_sources = {n: sources_of(m) for n, m in tensor.state.items() if not aligned[n]}
         step_keys: list[Hashable] = []
+        context = f"{where}, tensor {printable(tensor.name)}"  # once per tensor, not per chunk
         for c, (start, stop) in enumerate(ranges):
-            context = f"{where}, tensor {printable(tensor.name)}"
             params_key = add_chunk_read(graph, store, tensor.params, c, f"{context} params")
             state_keys: list[Hashable | None] = []
             state: list[StateInput] = []
@@ -156,7 +156,7 @@ def build_server_graph(
                 outputs=tuple(outputs),
                 config=plan.config,
                 t=plan.t,
-                where=where,
+                where=context,
             )
             key = (f"gradpipe-server-step-{token}", j, c)
             graph[key] = (server_chunk, versioner, job, params_key, state_keys, keyframes)

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gradpipe.core.display import printable
 from gradpipe.core.dtypes import is_float, parse_dtype
 from gradpipe.core.server_opt import ServerOptimizerConfig, init_server_state, server_step
 from gradpipe.errors import InvalidInputError
@@ -80,7 +79,7 @@ class ChunkJob:
     outputs: tuple[ChunkOutput, ...]
     config: ServerOptimizerConfig
     t: int  # the round, 1-based
-    where: str  # names the snapshot and tensor in messages
+    where: str  # names the snapshot and the tensor (escaped once per tensor) in messages
 
 
 @dataclass(frozen=True)
@@ -114,7 +113,7 @@ def server_chunk(
     """
     store = versioner.store
     size = job.stop - job.start
-    where = f"{job.where}, tensor {printable(job.tensor)}, chunk {job.index}"
+    where = f"{job.where}, chunk {job.index}"
     x = _typed(params, job.dtype, size)
     given = iter(state)
     current = {

@@ -25,6 +25,7 @@ from numcodecs.compat import ensure_contiguous_ndarray
 
 import gradpipe.codecs  # noqa: F401 - registers the gradpipe_* codecs
 from gradpipe.core.buffers import concat
+from gradpipe.core.display import printable_error
 from gradpipe.core.encoding import from_json_bytes, to_json_bytes
 from gradpipe.core.ids import hash_bytes
 from gradpipe.errors import GradpipeError, IntegrityError, UnsupportedFormatError
@@ -127,7 +128,7 @@ def decode_block(
     except UnsupportedFormatError:
         raise
     except (GradpipeError, KeyError, TypeError, ValueError) as exc:
-        raise IntegrityError(f"{where} has a damaged header: {exc}") from None
+        raise IntegrityError(f"{where} has a damaged header: {printable_error(exc)}") from None
     payload: Any = memoryview(frame)[start:]
     try:
         for i, codec in enumerate(reversed(codecs)):
@@ -136,7 +137,7 @@ def decode_block(
     except GradpipeError as exc:
         raise IntegrityError(f"{where} does not decode: {exc}") from None
     except Exception as exc:
-        raise IntegrityError(f"{where} does not decode: {exc!r}") from None
+        raise IntegrityError(f"{where} does not decode: {printable_error(exc)}") from None
     logical = _bytes_view(payload)
     if logical.nbytes != size:
         raise IntegrityError(f"{where} decodes to {logical.nbytes} bytes, header says {size}")
@@ -159,7 +160,7 @@ def frame_codec_ids(frame: bytes | memoryview, *, where: str = "block") -> list[
     try:
         return list(_codec_ids(header))
     except (GradpipeError, KeyError, TypeError) as exc:
-        raise IntegrityError(f"{where} has a damaged header: {exc!r}") from None
+        raise IntegrityError(f"{where} has a damaged header: {printable_error(exc)}") from None
 
 
 @functools.lru_cache(maxsize=1024)

@@ -169,3 +169,18 @@ def test_tensor_names_in_the_stats_table_are_escaped_and_short(
     outcome = run_cli("stats", store_url, "--run", "r", "--format", "csv")
     assert bidi in outcome.out  # CSV is data: exact names
     assert long in outcome.out
+
+
+def test_json_keeps_an_error_message_exact_while_stderr_escapes_it(store_url: str) -> None:
+    extra = "evil\n\x1b[2J" + "y" * 5_000  # an argument gradpipe ls does not take
+
+    status, doc = run_cli_json("ls", store_url, "r", extra)
+    assert status == 2
+    assert doc["error"] == f"unrecognized arguments: {extra}; see `gradpipe ls --help`"
+    assert doc["type"] == "UsageError"
+
+    outcome = run_cli("ls", store_url, "r", extra, "--json")
+    assert_safe(outcome.err)
+    assert len(outcome.err.splitlines()) == 1
+    assert "evil \\x1b[2J" in outcome.err  # lines joined, the escape shown as text
+    assert len(outcome.err) < 2_100

@@ -11,7 +11,14 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from gradpipe.core import display
-from gradpipe.core.display import ELLIPSIS, MIN_LIMIT, NAME_LIMIT, printable, printable_text
+from gradpipe.core.display import (
+    ELLIPSIS,
+    MIN_LIMIT,
+    NAME_LIMIT,
+    printable,
+    printable_error,
+    printable_text,
+)
 
 #: Any text, surrogates and unassigned code points included.
 any_text = st.text(st.characters(codec=None, categories=None), max_size=400)
@@ -126,3 +133,11 @@ def test_the_escaping_of_long_text_is_reprs(text: str) -> None:
     # character, which must agree with repr so that both ends read back.
     quote = '"' if "'" in text and '"' not in text else "'"
     assert display._fit(text, quote, None) == repr(text)
+
+
+def test_printable_error_names_the_type_and_bounds_the_text() -> None:
+    shown = printable_error(ValueError("bad\n\x1b[2J" + "v" * 10_000), limit=100)
+    assert shown.startswith("ValueError: bad\\n\\x1b[2J")
+    assert shown.endswith("(10020 characters)")  # "ValueError: " and the 10,008 of the text
+    assert len(shown) <= 100
+    assert shown.isprintable()
