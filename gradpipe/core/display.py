@@ -18,8 +18,9 @@ JSON output keeps exact names (JSON escapes them itself); HTML is escaped by
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Iterable
-from typing import Final
+from typing import Any, Final
 
 __all__ = [
     "ELLIPSIS",
@@ -54,7 +55,10 @@ def printable(value: object, *, limit: int = NAME_LIMIT) -> str:
     never shown alike. A longer one keeps its first and last characters
     around an ellipsis, with its length in characters noted after the
     closing quote. Anything else is shown by its ``repr``, escaped and
-    shortened the same way but not quoted again.
+    shortened the same way but not quoted again; the ``repr`` is made within
+    a budget of a few times ``limit`` (:mod:`reprlib`), so a list of a
+    million long strings costs no more to show than a short one, and its
+    shortened form says "shortened" rather than a length it never measured.
 
     Parameters
     ----------
@@ -82,7 +86,8 @@ def printable(value: object, *, limit: int = NAME_LIMIT) -> str:
         # repr's choice of quote: the one the text does not hold, else ' escaped.
         quote = '"' if "'" in value and '"' not in value else "'"
         return _fit(value, quote, limit)
-    return _fit(repr(value), "", limit)
+    shown, whole = _bounded_repr(value, 4 * limit)
+    return _fit(shown, "", limit, None if whole else " (shortened)")
 
 
 def printable_text(text: str, *, limit: int | None = None) -> str:
@@ -118,6 +123,63 @@ def printable_error(exc: BaseException, *, limit: int = PATH_LIMIT) -> str:
     return printable_text(f"{type(exc).__name__}: {exc}", limit=limit)
 
 
+class _BoundedRepr(reprlib.Repr):
+    """:mod:`reprlib` that stops after about ``room`` characters, whatever the nesting.
+
+    reprlib's own limits are per container and per level, so their product
+    is still unbounded; this spends one budget across the whole value and
+    writes one ``...`` for everything after it runs out. Dicts keep their
+    order (reprlib sorts them), so what fits reads as ``repr`` writes it.
+    """
+
+    def __init__(self, room: int) -> None:
+        super().__init__()
+        self.room = room
+        self.maxlevel = 20
+        self.maxstring = self.maxother = self.maxlong = room
+        self.maxtuple = self.maxlist = self.maxarray = self.maxdict = room
+        self.maxset = self.maxfrozenset = self.maxdeque = room
+
+    def repr1(self, x: Any, level: int) -> str:
+        if self.room <= 0:
+            return "..."
+        shown = super().repr1(x, level)
+        self.room -= len(shown)
+        return shown
+
+    def repr_list(self, x: Any, level: int) -> str:
+        return self._items(x, level, "[", "]")
+
+    def repr_tuple(self, x: Any, level: int) -> str:
+        return self._items(x, level, "(", ",)" if len(x) == 1 else ")")
+
+    def repr_dict(self, x: Any, level: int) -> str:
+        return self._items(x.items(), level, "{", "}") if x else "{}"
+
+    def _items(self, items: Iterable[Any], level: int, left: str, right: str) -> str:
+        """The items between ``left`` and ``right``, up to the first one past the budget."""
+        pieces: list[str] = []
+        for item in items:
+            if level <= 0 or self.room <= 0:
+                pieces.append("...")  # one for all the rest, not one per item left
+                break
+            if isinstance(item, tuple) and left == "{":  # a dict's (key, value)
+                key, value = item
+                pieces.append(f"{self.repr1(key, level - 1)}: {self.repr1(value, level - 1)}")
+            else:
+                pieces.append(self.repr1(item, level - 1))
+        return left + ", ".join(pieces) + right
+
+
+def _bounded_repr(value: object, room: int) -> tuple[str, bool]:
+    """``repr(value)`` if it is short, else a shortened one; and whether it is whole."""
+    shown = _BoundedRepr(room).repr(value)
+    if "..." in shown:  # something was cut (or the value writes "..." itself: shown as cut)
+        return shown, False
+    # Nothing was cut, so the full repr is about as long: take it, for repr's own order of sets.
+    return repr(value), True
+
+
 def _check_limit(limit: int) -> None:
     if limit < MIN_LIMIT:
         raise ValueError(f"limit must be at least {MIN_LIMIT}, got {limit}")
@@ -144,12 +206,13 @@ def _take(chars: Iterable[str], quote: str, room: int) -> list[str]:
     return out
 
 
-def _fit(text: str, quote: str, limit: int | None) -> str:
+def _fit(text: str, quote: str, limit: int | None, note: str | None = None) -> str:
     if limit is None or len(text) + 2 * len(quote) <= limit:
         whole = quote + "".join(_escape(c, quote) for c in text) + quote
         if limit is None or len(whole) <= limit:
             return whole
-    note = f" ({len(text)} characters)"
+    if note is None:
+        note = f" ({len(text)} characters)"
     room = max(limit - len(note) - 2 * len(quote) - len(ELLIPSIS), 0)
     # Most of the room to the start, which tells names apart more often; the
     # end keeps a suffix such as a file extension or a step number.

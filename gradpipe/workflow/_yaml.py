@@ -10,9 +10,10 @@ silent overwrite.
 A workflow file is untrusted input, so reading it is bounded (see
 ``docs/design/005-input-limits.md``): at most :data:`MAX_WORKFLOW_BYTES` are
 read, collections nest at most :data:`MAX_WORKFLOW_DEPTH` levels, and the file
-holds at most :data:`MAX_WORKFLOW_VALUES` values once its aliases are
-expanded. The composer counts as it goes, an alias costing the values and
-levels of what it stands for, so a "billion laughs" file is refused at the
+holds at most :data:`MAX_WORKFLOW_VALUES` values and
+:data:`MAX_WORKFLOW_TEXT` characters of scalars once its aliases are
+expanded. The composer counts as it goes, an alias costing the values,
+characters and levels of what it stands for, so a "billion laughs" file is refused at the
 alias that crosses the limit, having allocated no more than the file itself
 wrote. Aliases are then shared, never copied. Tags other than the core
 schema's (``!!str``, ``!!int``, ``!!float``, ``!!bool``, ``!!null``,
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import yaml
 
-from gradpipe.core.display import PATH_LIMIT, printable, printable_text
+from gradpipe.core.display import NAME_LIMIT, PATH_LIMIT, printable, printable_text
 from gradpipe.errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ __all__ = [
     "MAX_WORKFLOW_BYTES",
     "MAX_WORKFLOW_DEPTH",
     "MAX_WORKFLOW_NUMBER_CHARS",
+    "MAX_WORKFLOW_TEXT",
     "MAX_WORKFLOW_VALUES",
     "Node",
     "WorkflowError",
@@ -55,6 +57,10 @@ MAX_WORKFLOW_BYTES: Final = 1 << 20
 MAX_WORKFLOW_DEPTH: Final = 32
 #: The most values (scalars, keys, lists, mappings) a file may hold, aliases expanded.
 MAX_WORKFLOW_VALUES: Final = 100_000
+#: The most characters of scalars (keys and values) a file may hold, aliases expanded: four
+#: times what the file may write, so an alias of a few hundred bytes can repeat, a 500 KB
+#: string repeated 19,000 times cannot (the stages would each get a copy).
+MAX_WORKFLOW_TEXT: Final = 4 << 20
 #: The longest number; longer ones cost quadratic time to convert (YAML 1.1's base 60).
 MAX_WORKFLOW_NUMBER_CHARS: Final = 100
 
@@ -172,8 +178,24 @@ def load_nodes(text: str, file: str) -> Node:
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark is not None else file
-        problem = printable_text(str(exc.problem), limit=PATH_LIMIT)  # may quote the file's text
+        # PyYAML's context says what it was reading and where that started ("found duplicate
+        # anchor 'x'; first occurrence" at 4:20); the problem alone may not say what is wrong.
+        said = [] if exc.context is None else [str(exc.context) + _at(exc.context_mark)]
+        said += [] if exc.problem is None else [str(exc.problem)]
+        problem = printable_text(", ".join(said), limit=PATH_LIMIT)  # may quote the file's text
         raise WorkflowError(f"{where}: not valid YAML: {problem}") from None
+    except WorkflowError:  # the limits and tags, checked as the file is composed
+        raise
+    except (ValueError, OverflowError) as exc:
+        # PyYAML's scanner calls chr() on the number of a \U escape: past U+10FFFF it fails
+        # with ValueError (or OverflowError past 2**31) instead of a YAML error.
+        if not isinstance(exc, OverflowError) and "chr()" not in str(exc):
+            raise  # not that: a bug to see, not a message to guess
+        mark = loader.get_mark()
+        raise WorkflowError(
+            f"{file}:{mark.line + 1}:{mark.column + 1}: not valid YAML: invalid escape: a code "
+            "point beyond U+10FFFF; Unicode ends there (write \\U0010FFFF at most)"
+        ) from None
     except yaml.YAMLError as exc:
         raise WorkflowError(
             f"{file}: not valid YAML: {printable_text(str(exc), limit=PATH_LIMIT)}"
@@ -200,12 +222,16 @@ class _Loader(yaml.SafeLoader):
         self.file = file
         #: Values composed so far, each alias counting what it stands for.
         self.values = 0
+        #: Characters of scalars composed so far, each alias counting what it stands for.
+        self.chars = 0
         #: Collections open around the node being composed.
         self.level = 0
         #: The deepest level reached inside the node being composed.
         self.deepest = 0
-        #: Each anchor's node once composed: its values and the levels it spans.
-        self.extents: dict[str, tuple[int, int]] = {}
+        #: Each anchor's node once composed: its values, characters and the levels it spans.
+        self.extents: dict[str, tuple[int, int, int]] = {}
+        #: The ids of scalar nodes whose tag the file wrote (the rest were resolved).
+        self.tagged: set[int] = set()
 
     def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
         event = self.peek_event()  # type: ignore[no-untyped-call]
@@ -213,16 +239,21 @@ class _Loader(yaml.SafeLoader):
             self._alias(event)
             return super().compose_node(parent, index)
         self._tag(event)
-        start, outer, level = self.values, self.deepest, self.level
+        start, chars, outer, level = self.values, self.chars, self.deepest, self.level
         self._count(1, event.start_mark)
+        if isinstance(event, yaml.ScalarEvent):
+            self._text(len(event.value), event.start_mark)
         self.deepest = level
         if isinstance(event, yaml.SequenceStartEvent | yaml.MappingStartEvent):
             self.level += 1
             self._reach(self.level, event.start_mark)
         node = super().compose_node(parent, index)
         self.level = level
+        if isinstance(event, yaml.ScalarEvent) and event.tag not in (None, "!"):
+            self.tagged.add(id(node))
         if event.anchor is not None:
-            self.extents[event.anchor] = (self.values - start, self.deepest - level)
+            extent = (self.values - start, self.chars - chars, self.deepest - level)
+            self.extents[event.anchor] = extent
         self.deepest = max(outer, self.deepest)
         return node
 
@@ -234,14 +265,16 @@ class _Loader(yaml.SafeLoader):
         if extent is None:
             if anchor in self.anchors:  # still open: the alias is inside its own anchor
                 first = self.anchors[anchor].start_mark
+                name = _anchor(anchor)
                 raise self._error(
                     event.start_mark,
-                    f"the alias *{anchor} refers to a node that holds it (&{anchor} at "
+                    f"the alias *{name} refers to a node that holds it (&{name} at "
                     f"{first.line + 1}:{first.column + 1}); a value cannot contain itself",
                 )
             return  # an undefined alias: PyYAML's own error says so
-        values, levels = extent
+        values, chars, levels = extent
         self._count(values, event.start_mark, anchor)
+        self._text(chars, event.start_mark, anchor)
         self._reach(self.level + levels, event.start_mark, anchor)
 
     def _count(self, values: int, mark: _Mark, alias: str | None = None) -> None:
@@ -251,7 +284,7 @@ class _Loader(yaml.SafeLoader):
         if alias is not None:
             raise self._error(
                 mark,
-                f"the alias *{alias} repeats {values:,} values, taking the file past "
+                f"the alias *{_anchor(alias)} repeats {values:,} values, taking the file past "
                 f"{MAX_WORKFLOW_VALUES:,} values with its aliases expanded, the most a "
                 "workflow file may hold; alias smaller values, or split the workflow",
             )
@@ -261,11 +294,29 @@ class _Loader(yaml.SafeLoader):
             "lists and mappings), the most a workflow file may hold; split the workflow",
         )
 
+    def _text(self, chars: int, mark: _Mark, alias: str | None = None) -> None:
+        # Each copy of a value a stage gets is this text again: count it as the values are.
+        self.chars += chars
+        if self.chars <= MAX_WORKFLOW_TEXT:
+            return
+        if alias is not None:
+            raise self._error(
+                mark,
+                f"the alias *{_anchor(alias)} repeats {chars:,} characters of text, taking the "
+                f"file past {MAX_WORKFLOW_TEXT:,} characters with its aliases expanded, the most "
+                "a workflow file may hold; alias shorter text, or split the workflow",
+            )
+        raise self._error(
+            mark,
+            f"the file holds more than {MAX_WORKFLOW_TEXT:,} characters of text, the most a "
+            "workflow file may hold; split the workflow",
+        )
+
     def _reach(self, level: int, mark: _Mark, alias: str | None = None) -> None:
         self.deepest = max(self.deepest, level)
         if level <= MAX_WORKFLOW_DEPTH:
             return
-        through = f" (through the alias *{alias})" if alias is not None else ""
+        through = f" (through the alias *{_anchor(alias)})" if alias is not None else ""
         raise self._error(
             mark,
             f"lists and mappings nest deeper than {MAX_WORKFLOW_DEPTH} levels here{through}, "
@@ -347,6 +398,11 @@ class _Converter:
         except yaml.constructor.ConstructorError as exc:
             raise WorkflowError(f"{where}: {exc.problem}") from None
         except (ValueError, KeyError, IndexError):  # e.g. !!int 'x': the tag's converter fails
+            if id(node) not in self.loader.tagged:  # e.g. 2001-13-45: read as a timestamp
+                raise WorkflowError(
+                    f"{where}: {_brief(node.value)} reads as a {_short(node.tag)} but is not a "
+                    "valid one; quote it to make it a string, or fix the value"
+                ) from None
             raise WorkflowError(
                 f"{where}: {_brief(node.value)} is not a valid {_short(node.tag)}; "
                 "remove the tag or fix the value"
@@ -368,6 +424,16 @@ class _Converter:
 def _short(tag: str) -> str:
     """``!!int`` for ``tag:yaml.org,2002:int``, as the file would write it."""
     return "!!" + tag.removeprefix(_CORE) if tag.startswith(_CORE) else tag
+
+
+def _anchor(name: str) -> str:
+    """An anchor's name as messages show it: anchors may be as long as the file."""
+    return printable_text(name, limit=NAME_LIMIT)
+
+
+def _at(mark: _Mark) -> str:
+    """`` at LINE:COLUMN`` of ``mark``, or nothing without one."""
+    return "" if mark is None else f" at {mark.line + 1}:{mark.column + 1}"
 
 
 def _brief(value: str) -> str:

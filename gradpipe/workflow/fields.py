@@ -6,6 +6,12 @@ itself as JSON Schema, so the validator and the shipped schema can never disagre
 ``$``); a variable that is not set and has no default is an error at its position.
 Values that came from the environment are never printed: the plan and the
 report show the text as written in the file.
+
+Text that parsing makes (each substitution's result, each path joined to the
+file's folder) is new text the file's own limits never saw: an alias or a
+``${BIG}`` repeated in every stage would copy it thousands of times. It is
+charged to the :class:`Context`'s budget of :data:`MAX_WORKFLOW_TEXT`
+characters, refused at the value that passes it.
 """
 
 from __future__ import annotations
@@ -14,12 +20,12 @@ import math
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gradpipe.core.display import printable
-from gradpipe.workflow._yaml import Node, WorkflowError
+from gradpipe.workflow._yaml import MAX_WORKFLOW_TEXT, Node, WorkflowError
 
 __all__ = [
     "Bool",
@@ -37,6 +43,7 @@ __all__ = [
     "StepRange",
     "Str",
     "StrList",
+    "TextBudget",
 ]
 
 _ENV = re.compile(r"\$(\$|\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\})")
@@ -47,27 +54,57 @@ def _has_digit(value: str | float) -> bool:
     return not isinstance(value, str) or any(c.isdigit() for c in value)
 
 
+@dataclass
+class TextBudget:
+    """How many characters of new text parsing one file may still make."""
+
+    left: int = MAX_WORKFLOW_TEXT
+
+    def charge(self, node: Node, chars: int) -> None:
+        """Spend ``chars`` on the value of ``node``; past the budget, an error there."""
+        self.left -= chars
+        if self.left < 0:
+            raise node.error(
+                f"the values made from this workflow file (${{VAR}} substituted, paths joined "
+                f"to the file's folder) pass {MAX_WORKFLOW_TEXT:,} characters, the most one "
+                "workflow may make; use shorter values or variables, or fewer stages"
+            )
+
+
 @dataclass(frozen=True)
 class Context:
-    """What parsing needs beside the node: the environment and the file's folder."""
+    """What parsing needs beside the node: the environment, the file's folder, the budget."""
 
     env: Mapping[str, str]
     base: Path
+    #: The new text parsing may still make (shared by every value of the file).
+    budget: TextBudget = field(default_factory=TextBudget, compare=False)
 
 
 def substitute(node: Node, ctx: Context) -> str:
-    """The string of ``node`` with ``${NAME}`` replaced from the environment."""
-    text = node.value
+    """The string of ``node`` with ``${NAME}`` replaced from the environment.
+
+    Each variable's value is new text, charged to ``ctx.budget`` as it is
+    put in, so ``${BIG}`` written 30,000 times in one string is refused
+    before the string is made (the text around it the file wrote, and the
+    loader counted). A string without ``$`` is returned as it is.
+    """
+    text: str = node.value
+    if "$" not in text:
+        return text
 
     def one(match: re.Match[str]) -> str:
         if match.group(1) == "$":
             return "$"
         name, default = match.group(2), match.group(3)
         if default is not None and not ctx.env.get(name):  # as the shell: unset or empty
-            return default
-        if name not in ctx.env:
+            value = default
+        elif name not in ctx.env:
             raise node.error(f"environment variable {name} is not set (used as ${{{name}}})")
-        return ctx.env[name]
+        else:
+            value = ctx.env[name]
+        ctx.budget.charge(node, len(value))
+        return value
 
     return _ENV.sub(one, text)
 
@@ -118,7 +155,9 @@ class PathOrUrl(Field):
             raise node.error("an empty path")
         if "://" in value or Path(value).is_absolute():
             return value
-        return str(ctx.base / value)
+        joined = str(ctx.base / value)
+        ctx.budget.charge(node, len(joined))
+        return joined
 
     def schema(self) -> dict[str, Any]:
         return {"type": "string", "description": self.help}

@@ -152,8 +152,15 @@ class WorkflowReport(ReportHtml):
 
 
 def _shown(params: Mapping[str, Any]) -> str:
-    # The keys are the stage's own fields; the values come from the workflow file.
-    return ", ".join(f"{k}={printable_text(str(v), limit=NAME_LIMIT)}" for k, v in params.items())
+    # The keys are the stage's own fields; the values come from the workflow file. A list's
+    # str() is its whole repr, aliases expanded: printable writes only what it shows.
+    return ", ".join(f"{k}={_value(v)}" for k, v in params.items())
+
+
+def _value(value: object) -> str:
+    if isinstance(value, str):
+        return printable_text(value, limit=NAME_LIMIT)
+    return printable(value, limit=NAME_LIMIT)
 
 
 def run_workflow(

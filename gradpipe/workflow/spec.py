@@ -67,8 +67,11 @@ DEFAULT_BACKOFF: Final = 5.0
 MAX_RETRIES: Final = 20
 MAX_BACKOFF: Final = 3600.0
 DEFAULT_WAIT: Final = 3600.0
+#: The longest a run waits for the store (a week): longer is a job that never gives up.
+MAX_WAIT: Final = 7 * 24 * 3600.0
 _WAIT: Final = Duration(
-    "how long a run waits while another run of this workflow holds the store (default 1h)"
+    "how long a run waits while another run of this workflow holds the store (default 1h)",
+    high=MAX_WAIT,
 )
 
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"

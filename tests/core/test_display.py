@@ -141,3 +141,28 @@ def test_printable_error_names_the_type_and_bounds_the_text() -> None:
     assert shown.endswith("(10020 characters)")  # "ValueError: " and the 10,008 of the text
     assert len(shown) <= 100
     assert shown.isprintable()
+
+
+def test_a_huge_value_is_shown_without_writing_its_whole_repr() -> None:
+    # A list of many shared long strings (what a YAML alias makes) has a repr of gigabytes;
+    # printable writes only what it shows, so it counts the items it looks at.
+    seen: list[int] = []
+
+    class Counted:
+        def __repr__(self) -> str:
+            seen.append(1)
+            return "c" * 100
+
+    shown = printable([Counted()] * 100_000 + ["x" * 10_000_000], limit=80)
+    assert len(shown) <= 80
+    assert shown.startswith("[ccc")
+    assert shown.endswith("(shortened)")
+    assert len(seen) <= 10
+    nested = printable({"k": [[["y" * 1_000_000] * 1000] * 1000]}, limit=80)
+    assert nested.startswith("{'k': [[['yyy")
+    assert len(nested) <= 80
+
+
+def test_short_values_are_shown_as_repr_writes_them() -> None:
+    for value in ({"b": 1, "a": [1.5, None, True]}, (1,), {3, 1, 2}, [], {}, -7, ["..."]):
+        assert printable(value, limit=200) == repr(value)

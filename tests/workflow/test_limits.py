@@ -27,11 +27,14 @@ from gradpipe.workflow._yaml import (
     MAX_WORKFLOW_BYTES,
     MAX_WORKFLOW_DEPTH,
     MAX_WORKFLOW_NUMBER_CHARS,
+    MAX_WORKFLOW_TEXT,
     MAX_WORKFLOW_VALUES,
+    Node,
 )
 from gradpipe.workflow.fields import (
     Bool,
     Choice,
+    Context,
     Duration,
     Field,
     Float,
@@ -118,6 +121,127 @@ def test_an_alias_counts_the_values_it_repeats() -> None:
     assert line == 2
     assert "alias" in message
     assert f"{MAX_WORKFLOW_VALUES:,}" in message
+
+
+_KEYS = ", ".join(f"{i:03}{'t' * 997}: 1" for i in range(100))  # PyYAML keys: 1024 at most
+
+
+@pytest.mark.parametrize(
+    ("anchored", "chars"),
+    [
+        ("&t " + "t" * 100_000, 100_000),
+        ("&t {" + _KEYS + "}", 100_100),
+        ("&t [" + "t" * 100_000 + ", " + "t" * 100_000 + "]", 200_000),
+    ],
+    ids=["string", "keys", "list"],
+)
+def test_an_alias_counts_the_text_it_repeats(anchored: str, chars: int) -> None:
+    # 100,000 characters or more written once, repeated by short aliases: every stage would
+    # get a copy, so the expanded text is limited as the values are.
+    repeats = MAX_WORKFLOW_TEXT // 100_000 + 1
+    text = (
+        f"version: 1\nstore: {{url: a, storage_options: {{big: {anchored}, "
+        f"more: [{', '.join(['*t'] * repeats)}]}}}}\nstages: [gc: {{}}]"
+    )
+    line, column, message = _refused(text)
+    assert line == 2
+    prefix = f"store: {{url: a, storage_options: {{big: {anchored}, more: ["
+    before = len("version1storeurlastorage_optionsbigmore")  # the scalars before the aliases
+    crossing = next(
+        j for j in range(1, repeats + 1) if before + chars * (1 + j) > MAX_WORKFLOW_TEXT
+    )
+    assert column == len(prefix) + 1 + (crossing - 1) * len("*t, ")
+    assert f"{MAX_WORKFLOW_TEXT:,}" in message
+    assert f"*t repeats {chars:,} characters" in message
+
+
+def test_text_below_the_limit_with_aliases_is_accepted() -> None:
+    big = "t" * 100_000
+    aliases = ", ".join(["*t"] * (MAX_WORKFLOW_TEXT // 100_000 - 2))
+    w = _parse(
+        f"version: 1\nstore: {{url: a, storage_options: {{big: &t {big}, more: [{aliases}]}}}}"
+        "\nstages: [gc: {}]"
+    )
+    assert w.storage_options["more"][-1] == big  # type: ignore[attr-defined]
+
+
+def test_a_long_anchor_name_is_shortened_in_messages() -> None:
+    name = "n" * 5000
+    _, _, message = _refused(f"version: 1\nstore: a\nstages: &{name} [gc: {{}}, *{name}]")
+    assert "refers to a node that holds it" in message
+    assert len(message) < 400
+    big = "t" * 100_000
+    repeats = ", ".join([f"*{name}"] * (MAX_WORKFLOW_TEXT // 100_000 + 1))
+    _, _, message = _refused(
+        f"version: 1\nstore: {{url: a, storage_options: {{big: &{name} {big}, more: [{repeats}]}}}}"
+        "\nstages: [gc: {}]"
+    )
+    assert "characters of text" in message
+    assert len(message) < 500
+
+
+def test_substitutions_and_joined_paths_are_charged_to_one_budget() -> None:
+    # ${BIG} (100,000 characters) in every stage makes new text the file never wrote.
+    env = {"BIG": "b" * 100_000}
+    stages = "".join("  - sample: {dir: '/x/${BIG}'}\n" for _ in range(50))
+    text = f"version: 1\nstore: a\nstages:\n{stages}"
+    with pytest.raises(WorkflowError) as caught:
+        parse_workflow(text, "/data/w.yaml", env=env)
+    message = str(caught.value)
+    crossing = MAX_WORKFLOW_TEXT // 100_000 + 1  # the stage whose dir passes the budget
+    assert message.startswith(f"/data/w.yaml:{3 + crossing}:19: "), message[:200]
+    assert f"{MAX_WORKFLOW_TEXT:,}" in message
+    # A relative path is joined to the file's folder: new text per use, however short the alias.
+    folder = "/" + "d" * 4000
+    stages = "  - sample: {dir: &d x}\n" + "  - sample: {dir: *d}\n" * 1100
+    with pytest.raises(WorkflowError, match="the values made from this workflow file"):
+        parse_workflow(f"version: 1\nstore: a\nstages:\n{stages}", f"{folder}/w.yaml", env={})
+    # Within the budget: the same substitutions are made.
+    w = parse_workflow(
+        "version: 1\nstore: a\nstages:\n  - sample: {dir: '/x/${BIG}'}\n", "/data/w.yaml", env=env
+    )
+    assert w.stages[0].params["dir"] == "/x/" + env["BIG"]
+
+
+def _parse_often(field: Field, node: Node, ctx: Context) -> None:
+    """Parse ``node`` as often as one more than the budget has room for 1,000 characters."""
+    for _ in range(MAX_WORKFLOW_TEXT // 1000 + 1):
+        field.parse(node, ctx)
+
+
+def test_the_budget_is_charged_by_the_fields_that_make_text() -> None:
+    ctx = Context({"V": "v" * 1000}, Path("/" + "d" * 1000))
+    node = Node("${V}", "/data/w.yaml", 4, 7)
+    with pytest.raises(WorkflowError, match=r"^/data/w\.yaml:4:7: the values made"):
+        _parse_often(Str(), node, ctx)
+    ctx = Context({}, Path("/" + "d" * 1000))
+    relative = Node("x", "/data/w.yaml", 5, 9)
+    with pytest.raises(WorkflowError, match=r"^/data/w\.yaml:5:9: the values made"):
+        _parse_often(PathOrUrl(), relative, ctx)
+
+
+@pytest.mark.parametrize(
+    ("escape", "column"), [("\\UFFFFFFFF", 22), ("\\U00110000", 22), ("a\\U7FFFFFFF", 23)]
+)
+def test_an_escape_beyond_unicode_says_where(escape: str, column: int) -> None:
+    line, found, message = _refused(HEAD + f'sample: {{dir: "{escape}"}}')
+    assert (line, found) == (4, column), message
+    assert "beyond U+10FFFF" in message
+
+
+def test_a_duplicate_anchor_names_both_occurrences() -> None:
+    line, column, message = _refused(HEAD + "sample: {dir: &x a, steps: &x 2, peers: *x}")
+    assert (line, column) == (4, 32)
+    assert "duplicate anchor 'x'" in message
+    assert "first occurrence at 4:19" in message
+
+
+def test_an_implicit_timestamp_that_is_no_date_says_quote_it() -> None:
+    _, _, message = _refused(HEAD + "sample: {dir: 2001-13-45}")
+    assert "quote it" in message
+    assert "remove the tag" not in message
+    _, _, message = _refused(HEAD + "sample: {dir: !!timestamp 2001-13-45}")
+    assert "remove the tag" in message
 
 
 def test_an_alias_inside_its_own_anchor_is_refused_at_the_alias() -> None:
@@ -331,12 +455,12 @@ def _limit_memory() -> None:  # pragma: no cover - runs in the child
     resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
 
 
-def _cli(path: Path) -> subprocess.CompletedProcess[str]:
+def _cli(path: Path, *options: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gradpipe.cli", "run", str(path), "--dry-run"],
+        [sys.executable, "-m", "gradpipe.cli", "run", str(path), "--dry-run", *options],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": str(REPO), "BIG": "b" * 100_000},
         preexec_fn=_limit_memory,
         timeout=300,  # the failure mode of an unbounded file; the bounded ones take a second
         check=False,
@@ -352,8 +476,36 @@ def _cli(path: Path) -> subprocess.CompletedProcess[str]:
         b"version: 1\nstore: !!python/object/apply:os.system {url: a}\nstages: [gc: {}]\n",
         b"version: 1\nstore: a\nretries: " + b"9" * 5000 + b"\nstages: [gc: {}]\n",
         b"version: 1\nstore: a\xff\xfe\nstages: [gc: {}]\n",
+        b"version: 1\nstore: a\nstages:\n  - sample: {dir: &p "
+        + b"p" * 500_000
+        + b"}\n"
+        + b"  - sample: {dir: *p}\n" * 19_000,
+        b"version: 1\nstore: a\nstages:\n  - sample: {dir: '" + b"${BIG}" * 30_000 + b"'}\n",
+        b"version: 1\nstore: a\nstages:\n  - sample: {dir: d, steps: [&s "
+        + b"s" * 500_000
+        + b", "
+        + b"*s, " * 99_000
+        + b"*s]}\n",
+        b"version: 1\nstore: a\nstages:\n  - rounds: {run: r, expect: [&s "
+        + b"s" * 500_000
+        + b", "
+        + b"*s, " * 99_000
+        + b"*s]}\n",
+        b'version: 1\nstore: a\nstages:\n  - sample: {dir: "\\UFFFFFFFF"}\n',
     ],
-    ids=["aliases", "nesting", "50MB", "tag", "number", "utf8"],
+    ids=[
+        "aliases",
+        "nesting",
+        "50MB",
+        "tag",
+        "number",
+        "utf8",
+        "aliased-text",
+        "env",
+        "wrong",
+        "summary",
+        "escape",
+    ],
 )
 def test_the_cli_exits_2_with_a_location_and_no_traceback(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "w.yaml"
@@ -376,7 +528,8 @@ _FRAGMENTS = [
     "%TAG ! tag:x,2000:\n", "'", '"', '"\\0"', '"\\ud800"', '"\\x01"', "|\n  a", ">\n  a",
     "<<: *a", "=", "~", "null", "1e400", "0x" + "f" * 40, "1:2:3", "2020-01-01", "9" * 200,
     "x" * 300, "\ufeff", "\x00", "\x85", "\u2028", "version: 1", "store: a", "stages:",
-    "gc: {}", "verify:", "a: 1\na: 2", "${X}", "$$", "${X:-y}",
+    "gc: {}", "verify:", "a: 1\na: 2", "${X}", "$$", "${X:-y}", '"\\UFFFFFFFF"',
+    '"\\U00110000"', "2001-13-45",
 ]  # fmt: skip
 
 
@@ -538,6 +691,8 @@ def _laughs_flow(levels: int) -> str:
         ("version: 1\nstore: a\nstages:\n  - gc: {retries: 1000000000}\n", "more than 20"),
         ("version: 1\nstore: a\nbackoff: 2h\nstages:\n  - gc: {}\n", "longer than 3600 s"),
         ("version: 1\nstore: a\nstages:\n  - gc: {backoff: 1e300}\n", "longer than 3600 s"),
+        ("version: 1\nstore: a\nwait: 1e300\nstages:\n  - gc: {}\n", "longer than 604800 s"),
+        ("version: 1\nstore: a\nwait: 8d\nstages:\n  - gc: {}\n", "longer than 604800 s"),
     ],
 )
 def test_retries_and_backoff_are_bounded(text: str, words: str) -> None:
@@ -554,3 +709,31 @@ def test_each_retry_waits_at_most_an_hour() -> None:
     assert waits[0] == 3600
     assert max(waits) == MAX_RETRY_WAIT
     assert [retry_wait(5, k) for k in range(4)] == [5, 10, 20, 40]
+
+
+class _Counted:
+    """A value that counts how often it is written out."""
+
+    calls = 0
+
+    def __repr__(self) -> str:
+        _Counted.calls += 1
+        return "c" * 100
+
+
+def test_the_dry_run_summary_and_type_errors_write_only_what_they_show() -> None:
+    # An aliased list of 100,000 long values: str() or repr() of it would write them all.
+    from gradpipe.workflow.run import _shown
+
+    many = [_Counted()] * 100_000
+    _Counted.calls = 0
+    shown = _shown({"expect": many, "run": "r"})
+    assert shown.startswith("expect=[ccc")
+    assert shown.endswith("run=r")
+    assert len(shown) < 200
+    assert _Counted.calls <= 10
+    item = Node(_Counted(), "/data/w.yaml", 4, 20)
+    error = Int("a count")._wrong(Node([item] * 100_000, "/data/w.yaml", 4, 19), "a number")
+    assert str(error).startswith("/data/w.yaml:4:19: expected a number, got a list ([ccc")
+    assert len(str(error)) < 200
+    assert _Counted.calls <= 20
