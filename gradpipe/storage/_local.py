@@ -12,6 +12,7 @@ holds an ``flock`` on a lock file beside the ref, compares, and publishes with
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -66,6 +67,7 @@ class LocalBackend(Backend):
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self.url = self.root.as_posix()
+        self._root = os.fspath(self.root)
         # Read now if Dask's configuration is loaded, so a ``dask.config.set``
         # around the open counts; if it is not, nothing can have set the value
         # yet, and the first write reads it (``gradpipe ls`` never loads dask).
@@ -83,6 +85,11 @@ class LocalBackend(Backend):
     def _path(self, key: str) -> Path:
         return self.root / key
 
+    def _file(self, key: str) -> str:
+        """``key``'s file as text: the per-block paths skip pathlib, whose parsing held the
+        GIL for a fifth of a block's write (py-spy, docs/design/015)."""
+        return f"{self._root}/{key}"
+
     def _error(self, exc: OSError, key: str, doing: str) -> StorageError:
         return StorageError(
             f"could not {doing} {printable(key, limit=PATH_LIMIT)} in store "
@@ -91,7 +98,8 @@ class LocalBackend(Backend):
 
     def read(self, key: str) -> bytes:
         try:
-            return self._path(key).read_bytes()
+            with open(self._file(key), "rb") as f:
+                return f.read()
         except FileNotFoundError:
             raise NotFoundError(
                 f"{printable(key, limit=PATH_LIMIT)} not found in store "
@@ -100,12 +108,13 @@ class LocalBackend(Backend):
         except OSError as exc:
             raise self._error(exc, key, "read") from exc
 
-    def _write_temp(self, path: Path, data: bytes | memoryview) -> Path:
-        temp = path.parent / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
+    def _write_temp(self, path: str, data: bytes | memoryview) -> str:
+        folder = os.path.dirname(path)
+        temp = f"{folder}/{TEMP_PREFIX}{uuid.uuid4().hex}"
         try:
             fd = os.open(temp, _CREATE_FLAGS, 0o644)
         except FileNotFoundError:  # first object under this prefix: make its folder
-            path.parent.mkdir(parents=True, exist_ok=True)
+            os.makedirs(folder, exist_ok=True)
             fd = os.open(temp, _CREATE_FLAGS, 0o644)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -114,11 +123,11 @@ class LocalBackend(Backend):
                     f.flush()
                     os.fsync(f.fileno())
         except BaseException:
-            temp.unlink(missing_ok=True)  # e.g. a full disk: leave nothing behind
+            _unlink(temp)  # e.g. a full disk: leave nothing behind
             raise
         return temp
 
-    def _create_anonymous(self, path: Path, data: bytes | memoryview) -> bool | None:
+    def _create_anonymous(self, path: str, data: bytes | memoryview) -> bool | None:
         """Write and publish through ``O_TMPFILE``; None where that cannot be done here.
 
         One create and one link instead of a create, a link and an unlink, and
@@ -126,9 +135,9 @@ class LocalBackend(Backend):
         on this project's ext4 disk (``python benchmarks/bench_small_objects.py``).
         """
         try:
-            fd = os.open(path.parent, _O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o644)
+            fd = os.open(os.path.dirname(path), _O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o644)
         except FileNotFoundError:  # first object under this prefix: make its folder
-            path.parent.mkdir(parents=True, exist_ok=True)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
             return self._create_anonymous(path, data)
         except OSError as exc:
             if exc.errno in _NO_TMPFILE:
@@ -158,11 +167,11 @@ class LocalBackend(Backend):
         finally:
             os.close(fd)
         if self._fsync:  # the new name must survive a power loss, not only the bytes
-            _fsync_dir(path.parent)
+            _fsync_dir(os.path.dirname(path))
         return True
 
     def write_if_absent(self, key: str, data: bytes | memoryview) -> bool:
-        path = self._path(key)
+        path = self._file(key)
         if self._tmpfile:
             try:
                 created = self._create_anonymous(path, data)
@@ -181,13 +190,13 @@ class LocalBackend(Backend):
                     raise
                 # No hard links here (some FUSE/SMB mounts): fall back to an
                 # atomic rename, harmless for content-addressed objects.
-                if path.exists():
+                if os.path.exists(path):
                     return False
                 os.replace(temp, path)
             finally:
-                temp.unlink(missing_ok=True)
+                _unlink(temp)
             if self._fsync:  # the new name must survive a power loss, not only the bytes
-                _fsync_dir(path.parent)
+                _fsync_dir(os.path.dirname(path))
         except OSError as exc:
             raise self._error(exc, key, "write") from exc
         return True
@@ -196,7 +205,7 @@ class LocalBackend(Backend):
         out: list[float | None] = []
         for key in keys:
             try:
-                out.append(self._path(key).stat().st_mtime)
+                out.append(os.stat(self._file(key)).st_mtime)
             except FileNotFoundError:
                 out.append(None)
             except OSError as exc:
@@ -254,7 +263,7 @@ class LocalBackend(Backend):
                         f"{printable(self.url, limit=PATH_LIMIT)} was "
                         "moved by another writer"
                     )
-                os.replace(self._write_temp(path, data), path)
+                os.replace(self._write_temp(os.fspath(path), data), path)
                 if self._fsync:
                     _fsync_dir(path.parent)
         except OSError as exc:
@@ -274,7 +283,12 @@ class LocalBackend(Backend):
         (self.root / "gradpipe.json").unlink(missing_ok=True)
 
 
-def _fsync_dir(path: Path) -> None:
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _fsync_dir(path: str | Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
