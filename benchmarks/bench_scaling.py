@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 MiB = 2**20
+_STATE_OPS = ("snapshot", "restore", "torch-save", "torch-load")
 OPS = ("ingest", "export", "snapshot", "restore")
 ANCHORS = {
     "ingest": ("cp-r", "cp -r"),
@@ -135,7 +136,8 @@ def child(op: str, cores: int, data: Path, work: Path, states: int) -> dict[str,
     out = work / "out"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    nbytes = _logical_bytes(dumps)
+    # Dumps' logical bytes for the operations on them (the state ones count their states).
+    nbytes = _logical_bytes(dumps) if op not in _STATE_OPS else 0
     if op == "ingest":
         store = gp.open_store(out / "store", mode="w")
         started = _start()

@@ -36,6 +36,7 @@ does not import this module.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections import OrderedDict
@@ -296,7 +297,7 @@ class _Staging:
         with self._lock:
             old, self._buffers = self._buffers, {}
             streams: dict[torch.device, torch.cuda.Stream] = {}
-            position = iter(range(1 << 62))
+            position = itertools.count()
 
             def move(t: torch.Tensor) -> torch.Tensor:
                 t = t.detach()
