@@ -28,25 +28,31 @@ Every timed part runs in a child process of its own (``--child``), so the parent
 shares its GIL, the page cache is warmed by an untimed first pass, and each row is the best
 of ``--repeat`` runs. Data goes under ``--root`` (default ``bench-data/scaling``), written once.
 
+``--gil-top N`` then prints, per operation, the N functions that held the GIL most (their own
+samples over all GIL-holding samples): what still serialises the threads.
+
 Run: ``python benchmarks/bench_scaling.py`` (``--mib M`` of dumps, default 1000;
-``--states N``, default 3; ``--repeat N``; ``--skip-gil`` without py-spy; ``--ops`` a subset).
+``--states N``, default 3; ``--repeat N``; ``--skip-gil`` without py-spy; ``--ops`` a subset;
+``--gil-top N``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import linecache
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 MiB = 2**20
 _STATE_OPS = ("snapshot", "restore", "torch-save", "torch-load")
@@ -126,8 +132,8 @@ def _wait_for_profiler() -> None:
     sys.stdin.readline()
 
 
-def child(op: str, cores: int, data: Path, work: Path, states: int) -> dict[str, float]:
-    """Run ``op`` once, pinned to ``cores`` cores; the seconds and logical bytes it handled."""
+def child(op: str, cores: int, data: Path, work: Path, states: int) -> NoReturn:
+    """Run ``op`` once, pinned to ``cores`` cores; print the seconds and logical bytes, exit."""
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:cores])
     import gradpipe as gp
 
@@ -211,7 +217,10 @@ def child(op: str, cores: int, data: Path, work: Path, states: int) -> dict[str,
         seconds = time.perf_counter() - started
     else:
         raise SystemExit(f"unknown operation {op!r}")
-    return {"seconds": seconds, "bytes": nbytes}
+    # Printed and gone while the data is still referenced: freeing GiBs of arrays holds the
+    # GIL, and a profile attached to this child is to see the timed part, not its teardown.
+    print(json.dumps({"seconds": seconds, "bytes": nbytes}), flush=True)
+    os._exit(0)
 
 
 # --- the parent: data, timings, py-spy, the table ------------------------------------------
@@ -268,14 +277,58 @@ def mib_per_s(op: str, cores: int, args: argparse.Namespace, work: Path) -> floa
     return best
 
 
-def _samples(raw: Path) -> int:
-    """Samples in a py-spy ``--format raw`` file (folded stacks, each line ending in a count)."""
-    total = 0
+def _stacks(raw: Path) -> Counter[str]:
+    """Samples per innermost frame in a py-spy ``--format raw`` file (folded stacks + count)."""
+    frames: Counter[str] = Counter()
     for line in raw.read_text().splitlines():
-        count = line.rsplit(" ", 1)[-1]
+        stack, _, count = line.rpartition(" ")
         if count.isdigit():
-            total += int(count)
-    return total
+            frames[stack.rpartition(";")[2].strip() or "(native)"] += int(count)
+    return frames
+
+
+#: Innermost frames of a thread blocked on a lock, a queue or a selector. py-spy counts some
+#: of these waits as busy (a lock taken with a timeout), which would inflate the busy samples
+#: and so understate the GIL share: they are left out of both counts.
+_WAITS = (
+    "Condition.wait (threading.py",
+    "Event.wait (threading.py",
+    "Semaphore.acquire (threading.py",
+    "Thread.join (threading.py",
+    "Queue.get (queue.py",
+    "BaseSelector.select (selectors.py",
+    "EpollSelector.select (selectors.py",
+)
+
+
+def _waiting(frame: str) -> bool:
+    if frame.startswith(_WAITS):
+        return True
+    # A pool thread waiting for work: the innermost Python line is the queue's get.
+    if frame.startswith("_worker (") and "concurrent/futures/thread.py:" in frame:
+        path, _, line = frame[frame.index("(") + 1 : -1].rpartition(":")
+        source = linecache.getline(_stdlib(path), int(line)) if line.isdigit() else ""
+        return "get(" in source
+    return False
+
+
+def _stdlib(path: str) -> str:
+    return path if os.path.isabs(path) else os.path.join(os.path.dirname(os.__file__), path)
+
+
+def _samples(raw: Path) -> int:
+    """Busy samples: those whose innermost frame is not waiting (see ``_WAITS``)."""
+    return sum(n for frame, n in _stacks(raw).items() if not _waiting(frame))
+
+
+def gil_holders(op: str, work: Path, top: int) -> list[str]:
+    """The ``top`` functions that held the GIL most in ``op``'s profile, as table lines."""
+    raw = work / f"{op}-gil.txt"
+    if not raw.exists():
+        return []
+    frames = _stacks(raw)
+    total = sum(frames.values())
+    return [f"  {100 * n / total:5.1f}%  {frame}" for frame, n in frames.most_common(top)]
 
 
 def gil_share(op: str, cores: int, args: argparse.Namespace, work: Path) -> float | None:
@@ -360,6 +413,9 @@ def main() -> None:
     parser.add_argument("--root", default="bench-data/scaling", help="where the data goes")
     parser.add_argument("--ops", default=",".join(OPS), help="a subset of " + ",".join(OPS))
     parser.add_argument("--skip-gil", action="store_true", help="no py-spy profiles")
+    parser.add_argument(
+        "--gil-top", type=int, default=0, help="print the N functions holding the GIL most"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--cores", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
@@ -368,9 +424,7 @@ def main() -> None:
     if args.spy:
         _READY.append(_wait_for_profiler)
     if args.child:
-        result = child(args.child, args.cores, Path(args.root), Path(args.work), args.states)
-        print(json.dumps(result))
-        return
+        child(args.child, args.cores, Path(args.root), Path(args.work), args.states)
 
     cores = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory(prefix="gradpipe-scaling-") as tmp:
@@ -392,6 +446,9 @@ def main() -> None:
         if _available("zipnn"):
             rows.append(Row("ingest", "zipnn (compress)", *_both("zipnn", cores, args, work)))
         print_table(rows, cores)
+        for op in args.ops.split(",") if args.gil_top and not args.skip_gil else ():
+            print(f"\nheld the GIL in {op} (own samples over all GIL-holding samples):")
+            print("\n".join(gil_holders(op, work, args.gil_top)))
 
 
 def _both(op: str, cores: int, args: argparse.Namespace, work: Path) -> tuple[float, float]:

@@ -149,6 +149,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                     str(root / f"worker{i}"),
                     "--death-timeout",
                     "60",
+                    # One worker loads gradpipe's warm-up itself; the other gets the plugin
+                    # from the runner (test_workers_are_warmed_up).
+                    *(["--preload", "gradpipe.graph.warmup"] if i == 0 else []),
                 ],
                 root / f"worker{i}.log",
             )
@@ -326,3 +329,28 @@ def test_python_api_task_names_on_the_scheduler(
     assert len({task["worker"] for task in stream.data}) == 2
     # The caller's client stays open: ingest closes only clients it opened.
     assert cluster.client.status == "running"
+
+
+def test_workers_are_warmed_up(cluster: Cluster, sample: SampleRun, tmp_path: Path) -> None:
+    """Every worker imports the task modules when it starts or when the runner first
+    registers the warm-up plugin, and the scheduler keeps one plugin however often it is
+    registered (each runner registers it before its first graph)."""
+    from gradpipe.graph.warmup import PLUGIN_NAME, TASK_MODULES
+
+    store = gp.open_store(str(tmp_path / "store"), mode="w")
+    for run in ("a", "b"):  # two operations, two runners on the same client
+        assert ingest(store, sample.dump_pattern, run=run, client=cluster.client).ok
+
+    def warmed(dask_worker: Any) -> tuple[bool, list[str]]:
+        import sys
+
+        return PLUGIN_NAME in dask_worker.plugins, [m for m in TASK_MODULES if m in sys.modules]
+
+    for has_plugin, modules in cluster.client.run(warmed).values():
+        assert has_plugin
+        assert modules == list(TASK_MODULES)
+
+    def plugins(dask_scheduler: Any) -> list[str]:
+        return list(dask_scheduler.worker_plugins)
+
+    assert cluster.client.run_on_scheduler(plugins).count(PLUGIN_NAME) == 1

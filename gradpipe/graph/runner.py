@@ -88,6 +88,7 @@ class Runner:
         self._cluster: LocalCluster | None = None
         self._closed = False
         self._link_shown = False
+        self._warmed: Client | None = None  # the client whose workers have the warm-up plugin
 
     @property
     def client(self) -> Client | None:
@@ -135,6 +136,7 @@ class Runner:
 
         from gradpipe.graph.telemetry import graph_operation
 
+        self._warm_up()
         with span(name) as span_id, graph_operation(self._client, name) as operation:
             operation.graph(name, span_id, len(graph))
             futures = self._client.get(dict(graph), list(keys), sync=False)
@@ -173,6 +175,15 @@ class Runner:
                 where = "an in-process LocalCluster"
         state = ", closed" if self._closed else ""
         return f"<gradpipe Runner on {where}{state}>"
+
+    def _warm_up(self) -> None:
+        """Once per client: workers import what the tasks need before the first graph runs
+        (:mod:`gradpipe.graph.warmup`), rather than inside its first tasks."""
+        if self._warmed is not self._client:
+            from gradpipe.graph.warmup import register
+
+            register(self._client)
+            self._warmed = self._client
 
     def _own(self, client: Client, cluster: LocalCluster | None = None) -> None:
         """Take ``client`` (and ``cluster``) as opened by this runner: :meth:`close` closes them."""
