@@ -24,6 +24,12 @@ Anchors, measured in the same run on the same files, each with the same core cou
   (snapshot's and restore's anchors), where torch is installed,
 - ZipNN (``zipnn.ZipNN``, its own threads) compressing every dump's tensors, where installed.
 
+"gradpipe ingest, processes" is the same ingest on gradpipe's local process pool
+(``gp.runner(processes=True)``: one single-threaded process per core, no GIL shared), and
+"gradpipe ingest, LocalCluster" on a ``distributed`` ``LocalCluster`` of as many
+single-threaded processes (a scheduler and a nanny per worker besides); each is started and
+warmed up before the timed part, as a long-lived pool or cluster would be.
+
 Every timed part runs in a child process of its own (``--child``), so the parent never
 shares its GIL, the page cache is warmed by an untimed first pass, and each row is the best
 of ``--repeat`` runs. Data goes under ``--root`` (default ``bench-data/scaling``), written once.
@@ -39,6 +45,7 @@ Run: ``python benchmarks/bench_scaling.py`` (``--mib M`` of dumps, default 1000;
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import linecache
 import os
@@ -149,6 +156,33 @@ def child(op: str, cores: int, data: Path, work: Path, states: int) -> NoReturn:
         started = _start()
         report = gp.ingest(store, pattern, run="r", workers=cores)
         seconds = time.perf_counter() - started
+        if report.failures:
+            raise SystemExit(f"ingest failed: {report.failures}")
+    elif op in ("ingest-processes", "ingest-cluster"):
+        # The same ingest on one single-threaded process per core: gradpipe's local process
+        # pool, or a distributed LocalCluster; either started (and warmed up) before the timed
+        # part, as a long-lived pool or cluster would be.
+        store = gp.open_store(out / "store", mode="w")
+        with contextlib.ExitStack() as stack:
+            if op == "ingest-processes":
+                runner = stack.enter_context(gp.runner(processes=True, workers=cores))
+                runner.get({"up": (os.getpid,)}, ["up"], name="gradpipe-start")
+            else:
+                from distributed import Client, LocalCluster
+
+                cluster = stack.enter_context(
+                    LocalCluster(
+                        n_workers=cores,
+                        threads_per_worker=1,
+                        processes=True,
+                        dashboard_address=":0",
+                    )
+                )
+                runner = stack.enter_context(gp.runner(stack.enter_context(Client(cluster))))
+                runner.get({"up": (os.getpid,)}, ["up"], name="gradpipe-start")
+            started = _start()
+            report = gp.ingest(store, pattern, run="r", runner=runner)
+            seconds = time.perf_counter() - started
         if report.failures:
             raise SystemExit(f"ingest failed: {report.failures}")
     elif op == "export":
@@ -313,7 +347,7 @@ def _waiting(frame: str) -> bool:
 
 
 def _stdlib(path: str) -> str:
-    return path if os.path.isabs(path) else os.path.join(os.path.dirname(os.__file__), path)
+    return path if Path(path).is_absolute() else str(Path(os.__file__).parent / path)
 
 
 def _samples(raw: Path) -> int:
@@ -443,6 +477,10 @@ def main() -> None:
             anchor, label = ANCHORS[op]
             if _available(anchor):
                 rows.append(Row(op, label, *_both(anchor, cores, args, work)))
+        if "ingest" in args.ops.split(","):
+            for op, how in (("ingest-processes", "processes"), ("ingest-cluster", "LocalCluster")):
+                label = f"ingest, {how}"
+                rows.append(Row("ingest", f"gradpipe {label}", *_both(op, cores, args, work)))
         if _available("zipnn"):
             rows.append(Row("ingest", "zipnn (compress)", *_both("zipnn", cores, args, work)))
         print_table(rows, cores)
@@ -461,7 +499,7 @@ def _cell(value: float | None, spec: str, unit: str) -> str:
 
 def print_table(rows: list[Row], cores: int) -> None:
     head = (
-        f"{'operation':<24} {'1 core MiB/s':>12} {f'{cores} cores MiB/s':>15} {'speed-up':>9} "
+        f"{'operation':<30} {'1 core MiB/s':>12} {f'{cores} cores MiB/s':>15} {'speed-up':>9} "
         f"{'GIL share':>9} {'Amdahl 16':>9} {'Amdahl 64':>9} {'x anchor':>9}"
     )
     print(head)
@@ -475,7 +513,7 @@ def print_table(rows: list[Row], cores: int) -> None:
         ratio = row.all / anchor.all if anchor and row.label.startswith("gradpipe") else None
         gil = None if row.gil is None else 100 * row.gil
         print(
-            f"{row.label:<24} {row.one:>12.0f} {row.all:>15.0f} {_cell(row.speedup, '.2f', 'x')} "
+            f"{row.label:<30} {row.one:>12.0f} {row.all:>15.0f} {_cell(row.speedup, '.2f', 'x')} "
             f"{_cell(gil, '.0f', '%')} {_cell(row.amdahl(16), '.1f', 'x')} "
             f"{_cell(row.amdahl(64), '.1f', 'x')} {_cell(ratio, '.2f', 'x')}"
         )

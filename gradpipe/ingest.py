@@ -237,6 +237,7 @@ def ingest(
     client: Client | None = None,
     scheduler: str | None = None,
     workers: int | None = None,
+    processes: bool = False,
     dashboard: bool = False,
     progress: bool = False,
     codecs: Sequence[Codec] | None = None,
@@ -262,12 +263,16 @@ def ingest(
     runner : Runner, optional
         Where the graphs run (see :func:`gradpipe.runner`); it is left open, so
         one runner serves many operations. Without one, a temporary runner is
-        built from the next four arguments and closed before returning.
+        built from the next six arguments and closed before returning.
     client, scheduler : optional
         A ``distributed.Client``, or the address of a scheduler; by default a
         client already running in this process, else local threads.
     workers : int, optional
-        Threads for the local scheduler.
+        Threads for the local scheduler (processes with ``processes=True``).
+    processes : bool
+        Run on a pool of single-threaded local processes instead of threads
+        (:func:`gradpipe.runner`): they share no GIL, so they keep scaling on
+        machines with many cores; starting them costs about half a second.
     dashboard : bool
         Without a cluster, run on an in-process ``LocalCluster`` whose
         dashboard shows the work (``report.dashboard`` has the link).
@@ -323,6 +328,7 @@ def ingest(
         "client": client,
         "scheduler": scheduler,
         "workers": workers,
+        "processes": processes,
         "dashboard": dashboard,
         "progress": progress,
     }

@@ -335,7 +335,8 @@ def test_workers_are_warmed_up(cluster: Cluster, sample: SampleRun, tmp_path: Pa
     """Every worker imports the task modules when it starts or when the runner first
     registers the warm-up plugin, and the scheduler keeps one plugin however often it is
     registered (each runner registers it before its first graph)."""
-    from gradpipe.graph.warmup import PLUGIN_NAME, TASK_MODULES
+    from gradpipe.graph.warmup import TASK_MODULES
+    from gradpipe.graph.warmup_plugin import PLUGIN_NAME
 
     store = gp.open_store(str(tmp_path / "store"), mode="w")
     for run in ("a", "b"):  # two operations, two runners on the same client

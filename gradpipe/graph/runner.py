@@ -29,9 +29,12 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from gradpipe.errors import InvalidInputError
+from gradpipe.storage._pools import read_threads as cores
 
 if TYPE_CHECKING:
     from distributed import Client, LocalCluster
+
+    from gradpipe.graph.process_pool import LocalProcesses
 
 __all__ = [
     "Runner",
@@ -53,14 +56,16 @@ class RunnerOptions(TypedDict, total=False):
     workers: int | None
     dashboard: bool
     progress: bool
+    processes: bool
 
 
 class Runner:
     """Computes task graphs on one Dask scheduler; closes what it opened.
 
     Build one with :func:`runner` (which finds or starts a scheduler), or
-    directly: ``Runner()`` runs on local threads, ``Runner(client)`` on the
-    cluster of a ``distributed.Client`` the caller keeps (and closes).
+    directly: ``Runner()`` runs on local threads, ``Runner(processes=True)`` on a
+    pool of local processes, ``Runner(client)`` on the cluster of a
+    ``distributed.Client`` the caller keeps (and closes).
 
     Use it as a context manager, or call :meth:`close`: a runner closes the
     client and cluster it opened itself, never one it was given. Operations
@@ -71,19 +76,37 @@ class Runner:
     client : distributed.Client, optional
         The cluster to compute on; None computes on local threads.
     workers : int, optional
-        Threads of the local scheduler (default: one per core); ignored with
-        a client, whose cluster has its own workers.
+        Threads of the local scheduler, or processes with ``processes=True``
+        (default: one per core); ignored with a client, whose cluster has its
+        own workers.
     progress : bool
         Show a progress bar while computing, and the dashboard link (on stderr)
         before the first graph, when there is one.
+    processes : bool
+        Without a client, compute on a pool of ``workers`` single-threaded local
+        processes (:mod:`gradpipe.graph.process_pool`) instead of threads: no
+        GIL shared, for many-core machines; the pool starts with the first graph
+        (about half a second) and lives until :meth:`close`.
     """
 
     def __init__(
-        self, client: Client | None = None, *, workers: int | None = None, progress: bool = False
+        self,
+        client: Client | None = None,
+        *,
+        workers: int | None = None,
+        progress: bool = False,
+        processes: bool = False,
     ) -> None:
+        if processes and client is not None:
+            raise InvalidInputError(
+                "processes=True runs graphs on local processes; a client runs them on its "
+                "cluster: pass one or the other"
+            )
         self._client = client
         self.workers = parse_workers(workers)
         self.progress = progress
+        self.processes = processes
+        self._pool: LocalProcesses | None = None
         self._owned: list[Any] = []  # clients and clusters opened for this runner, in order
         self._cluster: LocalCluster | None = None
         self._closed = False
@@ -127,6 +150,13 @@ class Runner:
                 "(a runner used as a context manager closes when its with-block ends)"
             )
         self._show_dashboard()
+        if self._client is None and self.processes:
+            if self._pool is None:
+                from gradpipe.graph.process_pool import LocalProcesses
+
+                self._pool = LocalProcesses(self.workers or cores())
+            with _local_progress(self.progress):
+                return self._pool.get(graph, keys, name=name)
         if self._client is None:
             from dask.threaded import get
 
@@ -149,6 +179,9 @@ class Runner:
     def close(self) -> None:
         """Close the client and cluster this runner opened (none it was given); idempotent."""
         self._closed = True
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
         owned, self._owned = self._owned, []
         for thing in reversed(owned):  # the client before the cluster it talks to
             thing.close()
@@ -167,7 +200,8 @@ class Runner:
 
     def __repr__(self) -> str:
         if self._client is None:
-            where = f"local threads ({self.workers or os.cpu_count()} workers)"
+            kind = "processes" if self.processes else "threads"
+            where = f"local {kind} ({self.workers or cores()} workers)"
         else:
             address = getattr(getattr(self._client, "scheduler", None), "address", None)
             where = f"scheduler {address or '?'}"
@@ -180,7 +214,7 @@ class Runner:
         """Once per client: workers import what the tasks need before the first graph runs
         (:mod:`gradpipe.graph.warmup`), rather than inside its first tasks."""
         if self._warmed is not self._client:
-            from gradpipe.graph.warmup import register
+            from gradpipe.graph.warmup_plugin import register
 
             register(self._client)
             self._warmed = self._client
@@ -236,17 +270,21 @@ def runner(
     workers: int | None = None,
     dashboard: bool = False,
     progress: bool = False,
+    processes: bool = False,
 ) -> Runner:
     """A runner for the caller's choice of cluster: the first of these that applies.
 
     1. ``client``: a ``distributed.Client`` the caller keeps (and closes);
-    2. ``scheduler``, else ``DASK_SCHEDULER_ADDRESS``: a client to that
-       address, opened here and closed with the runner;
+    2. ``scheduler``, else ``DASK_SCHEDULER_ADDRESS`` (unless ``processes``): a
+       client to that address, opened here and closed with the runner;
     3. ``dashboard=True``: an in-process ``LocalCluster`` of threads (as fast
-       as plain threads here, measured), so the work can be watched on its
+       as plain threads on 2 cores, measured), or of ``workers`` single-threaded
+       processes with ``processes=True``, so the work can be watched on its
        dashboard at ``runner.dashboard_link``; closed with the runner;
-    4. a default ``distributed`` client already running in this process;
-    5. local threads.
+    4. ``processes=True``: a pool of local worker processes
+       (:mod:`gradpipe.graph.process_pool`), closed with the runner;
+    5. a default ``distributed`` client already running in this process;
+    6. local threads.
 
     Parameters
     ----------
@@ -260,6 +298,11 @@ def runner(
         Without a client or address, start an in-process cluster with a dashboard.
     progress : bool
         Show progress bars, and the dashboard link before the first graph.
+    processes : bool
+        Compute on ``workers`` single-threaded local processes (default: one per
+        core) instead of threads: they share no GIL, so they keep scaling on
+        many-core machines where threads stop at a few cores. Starting them
+        costs about half a second, once per runner.
 
     Returns
     -------
@@ -278,9 +321,14 @@ def runner(
         raise InvalidInputError(
             "pass a client or a scheduler address, not both (the client already has a scheduler)"
         )
+    if processes and (client is not None or scheduler is not None):
+        raise InvalidInputError(
+            "processes=True starts local worker processes; a client or a scheduler address "
+            "already has its workers: pass one or the other"
+        )
     if client is not None:
         return Runner(client, workers=workers, progress=progress)
-    address = scheduler or os.environ.get("DASK_SCHEDULER_ADDRESS")
+    address = None if processes else scheduler or os.environ.get("DASK_SCHEDULER_ADDRESS")
     if address:
         from distributed import Client
 
@@ -290,10 +338,11 @@ def runner(
     if dashboard:
         from distributed import Client, LocalCluster
 
+        count = workers or cores()
         cluster = LocalCluster(
-            n_workers=1,
-            threads_per_worker=workers or os.cpu_count() or 1,
-            processes=False,
+            n_workers=count if processes else 1,
+            threads_per_worker=1 if processes else count,
+            processes=processes,
             dashboard_address="127.0.0.1:0",
             scheduler_kwargs=_with_dashboard_preload(),
         )
@@ -304,6 +353,8 @@ def runner(
             cluster.close()
             raise
         return made
+    if processes:
+        return Runner(workers=workers, progress=progress, processes=True)
     if "distributed" in sys.modules:  # a default client can only exist if it was imported
         from distributed import default_client
 

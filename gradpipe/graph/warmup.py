@@ -1,17 +1,17 @@
 """Worker start-up off the critical path: what gradpipe's tasks import, imported as a worker starts.
 
 A Dask worker imports a task's module when its first task of that kind runs. For gradpipe
-that is about 0.2 s of imports (numpy's and numcodecs' submodules, the codecs, dask's config
-with gradpipe's defaults merged in), paid inside the first tasks of the first graph, while
-they hold the import lock and the GIL: every other thread of the worker waits. Measured on
-this project's 2-core machine, a 1 GiB ingest on a fresh ``LocalCluster`` of two processes
-took 0.4-0.5 s longer the first time than the second.
+that is about 0.12 s of imports per worker process (measured on this project's 2-core
+machine: the codecs, numcodecs, dask's config with gradpipe's defaults merged in), paid
+inside the first tasks of the first graph while they hold the import lock and the GIL, so
+every other thread of the worker waits.
 
-:class:`WarmUp` is a ``distributed`` worker plugin that does those imports in
-:meth:`~WarmUp.setup`, on every worker, including those that join later. A
-:class:`~gradpipe.graph.runner.Runner` registers it once per cluster before its first
-graph; a worker started by hand can load it first with
-``dask worker --preload gradpipe.graph.warmup``.
+:func:`warm_up` does those imports. It runs as a worker starts: in each process of the
+local process pool (:mod:`gradpipe.graph.process_pool`), in
+:class:`~gradpipe.graph.warmup_plugin.WarmUp` (a ``distributed`` worker plugin that a
+:class:`~gradpipe.graph.runner.Runner` registers once per cluster), and in a worker
+started by hand with ``dask worker --preload gradpipe.graph.warmup``. This module imports
+neither ``distributed`` nor the modules it warms up until asked.
 """
 
 from __future__ import annotations
@@ -19,12 +19,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Final
 
-from distributed import WorkerPlugin
-
-__all__ = ["PLUGIN_NAME", "TASK_MODULES", "WarmUp", "dask_setup", "register", "warm_up"]
-
-#: The plugin's name on the scheduler: registering it again replaces it, never adds a second.
-PLUGIN_NAME: Final = "gradpipe-warmup"
+__all__ = ["TASK_MODULES", "dask_setup", "warm_up"]
 
 #: The modules whose functions gradpipe's graphs run as tasks, and the codecs they decode with.
 TASK_MODULES: Final = (
@@ -48,21 +43,6 @@ def warm_up() -> tuple[str, ...]:
         importlib.import_module(name)
     get_setting("inline-bytes")  # imports dask.config and merges gradpipe's defaults
     return TASK_MODULES
-
-
-class WarmUp(WorkerPlugin):  # type: ignore[misc]  # distributed is untyped
-    """Imports what gradpipe's tasks need when a worker starts (see the module docstring)."""
-
-    name = PLUGIN_NAME
-    idempotent = True  # the scheduler keeps one, however often it is registered
-
-    def setup(self, worker: Any) -> None:
-        warm_up()
-
-
-def register(client: Any) -> None:
-    """Register :class:`WarmUp` with ``client``'s cluster (present and future workers)."""
-    client.register_plugin(WarmUp(), name=PLUGIN_NAME)
 
 
 def dask_setup(worker: Any) -> None:

@@ -1,0 +1,202 @@
+"""Graphs on local worker processes (``processes=True``, ``--processes``): issue 19.
+
+The processes are real (spawned by Dask's multiprocessing context); each test pays about
+half a second to start a pool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import dask.config
+import psutil
+import pytest
+
+import gradpipe as gp
+from gradpipe.errors import GradpipeError, InvalidInputError
+from gradpipe.graph.process_pool import LocalProcesses
+from gradpipe.runs import open_run
+from gradpipe.storage.catalog import read_run
+from gradpipe.testing import SampleRun, TrainingConfig, write_sample_run
+
+BIN = Path(sys.executable).parent
+SETTINGS = {"gradpipe.chunk-bytes": 64 << 10, "gradpipe.ingest.task-bytes": 256 << 10}
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory: pytest.TempPathFactory) -> SampleRun:
+    config = TrainingConfig(vocab_size=6_000, embed_dim=32, hidden=48, peers=3, steps=3)
+    return write_sample_run(tmp_path_factory.mktemp("sample"), config)
+
+
+def _tensor_ids(store: gp.Store, run: str) -> dict[tuple[int, str, str], str]:
+    view = open_run(store, run)
+    return {
+        (entry.step, entry.peer, name): tensor_id
+        for entry in view
+        for name, tensor_id in view.dump(entry.step, entry.peer).manifest.tensor_ids.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def thread_ids(sample: SampleRun, tmp_path_factory: pytest.TempPathFactory) -> dict[Any, str]:
+    store = gp.open_store(str(tmp_path_factory.mktemp("threads") / "store"), mode="w")
+    with dask.config.set(SETTINGS):
+        assert gp.ingest(store, sample.dump_pattern, run="r", workers=2).ok
+    return _tensor_ids(store, "r")
+
+
+def _pids(runner: gp.Runner, n: int = 8) -> set[int]:
+    graph = {("pid", i): (os.getpid,) for i in range(n)}
+    return set(runner.get(graph, list(graph), name="gradpipe-test"))
+
+
+def test_ingest_on_processes_is_bit_exact_with_threads(
+    sample: SampleRun, thread_ids: dict[Any, str], tmp_path: Path
+) -> None:
+    store = gp.open_store(str(tmp_path / "store"), mode="w")
+    # The settings reach the spawned processes: the tensor ids (which depend on the chunk
+    # size and on which chunks are kept inline) are those of the threaded ingest.
+    with dask.config.set(SETTINGS):
+        report = gp.ingest(store, sample.dump_pattern, run="r", workers=2, processes=True)
+    assert report.ok, report.summary()
+    assert report.ingested == len(sample.steps) * len(sample.peers)
+    assert _tensor_ids(store, "r") == thread_ids
+    assert gp.verify(store, all_blocks=True).ok
+
+
+def test_one_pool_serves_many_graphs_and_closes(sample: SampleRun, tmp_path: Path) -> None:
+    with gp.runner(processes=True, workers=2) as runner:
+        assert repr(runner) == "<gradpipe Runner on local processes (2 workers)>"
+        first = _pids(runner)
+        assert os.getpid() not in first
+        store = gp.open_store(str(tmp_path / "store"), mode="w")
+        assert gp.ingest(store, sample.dump_pattern, run="r", runner=runner).ok
+        assert _pids(runner) <= first | _pids(runner)
+        assert len(first | _pids(runner)) <= 2  # the same two processes throughout
+    for pid in first:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_setting_changed_between_graphs_reaches_new_processes() -> None:
+    def setting() -> Any:
+        from gradpipe.config import get_setting
+
+        return get_setting("inline-bytes")
+
+    with gp.runner(processes=True, workers=1) as runner:
+        before = runner.get({"s": (setting,)}, ["s"], name="gradpipe-test")
+        with dask.config.set({"gradpipe.inline-bytes": 12345}):
+            assert runner.get({"s": (setting,)}, ["s"], name="gradpipe-test") == [12345]
+        assert runner.get({"s": (setting,)}, ["s"], name="gradpipe-test") == before
+
+
+def test_a_killed_process_fails_the_graph_clearly_and_the_next_graph_runs() -> None:
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    with gp.runner(processes=True, workers=2) as runner:
+        with pytest.raises(GradpipeError, match="died during gradpipe-test"):
+            runner.get({"x": (die,)}, ["x"], name="gradpipe-test")
+        assert len(_pids(runner)) >= 1  # a new pool
+
+
+def test_a_worker_killed_mid_ingest_commits_nothing_and_a_rerun_succeeds(
+    sample: SampleRun, thread_ids: dict[Any, str], tmp_path: Path
+) -> None:
+    store = gp.open_store(str(tmp_path / "store"), mode="w")
+    me = psutil.Process()
+    killed: list[int] = []
+
+    def kill_a_worker() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not killed:
+            for child in me.children(recursive=True):
+                if "spawn_main" in " ".join(child.cmdline()) and child.pid not in killed:
+                    time.sleep(0.3)  # let it start working
+                    child.kill()
+                    killed.append(child.pid)
+                    return
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_a_worker)
+    killer.start()
+    try:
+        with dask.config.set(SETTINGS), pytest.raises(GradpipeError, match="died during"):
+            gp.ingest(store, sample.dump_pattern, run="r", workers=2, processes=True)
+    finally:
+        killer.join()
+    assert killed
+    assert read_run(store, "r", missing_ok=True)[0] is None  # no commit
+    assert gp.verify(store, all_blocks=True).ok
+    with dask.config.set(SETTINGS):
+        assert gp.ingest(store, sample.dump_pattern, run="r", workers=2, processes=True).ok
+    assert _tensor_ids(store, "r") == thread_ids
+
+
+def test_processes_ignore_the_environment_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An explicit choice of local processes wins over DASK_SCHEDULER_ADDRESS (a default).
+    monkeypatch.setenv("DASK_SCHEDULER_ADDRESS", "tcp://127.0.0.1:9")
+    with gp.runner(processes=True, workers=1) as runner:
+        assert runner.client is None
+        assert runner.get({"x": 1, "y": (sum, ["x", "x"])}, ["y"], name="gradpipe-test") == [2]
+
+
+def test_processes_with_a_cluster_are_refused() -> None:
+    with pytest.raises(InvalidInputError, match="pass one or the other"):
+        gp.runner(processes=True, scheduler="tcp://127.0.0.1:9")
+    with pytest.raises(InvalidInputError, match="pass one or the other"):
+        gp.Runner(object(), processes=True)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_dashboard_with_processes_is_a_cluster_of_single_threaded_processes() -> None:
+    with gp.runner(processes=True, workers=2, dashboard=True) as runner:
+        assert runner.client is not None
+        workers = runner.client.scheduler_info()["workers"].values()
+        assert sorted(w["nthreads"] for w in workers) == [1, 1]
+        pids = runner.client.run(os.getpid).values()
+        assert len(set(pids) - {os.getpid()}) == 2
+        assert runner.get({"x": 1, "y": (sum, ["x", "x"])}, ["y"], name="gradpipe-test") == [2]
+
+
+def test_cli_ingest_processes(
+    sample: SampleRun, thread_ids: dict[Any, str], tmp_path: Path
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "DASK_SCHEDULER_ADDRESS"}
+    env.update(
+        DASK_GRADPIPE__CHUNK_BYTES=str(SETTINGS["gradpipe.chunk-bytes"]),
+        DASK_GRADPIPE__INGEST__TASK_BYTES=str(SETTINGS["gradpipe.ingest.task-bytes"]),
+    )
+    store = tmp_path / "store"
+    command = [str(BIN / "gradpipe"), "ingest", str(store), sample.dump_pattern, "--run", "r"]
+    done = subprocess.run(
+        [*command, "--processes", "--workers", "2", "--json"],
+        capture_output=True, env=env, timeout=120, check=False, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["ok"] is True
+    assert _tensor_ids(gp.open_store(str(store), mode="r"), "r") == thread_ids
+    refused = subprocess.run(
+        [*command, "--processes", "--scheduler", "tcp://127.0.0.1:9"],
+        capture_output=True, env=env, timeout=60, check=False, text=True,
+    )  # fmt: skip
+    assert refused.returncode == 2
+    assert "pass one or the other" in refused.stderr
+
+
+def test_local_processes_close_is_idempotent() -> None:
+    pool = LocalProcesses(1)
+    assert pool.get({"x": (abs, -3)}, ["x"], name="gradpipe-test") == [3]
+    pool.close()
+    pool.close()
+    assert pool.get({"x": (abs, -4)}, ["x"], name="gradpipe-test") == [4]
+    pool.close()
