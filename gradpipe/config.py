@@ -6,13 +6,14 @@ a YAML file in ``~/.config/dask/``, or ``DASK_GRADPIPE__CHUNK_BYTES=8388608``.
 
 from __future__ import annotations
 
+import copy
 import threading
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     from types import ModuleType
 
-__all__ = ["DEFAULTS", "get_bytes", "get_seconds", "get_setting"]
+__all__ = ["DEFAULTS", "all_settings", "get_bytes", "get_seconds", "get_setting"]
 
 DEFAULTS: Final[dict[str, Any]] = {
     "gradpipe": {
@@ -109,6 +110,11 @@ def get_setting(key: str) -> Any:
     """
     value = _dask_config().get(f"gradpipe.{key}", default=_UNSET)
     return _default(key) if value is _UNSET else value
+
+
+def all_settings() -> dict[str, Any]:
+    """Every ``gradpipe.*`` setting in effect (defaults merged), as a nested dict copy."""
+    return copy.deepcopy(_dask_config().get("gradpipe", default={}))
 
 
 _UNSET: Final = object()

@@ -14,8 +14,9 @@ process is started with the multiprocessing context of Dask's configuration
 threads may hold locks), takes the Dask configuration the pool was made under (gradpipe's
 settings included: a spawned process would otherwise see only files and environment
 variables), and warms up (:mod:`gradpipe.graph.warmup`) before its first task. The pool is
-made on first use and kept for the graphs that follow while the configuration stays the
-same; a graph computed under another configuration gets a new pool.
+made on first use and kept for the graphs that follow while gradpipe's settings stay the
+same; a graph computed under other settings (``dask.config.set({"gradpipe.…": …})``) gets
+a new pool.
 
 A process that dies (killed, out of memory) breaks the pool: the graph fails with a
 :class:`~gradpipe.errors.GradpipeError` saying so, nothing of it is committed (commits are
@@ -25,11 +26,13 @@ the last task of a graph), and the next graph gets a new pool.
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Hashable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+from gradpipe.config import all_settings
 from gradpipe.errors import GradpipeError
 from gradpipe.graph.warmup import warm_up
 
@@ -42,7 +45,7 @@ class LocalProcesses:
     def __init__(self, count: int) -> None:
         self.count = count
         self._pool: ProcessPoolExecutor | None = None
-        self._config: dict[str, Any] = {}  # the Dask configuration the pool's processes have
+        self._settings: Any = None  # gradpipe's settings when the processes started
 
     def get(
         self, graph: Mapping[Hashable, Any], keys: Sequence[Hashable], *, name: str
@@ -73,16 +76,20 @@ class LocalProcesses:
         import dask.config
         from dask.multiprocessing import get_context
 
-        if self._pool is not None and self._config != dask.config.config:
-            self.close()  # settings changed since the processes started
+        settings = all_settings()  # defaults merged: not a change of settings
+        if self._pool is not None and self._settings != settings:
+            self.close()  # gradpipe's settings changed since the processes started
         if self._pool is None:
-            self._config = copy.deepcopy(dask.config.config)
+            self._settings = settings
             self._pool = ProcessPoolExecutor(
                 self.count,
                 mp_context=get_context(),
                 initializer=_start_worker,
-                initargs=(self._config,),
+                initargs=(copy.deepcopy(dask.config.config),),
             )
+            # Start every process now, side by side: a spawn pool starts them one per task
+            # submitted while none is idle, which would leave some to start mid-graph.
+            wait([self._pool.submit(os.getpid) for _ in range(self.count)])
         return self._pool
 
 
