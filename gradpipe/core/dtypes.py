@@ -96,11 +96,16 @@ def dtype_name(dtype: np.dtype | type) -> str:
     'float32'
     """
     dt = np.dtype(dtype)
+    known = _NAMES.get(dt)
+    if known is not None:
+        return known
     if _is_bfloat16(dt):
+        _NAMES[dt] = "bfloat16"
         return "bfloat16"
     if dt.kind in "biuf" and dt.fields is None and dt.subdtype is None:
         name = dt.newbyteorder("<").name if dt.kind != "b" else "bool"
         if name in _DTYPES:
+            _NAMES[dt] = name
             return name
     raise InvalidInputError(
         f"unsupported dtype {printable(dt.name)}; gradpipe stores {', '.join(DTYPE_NAMES)}"
@@ -117,9 +122,15 @@ def is_float(dtype: np.dtype) -> bool:
     return dtype.kind == "f" or _is_bfloat16(dtype)
 
 
+#: Names found by :func:`dtype_name`: a numpy dtype's ``name`` is computed in Python (about
+#: 1.5 us, with the GIL), and the chunk pipeline asks for it several times per chunk.
+_NAMES: dict[np.dtype, str] = {}
+
+
 def _is_bfloat16(dtype: np.dtype) -> bool:
-    # Compare by name first: no need to import ml_dtypes to reject float32.
-    return dtype.name == "bfloat16" and dtype == bfloat16()
+    # ml_dtypes' bfloat16 is of kind "V": anything else is rejected without its name (computed
+    # in Python) or importing ml_dtypes.
+    return dtype.kind == "V" and dtype.name == "bfloat16" and dtype == bfloat16()
 
 
 def check_values(array: np.ndarray, *, where: str) -> None:

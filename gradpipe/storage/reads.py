@@ -63,6 +63,8 @@ READ_WINDOW: Final = 64
 #: Output bytes one window may fill: with two windows in flight, this bounds
 #: the frames held in memory (a frame is at most a few bytes above its output).
 READ_WINDOW_BYTES: Final = 32 * 2**20
+#: Chunks of at most this many bytes are decoded on the reading thread, not a pool thread.
+DECODE_HERE_BYTES: Final = 64 * 2**10
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +141,10 @@ def decode_windows(store: Store, chunks: Sequence[ChunkRead]) -> Iterator[int]:
                     if chunk.frame is not None
                     else [f for f in got if not isinstance(f, BaseException)]
                 )
-                current.append((chunk, failed or submit(_decode, chunk, frames)))
+                # A small chunk decodes here: handing it to a pool thread costs more
+                # (a lock, a wake-up, both with the GIL) than decoding it.
+                run = _run_here if chunk.out.nbytes <= DECODE_HERE_BYTES else submit
+                current.append((chunk, failed or run(_decode, chunk, frames)))
             del fetched, frames_read, got, frames  # the pool holds each frame until decoded
             if previous:
                 _finish(previous)

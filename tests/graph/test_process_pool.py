@@ -200,3 +200,23 @@ def test_local_processes_close_is_idempotent() -> None:
     pool.close()
     assert pool.get({"x": (abs, -4)}, ["x"], name="gradpipe-test") == [4]
     pool.close()
+
+
+@pytest.mark.parametrize("method", ["fedavg", "median", "krum"])
+def test_aggregates_on_processes_are_those_of_threads(
+    sample: SampleRun, tmp_path: Path, method: str
+) -> None:
+    store = gp.open_store(str(tmp_path / "store"), mode="w")
+    assert gp.ingest(store, sample.dump_pattern, run="r", workers=2).ok
+    options: dict[str, Any] = {"byzantine": 0} if method == "krum" else {}
+    threads = gp.aggregate(store, run="r", method=method, name="a", **options)
+    with gp.runner(processes=True, workers=2) as runner:
+        # force: computed again (not memoised), on the processes; the same id means the
+        # same bytes, statistics and provenance.
+        processes = gp.aggregate(
+            store, run="r", method=method, name="a", runner=runner, force=True, **options
+        )
+    assert threads.ok
+    assert processes.ok
+    assert [s.status for s in processes.steps] == ["computed"] * len(sample.steps)
+    assert [s.aggregate for s in processes.steps] == [s.aggregate for s in threads.steps]
