@@ -11,6 +11,7 @@ from gradpipe.cli._common import (
     CommandResult,
     Commands,
     add_report_argument,
+    add_where_arguments,
     open_store_arg,
     report_result,
     with_performance_report,
@@ -185,7 +186,7 @@ def register(commands: Commands) -> None:
         help="fedadam, fedyogi: Adam's bias correction (off by default, as in the paper; "
         "Flower's FedAdam has it)",
     )
-    p.add_argument("--scheduler", metavar="ADDR", help="Dask scheduler address (default: local)")
+    add_where_arguments(p)
     add_report_argument(p)
 
 
@@ -273,7 +274,8 @@ def run_aggregate(args: argparse.Namespace) -> CommandResult:
         "bias_correction": args.bias_correction,
     }
     store = open_store_arg(args, "r+")  # never creates: the run must exist
-    with job_runner(report=args.report, scheduler=args.scheduler) as active:
+    where = {"scheduler": args.scheduler, "processes": args.processes}
+    with job_runner(report=args.report, **where) as active:
         report = aggregate(store, run=args.run, runner=active, **options)
     result = report_result(store.url, report)
     return result if args.report is None else with_performance_report(result, args.report)

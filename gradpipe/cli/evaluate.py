@@ -7,6 +7,7 @@ import argparse
 from gradpipe.cli._common import (
     CommandResult,
     Commands,
+    add_where_arguments,
     open_store_arg,
     positive_int,
     report_result,
@@ -65,7 +66,7 @@ def register(commands: Commands) -> None:
         help="consecutive steps over which top-k and PowerSGD run with error feedback "
         "(default: 8; 1: none)",
     )
-    p.add_argument("--scheduler", metavar="ADDR", help="Dask scheduler address (default: local)")
+    add_where_arguments(p)
 
 
 def run_evaluate(args: argparse.Namespace) -> CommandResult:
@@ -75,7 +76,7 @@ def run_evaluate(args: argparse.Namespace) -> CommandResult:
 
     candidates = parse_candidates(args.codecs)  # a bad name is refused before any I/O
     store = open_store_arg(args, "r")
-    with runner(scheduler=args.scheduler) as active:
+    with runner(scheduler=args.scheduler, processes=args.processes) as active:
         report = evaluate_codecs(
             store,
             run=args.run,

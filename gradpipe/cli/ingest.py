@@ -15,6 +15,7 @@ from gradpipe.cli._common import (
     CommandResult,
     Commands,
     add_report_argument,
+    add_where_arguments,
     open_store_arg,
     positive_int,
     report_result,
@@ -50,18 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="path or URL with {step} and {peer}, e.g. 'd/step={step}/peer={peer}.safetensors'",
     )
     p.add_argument("--run", required=True, help="run name to ingest into")
-    p.add_argument("--scheduler", metavar="ADDR", help="Dask scheduler address (default: local)")
+    add_where_arguments(p)
     p.add_argument(
         "--workers",
         type=positive_int,
         metavar="N",
         help="local threads, or processes with --processes (default: one per core)",
-    )
-    p.add_argument(
-        "--processes",
-        action="store_true",
-        help="run on single-threaded local processes instead of threads: they share no GIL, "
-        "so they keep scaling on many cores (about 0.5 s to start them)",
     )
     p.add_argument(
         "--codec",

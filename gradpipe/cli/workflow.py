@@ -9,6 +9,7 @@ from gradpipe.cli._common import (
     CommandResult,
     Commands,
     add_report_argument,
+    add_where_arguments,
     with_performance_report,
 )
 
@@ -28,7 +29,7 @@ def register(commands: Commands) -> None:
         "stage could not run as written); 3 infrastructure errors outlived the retries."
     )
     p.add_argument("workflow", metavar="WORKFLOW.yaml", nargs="?", help="the workflow file")
-    p.add_argument("--scheduler", metavar="ADDR", help="Dask scheduler address (default: local)")
+    add_where_arguments(p)
     p.add_argument(
         "--dry-run", action="store_true", help="check the file and the store, list the stages"
     )
@@ -55,6 +56,7 @@ def run_workflow_command(args: argparse.Namespace) -> CommandResult:
     report = run_workflow(
         args.workflow,
         scheduler=args.scheduler,
+        processes=args.processes,
         dry_run=args.dry_run,
         performance_report=args.report,
     )

@@ -168,6 +168,7 @@ def run_workflow(
     *,
     scheduler: str | None = None,
     client: Client | None = None,
+    processes: bool = False,
     dry_run: bool = False,
     only: Collection[int] | None = None,
     performance_report: str | os.PathLike[str] | None = None,
@@ -183,6 +184,9 @@ def run_workflow(
     scheduler, client : optional
         Where the stages' graphs run: a Dask scheduler's address or a client
         (default: local threads). One runner serves every stage.
+    processes : bool
+        Without a scheduler or client, run the stages' graphs on single-threaded
+        local processes instead of threads (:func:`gradpipe.runner`).
     dry_run : bool
         Check the file and the store, list the stages, run nothing.
     only : collection of int, optional
@@ -243,7 +247,9 @@ def run_workflow(
             store_mutex(
                 store, _mutex_name(workflow), f"workflow {title}", wait=workflow.wait
             ) as still_held,
-            job_runner(report=performance_report, client=client, scheduler=scheduler) as active,
+            job_runner(
+                report=performance_report, client=client, scheduler=scheduler, processes=processes
+            ) as active,
         ):
             for stage, outcome in zip(workflow.stages, report.stages, strict=True):
                 if stage.index not in wanted:

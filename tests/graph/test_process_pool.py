@@ -220,3 +220,23 @@ def test_aggregates_on_processes_are_those_of_threads(
     assert processes.ok
     assert [s.status for s in processes.steps] == ["computed"] * len(sample.steps)
     assert [s.aggregate for s in processes.steps] == [s.aggregate for s in threads.steps]
+
+
+def test_cli_aggregate_processes(
+    sample: SampleRun, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gradpipe.cli import main
+
+    store = gp.open_store(str(tmp_path / "store"), mode="w")
+    assert gp.ingest(store, sample.dump_pattern, run="r", workers=2).ok
+    threads = gp.aggregate(store, run="r", method="fedavg", name="t")
+    argv = ["aggregate", store.url, "--run", "r", "--method", "fedavg", "--name", "p"]
+    assert main([*argv, "--processes", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    processes = gp.open_run(store, "r")
+    # Other names, so other provenance: the aggregates' tensors are compared.
+    for outcome, theirs in zip(doc["steps"], threads.steps, strict=True):
+        ours = processes.aggregate("p", step=outcome["step"])
+        mine = processes.aggregate("t", step=theirs.step)
+        assert ours.manifest.tensor_ids
+        assert ours.manifest.tensor_ids == mine.manifest.tensor_ids

@@ -360,3 +360,29 @@ def test_an_output_folder_that_is_not_there_is_exit_2_without_retries(
     assert report.exit_status == 2
     assert report.stages[1].state == "error"
     assert waits == []
+
+
+def test_a_workflow_on_local_processes_stores_what_threads_store(
+    sample: SampleRun, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``gradpipe run --processes``: every stage's graph on the process pool (issue 19)."""
+    threads, processes = tmp_path / "threads", tmp_path / "processes"
+    threads.mkdir()
+    processes.mkdir()
+    assert gp.run_workflow(_nightly(threads, sample)).exit_status == 0
+    assert main(["run", str(_nightly(processes, sample)), "--processes", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [s["state"] for s in doc["stages"]] == ["ok"] * 7
+
+    def aggregates(root: Path) -> list[str | None]:
+        run = gp.open_run(gp.open_store(root / "archive"), "exp")
+        return [run.aggregate("fedavg", step=s).id for s in range(TINY.steps)]
+
+    def tensor_ids(root: Path) -> dict[tuple[int, str], dict[str, str]]:
+        run = gp.open_run(gp.open_store(root / "archive"), "exp")
+        return {(e.step, e.peer): run.dump(e.step, e.peer).manifest.tensor_ids for e in run}
+
+    # Content-addressed ids: the same bytes, statistics and provenance (commits and
+    # snapshots carry their times, so the stores' other objects differ).
+    assert tensor_ids(processes) == tensor_ids(threads)
+    assert aggregates(processes) == aggregates(threads)
