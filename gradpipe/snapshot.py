@@ -468,20 +468,15 @@ def _write(
         array = flat.arrays[key]
         return write_version(store, array, parent, where=where, parallel=parallel, **options)
 
-    # Tensors of one chunk (most of them: biases, norms, a layer's matrices)
-    # are written side by side, each on one thread; larger ones one after the
-    # other, their chunks side by side. Either way a few chunks per core are
-    # in flight, whatever the number of cores. The encoders release the GIL.
+    # Every tensor is written side by side with the others, one thread each;
+    # a tensor of several chunks also encodes its chunks side by side (on the
+    # process's encode pool), so a large tensor neither waits for the small ones
+    # nor holds them up at a barrier of its own. The encoders release the GIL.
     one_chunk = get_bytes("chunk-bytes")
-    written: dict[str, TensorManifest] = {}
-    small = [k for k, a in flat.arrays.items() if a.nbytes <= one_chunk]
     with ThreadPoolExecutor(read_threads(), thread_name_prefix="gradpipe-snapshot") as pool:
-        done = pool.map(lambda k: write(k, parallel=False), small)
-        written.update(zip(small, done, strict=True))
-    for key in flat.arrays:
-        if key not in written:
-            written[key] = write(key, parallel=True)
-    manifests = [written[k] for k in flat.arrays]
+        manifests = list(
+            pool.map(lambda k: write(k, parallel=flat.arrays[k].nbytes > one_chunk), flat.arrays)
+        )
     tensors: dict[str, str] = {}
     embedded: dict[str, TensorManifest] = {}
     for key, manifest in zip(flat.arrays, manifests, strict=True):
