@@ -444,6 +444,10 @@ class _Tensors:
     embedded: dict[str, TensorManifest]
 
 
+#: Tensors of several chunks written at once by one snapshot (each fans out over every core).
+_LARGE_IN_FLIGHT: Final = 2
+
+
 def _write(
     store: Store,
     name: str,
@@ -468,15 +472,23 @@ def _write(
         array = flat.arrays[key]
         return write_version(store, array, parent, where=where, parallel=parallel, **options)
 
-    # Every tensor is written side by side with the others, one thread each;
-    # a tensor of several chunks also encodes its chunks side by side (on the
+    # Every tensor is written side by side with the others, one thread each; a
+    # tensor of several chunks also encodes its chunks side by side (on the
     # process's encode pool), so a large tensor neither waits for the small ones
-    # nor holds them up at a barrier of its own. The encoders release the GIL.
+    # nor holds them up at a barrier of its own. At most two large tensors at a
+    # time: each holds a few windows of frames, whatever the number of cores.
+    # The encoders release the GIL.
     one_chunk = get_bytes("chunk-bytes")
+    large = threading.BoundedSemaphore(_LARGE_IN_FLIGHT)
+
+    def write_any(key: str) -> TensorManifest:
+        if flat.arrays[key].nbytes <= one_chunk:
+            return write(key, parallel=False)
+        with large:
+            return write(key, parallel=True)
+
     with ThreadPoolExecutor(read_threads(), thread_name_prefix="gradpipe-snapshot") as pool:
-        manifests = list(
-            pool.map(lambda k: write(k, parallel=flat.arrays[k].nbytes > one_chunk), flat.arrays)
-        )
+        manifests = list(pool.map(write_any, flat.arrays))
     tensors: dict[str, str] = {}
     embedded: dict[str, TensorManifest] = {}
     for key, manifest in zip(flat.arrays, manifests, strict=True):
