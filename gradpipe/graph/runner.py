@@ -4,9 +4,11 @@ gradpipe has no scheduler of its own. Graph builders (``build_*_graph``)
 return plain task dicts; a runner hands them to Dask: to a client the caller
 gave, to the scheduler at an address (``--scheduler``/``DASK_SCHEDULER_ADDRESS``),
 to a default client already running in the process (as in Jupyter), to an
-in-process ``LocalCluster`` that shows the work on its dashboard, or else to the
-local threaded scheduler (measured faster here than a ``LocalCluster`` of
-processes, see ``benchmarks/bench_ingest.py``: encoding releases the GIL).
+in-process ``LocalCluster`` that shows the work on its dashboard, to a pool of
+local worker processes (``processes=True``: no GIL shared, for many cores; see
+:mod:`gradpipe.graph.process_pool`), or else to the local threaded scheduler
+(as fast as the process pool on 2 cores, and without its half-second start;
+``benchmarks/bench_scaling.py``).
 
 One runner serves many operations, so a workflow runs all its stages on one
 cluster::
