@@ -18,6 +18,13 @@ made on first use and kept for the graphs that follow while gradpipe's settings 
 same; a graph computed under other settings (``dask.config.set({"gradpipe.…": …})``) gets
 a new pool.
 
+The caller's script is not run again in the processes. A spawned process imports the parent's
+``__main__`` module by default, so that functions defined there unpickle; a script without an
+``if __name__ == "__main__":`` guard would then run its own top level in every worker (and
+fail when that starts processes). gradpipe's tasks live in gradpipe's modules, and Dask
+serializes any other task function with cloudpickle (by value for ``__main__``), so the
+processes are started with ``__main__``'s file and spec hidden for the moment of the start.
+
 A process that dies (killed, out of memory) breaks the pool: the graph fails with a
 :class:`~gradpipe.errors.GradpipeError` saying so, nothing of it is committed (commits are
 the last task of a graph), and the next graph gets a new pool.
@@ -25,9 +32,12 @@ the last task of a graph), and the next graph gets a new pool.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
-from collections.abc import Hashable, Mapping, Sequence
+import sys
+import threading
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -61,9 +71,10 @@ class LocalProcesses:
         except BrokenProcessPool:
             self.close()  # the next graph starts a new pool
             raise GradpipeError(
-                f"a worker process of gradpipe's local process pool died during {name} (killed, "
-                "or out of memory?); nothing of this operation was committed: run it again, "
-                "with fewer processes if memory is short"
+                f"a worker process of gradpipe's local process pool died during {name}: killed, "
+                "out of memory, or it could not start (its error, if any, is on stderr); "
+                "nothing of this operation was committed: run it again, with fewer processes "
+                "if memory is short"
             ) from None
 
     def close(self) -> None:
@@ -89,8 +100,31 @@ class LocalProcesses:
             )
             # Start every process now, side by side: a spawn pool starts them one per task
             # submitted while none is idle, which would leave some to start mid-graph.
-            wait([self._pool.submit(os.getpid) for _ in range(self.count)])
+            with _main_module_hidden():
+                started = [self._pool.submit(os.getpid) for _ in range(self.count)]
+            wait(started)
         return self._pool
+
+
+_HIDING = threading.Lock()
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """``__main__`` without a file or a spec: processes started now do not import it."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    with _HIDING:
+        saved = {k: v for k, v in vars(main).items() if k in ("__file__", "__spec__")}
+        try:
+            vars(main).pop("__file__", None)
+            if "__spec__" in saved:
+                main.__spec__ = None
+            yield
+        finally:
+            vars(main).update(saved)
 
 
 def _start_worker(config: dict[str, Any]) -> None:

@@ -240,3 +240,25 @@ def test_cli_aggregate_processes(
         mine = processes.aggregate("t", step=theirs.step)
         assert ours.manifest.tensor_ids
         assert ours.manifest.tensor_ids == mine.manifest.tensor_ids
+
+
+def test_a_script_without_a_main_guard_is_not_run_again_in_the_processes(
+    tmp_path: Path,
+) -> None:
+    # Spawned processes import the parent's __main__ by default: this script would run its
+    # own top level in each worker (and fail there, starting processes while bootstrapping).
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import os\n"
+        "import gradpipe as gp\n"
+        "print('top level ran', flush=True)\n"
+        "with gp.runner(processes=True, workers=2) as runner:\n"
+        "    pids = runner.get({('p', i): (os.getpid,) for i in range(4)},\n"
+        "                      [('p', i) for i in range(4)], name='gradpipe-test')\n"
+        "print('in workers:', os.getpid() not in pids)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["top level ran", "in workers: True"]
