@@ -24,7 +24,7 @@ import math
 import os
 import threading
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -474,21 +474,36 @@ def _write(
 
     # Every tensor is written side by side with the others, one thread each; a
     # tensor of several chunks also encodes its chunks side by side (on the
-    # process's encode pool), so a large tensor neither waits for the small ones
-    # nor holds them up at a barrier of its own. At most two large tensors at a
-    # time: each holds a few windows of frames, whatever the number of cores.
-    # The encoders release the GIL.
+    # process's encode pool), so no tensor waits at a barrier of another. Small
+    # tensors are queued first, so threads waiting for a turn at a large one
+    # (at most two at a time: each holds a few windows of frames, whatever the
+    # number of cores) never hold them up. The first error stops what has not
+    # started. The encoders release the GIL.
     one_chunk = get_bytes("chunk-bytes")
     large = threading.BoundedSemaphore(_LARGE_IN_FLIGHT)
 
-    def write_any(key: str) -> TensorManifest:
-        if flat.arrays[key].nbytes <= one_chunk:
-            return write(key, parallel=False)
+    def write_large(key: str) -> TensorManifest:
         with large:
             return write(key, parallel=True)
 
-    with ThreadPoolExecutor(read_threads(), thread_name_prefix="gradpipe-snapshot") as pool:
-        manifests = list(pool.map(write_any, flat.arrays))
+    keys = sorted(flat.arrays, key=lambda k: flat.arrays[k].nbytes > one_chunk)
+    pool = ThreadPoolExecutor(read_threads(), thread_name_prefix="gradpipe-snapshot")
+    try:
+        futures = {
+            k: pool.submit(write_large, k)
+            if flat.arrays[k].nbytes > one_chunk
+            else pool.submit(write, k, parallel=False)
+            for k in keys
+        }
+        done, _ = wait(futures.values(), return_when=FIRST_EXCEPTION)
+        failed = [futures[k] for k in flat.arrays if futures[k] in done]
+        error = next((e for e in (f.exception() for f in failed) if e is not None), None)
+        if error is not None:
+            pool.shutdown(wait=True, cancel_futures=True)  # what has not started never does
+            raise error
+        manifests = [futures[k].result() for k in flat.arrays]
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     tensors: dict[str, str] = {}
     embedded: dict[str, TensorManifest] = {}
     for key, manifest in zip(flat.arrays, manifests, strict=True):

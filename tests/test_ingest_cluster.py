@@ -332,26 +332,28 @@ def test_python_api_task_names_on_the_scheduler(
 
 
 def test_workers_are_warmed_up(cluster: Cluster, sample: SampleRun, tmp_path: Path) -> None:
-    """Every worker imports the task modules when it starts or when the runner first
-    registers the warm-up plugin, and the scheduler keeps one plugin however often it is
-    registered (each runner registers it before its first graph)."""
+    """Every worker imports the task modules when it starts or when a runner first
+    registers the warm-up plugin, and registering it again (each runner registers it
+    before its first graph) keeps the plugin the workers have."""
     from gradpipe.graph.warmup import TASK_MODULES
     from gradpipe.graph.warmup_plugin import PLUGIN_NAME
 
     store = gp.open_store(str(tmp_path / "store"), mode="w")
-    for run in ("a", "b"):  # two operations, two runners on the same client
-        assert ingest(store, sample.dump_pattern, run=run, client=cluster.client).ok
 
-    def warmed(dask_worker: Any) -> tuple[bool, list[str]]:
+    def warmed(dask_worker: Any) -> tuple[int | None, list[str]]:
         import sys
 
-        return PLUGIN_NAME in dask_worker.plugins, [m for m in TASK_MODULES if m in sys.modules]
+        plugin = dask_worker.plugins.get(PLUGIN_NAME)
+        return (
+            None if plugin is None else id(plugin),
+            [m for m in TASK_MODULES if m in sys.modules],
+        )
 
-    for has_plugin, modules in cluster.client.run(warmed).values():
-        assert has_plugin
-        assert modules == list(TASK_MODULES)
-
-    def plugins(dask_scheduler: Any) -> list[str]:
-        return list(dask_scheduler.worker_plugins)
-
-    assert cluster.client.run_on_scheduler(plugins).count(PLUGIN_NAME) == 1
+    seen = []
+    for run in ("a", "b"):  # two operations, two runners on the same client
+        assert ingest(store, sample.dump_pattern, run=run, client=cluster.client).ok
+        seen.append(cluster.client.run(warmed))
+    for first, second in zip(seen[0].values(), seen[1].values(), strict=True):
+        assert first[0] is not None
+        assert first[1] == list(TASK_MODULES)
+        assert second[0] == first[0]  # the same plugin object: not set up a second time

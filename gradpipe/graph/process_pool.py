@@ -13,21 +13,24 @@ process is started with the multiprocessing context of Dask's configuration
 (``multiprocessing.context``, "spawn" by default: never a fork of a process whose other
 threads may hold locks), takes the Dask configuration the pool was made under (gradpipe's
 settings included: a spawned process would otherwise see only files and environment
-variables), and warms up (:mod:`gradpipe.graph.warmup`) before its first task. The pool is
-made on first use and kept for the graphs that follow while gradpipe's settings stay the
-same; a graph computed under other settings (``dask.config.set({"gradpipe.…": …})``) gets
-a new pool.
+variables), sizes gradpipe's own thread pools to its share of the cores, ignores Ctrl-C
+(the parent decides), exits if the parent dies, and warms up (:mod:`gradpipe.graph.warmup`);
+the pool is ready once every process has done so. It is made on first use and kept for the
+graphs that follow while gradpipe's settings stay the same; a graph computed under other
+settings (``dask.config.set({"gradpipe.…": …})``) gets a new pool. One graph runs at a time.
 
 The caller's script is not run again in the processes. A spawned process imports the parent's
 ``__main__`` module by default, so that functions defined there unpickle; a script without an
 ``if __name__ == "__main__":`` guard would then run its own top level in every worker (and
 fail when that starts processes). gradpipe's tasks live in gradpipe's modules, and Dask
 serializes any other task function with cloudpickle (by value for ``__main__``), so the
-processes are started with ``__main__``'s file and spec hidden for the moment of the start.
+processes are started with ``__main__``'s file and spec hidden (:func:`main_module_hidden`).
 
 A process that dies (killed, out of memory) breaks the pool: the graph fails with a
-:class:`~gradpipe.errors.GradpipeError` saying so, nothing of it is committed (commits are
-the last task of a graph), and the next graph gets a new pool.
+:class:`~gradpipe.errors.GradpipeError` saying so. Its commit, the graph's last task, most
+likely did not happen; running the operation again is safe either way (every write is
+content-addressed, every commit a compare-and-swap). The next graph gets a new pool, also
+when the pool broke between graphs.
 """
 
 from __future__ import annotations
@@ -35,18 +38,25 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import signal
 import sys
 import threading
+import time
 from collections.abc import Hashable, Iterator, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor, wait
+from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any
+from queue import Empty
+from typing import Any, Final
 
 from gradpipe.config import all_settings
 from gradpipe.errors import GradpipeError
 from gradpipe.graph.warmup import warm_up
+from gradpipe.storage._pools import limit_threads, read_threads
 
-__all__ = ["LocalProcesses"]
+__all__ = ["START_TIMEOUT", "LocalProcesses", "main_module_hidden"]
+
+#: Seconds a new pool's processes have to start and warm up.
+START_TIMEOUT: Final = 120.0
 
 
 class LocalProcesses:
@@ -54,8 +64,10 @@ class LocalProcesses:
 
     def __init__(self, count: int) -> None:
         self.count = count
+        self.pids: tuple[int, ...] = ()  # the processes of the current pool, once started
         self._pool: ProcessPoolExecutor | None = None
         self._settings: Any = None  # gradpipe's settings when the processes started
+        self._lock = threading.Lock()  # one graph at a time; the pool is made under it
 
     def get(
         self, graph: Mapping[Hashable, Any], keys: Sequence[Hashable], *, name: str
@@ -63,54 +75,88 @@ class LocalProcesses:
         """Compute ``keys`` of ``graph`` in the processes (``name``: the stage, for errors)."""
         from dask.multiprocessing import get
 
-        try:
-            # chunksize 1: tasks go out one at a time, so a few large ones do not queue
-            # behind each other on one process while another idles.
-            wanted: list[Any] = list(keys)
-            return list(get(dict(graph), wanted, pool=self._executor(), chunksize=1))
-        except BrokenProcessPool:
-            self.close()  # the next graph starts a new pool
-            raise GradpipeError(
-                f"a worker process of gradpipe's local process pool died during {name}: killed, "
-                "out of memory, or it could not start (its error, if any, is on stderr); "
-                "nothing of this operation was committed: run it again, with fewer processes "
-                "if memory is short"
-            ) from None
+        with self._lock:
+            try:
+                # chunksize 1: tasks go out one at a time, so a few large ones do not queue
+                # behind each other on one process while another idles.
+                wanted: list[Any] = list(keys)
+                return list(get(dict(graph), wanted, pool=self._executor(), chunksize=1))
+            except BrokenProcessPool:
+                self._close()  # the next graph starts a new pool
+                raise GradpipeError(
+                    f"a worker process of gradpipe's local process pool died during {name}: "
+                    "killed, out of memory, or it could not start (its error, if any, is on "
+                    "stderr); the operation most likely committed nothing, and running it "
+                    "again is safe (with fewer processes if memory is short)"
+                ) from None
 
     def close(self) -> None:
         """Stop the processes (idempotent); a later :meth:`get` starts new ones."""
-        pool, self._pool = self._pool, None
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        pool, self._pool, self.pids = self._pool, None, ()
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
 
     def _executor(self) -> ProcessPoolExecutor:
+        settings = all_settings()  # defaults merged: not a change of settings
+        broken = self._pool is not None and getattr(self._pool, "_broken", False)
+        if self._pool is not None and (broken or self._settings != settings):
+            self._close()  # broken since the last graph, or gradpipe's settings changed
+        if self._pool is None:
+            self._pool = self._start()
+            self._settings = settings
+        return self._pool
+
+    def _start(self) -> ProcessPoolExecutor:
+        """A new pool whose every process has started and warmed up."""
         import dask.config
         from dask.multiprocessing import get_context
 
-        settings = all_settings()  # defaults merged: not a change of settings
-        if self._pool is not None and self._settings != settings:
-            self.close()  # gradpipe's settings changed since the processes started
-        if self._pool is None:
-            self._settings = settings
-            self._pool = ProcessPoolExecutor(
-                self.count,
-                mp_context=get_context(),
-                initializer=_start_worker,
-                initargs=(copy.deepcopy(dask.config.config),),
-            )
-            # Start every process now, side by side: a spawn pool starts them one per task
-            # submitted while none is idle, which would leave some to start mid-graph.
-            with _main_module_hidden():
-                started = [self._pool.submit(os.getpid) for _ in range(self.count)]
-            wait(started)
-        return self._pool
+        context = get_context()
+        ready = context.Queue()
+        threads = max(1, read_threads() // self.count)
+        pool = ProcessPoolExecutor(
+            self.count,
+            mp_context=context,
+            initializer=_start_worker,
+            initargs=(copy.deepcopy(dask.config.config), threads, ready),
+        )
+        try:
+            # A spawn pool starts a process per task submitted while none is idle: one
+            # probe each starts them all now, side by side, rather than some mid-graph.
+            with main_module_hidden():
+                for _ in range(self.count):
+                    pool.submit(os.getpid)
+            self.pids = _ready_pids(pool, ready, self.count)
+        except BrokenProcessPool:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise BrokenProcessPool("the pool's processes did not start") from None
+        finally:
+            ready.close()
+        return pool
+
+
+def _ready_pids(pool: ProcessPoolExecutor, ready: Any, count: int) -> tuple[int, ...]:
+    """The pids the processes put in ``ready`` once warm; raises if the pool breaks first."""
+    pids: list[int] = []
+    deadline = time.monotonic() + START_TIMEOUT
+    while len(pids) < count:
+        try:
+            pids.append(ready.get(timeout=0.1))
+        except Empty:
+            if getattr(pool, "_broken", False) or time.monotonic() > deadline:
+                raise BrokenProcessPool("the pool's processes did not start") from None
+    return tuple(pids)
 
 
 _HIDING = threading.Lock()
 
 
 @contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
+def main_module_hidden() -> Iterator[None]:
     """``__main__`` without a file or a spec: processes started now do not import it."""
     main = sys.modules.get("__main__")
     if main is None:
@@ -127,9 +173,30 @@ def _main_module_hidden() -> Iterator[None]:
             vars(main).update(saved)
 
 
-def _start_worker(config: dict[str, Any]) -> None:
-    """A new worker process: the parent's Dask configuration, then the warm-up."""
+def _start_worker(config: dict[str, Any], threads: int, ready: Any) -> None:
+    """A new worker process: the parent's settings, its share of threads, warmed up, ready."""
     import dask.config
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _exit_with_parent()
     dask.config.update(dask.config.config, copy.deepcopy(config))
+    limit_threads(threads)  # N processes x N threads each would oversubscribe the cores
     warm_up()
+    ready.put(os.getpid())
+
+
+def _exit_with_parent() -> None:
+    """End this process when its parent does (killed, out of memory): no orphan writes on."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        from multiprocessing.connection import wait
+
+        wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="gradpipe-parent-watch", daemon=True).start()

@@ -213,8 +213,8 @@ class Runner:
         return f"<gradpipe Runner on {where}{state}>"
 
     def _warm_up(self) -> None:
-        """Once per client: workers import what the tasks need before the first graph runs
-        (:mod:`gradpipe.graph.warmup`), rather than inside its first tasks."""
+        """Once per runner and client: workers import what the tasks need before the first
+        graph runs (:mod:`gradpipe.graph.warmup`), rather than inside its first tasks."""
         if self._warmed is not self._client:
             from gradpipe.graph.warmup_plugin import register
 
@@ -340,14 +340,17 @@ def runner(
     if dashboard:
         from distributed import Client, LocalCluster
 
+        from gradpipe.graph.process_pool import main_module_hidden
+
         count = workers or cores()
-        cluster = LocalCluster(
-            n_workers=count if processes else 1,
-            threads_per_worker=1 if processes else count,
-            processes=processes,
-            dashboard_address="127.0.0.1:0",
-            scheduler_kwargs=_with_dashboard_preload(),
-        )
+        with main_module_hidden():  # worker processes must not run the caller's script again
+            cluster = LocalCluster(
+                n_workers=count if processes else 1,
+                threads_per_worker=1 if processes else count,
+                processes=processes,
+                dashboard_address="127.0.0.1:0",
+                scheduler_kwargs=_with_dashboard_preload(),
+            )
         made = Runner(workers=workers, progress=progress)
         try:
             made._own(Client(cluster), cluster)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Final
 
 from distributed import WorkerPlugin
 
+from gradpipe.core.display import printable_error
 from gradpipe.graph.warmup import warm_up
 
 __all__ = ["PLUGIN_NAME", "WarmUp", "register"]
@@ -25,5 +27,17 @@ class WarmUp(WorkerPlugin):
 
 
 def register(client: Any) -> None:
-    """Register :class:`WarmUp` with ``client``'s cluster (present and future workers)."""
-    client.register_plugin(WarmUp(), name=PLUGIN_NAME)
+    """Register :class:`WarmUp` with ``client``'s cluster (present and future workers).
+
+    The warm-up only saves time: a worker that cannot import what it imports warns, and the
+    graph runs anyway (its tasks then fail with the import's own error, naming the task).
+    """
+    try:
+        client.register_plugin(WarmUp(), name=PLUGIN_NAME)
+    except Exception as exc:  # a worker's setup failed
+        warnings.warn(
+            f"gradpipe's worker warm-up failed on the cluster ({printable_error(exc)}); "
+            "continuing without it",
+            RuntimeWarning,
+            stacklevel=2,
+        )

@@ -13,18 +13,26 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["process_pool", "read_threads"]
+__all__ = ["limit_threads", "process_pool", "read_threads"]
 
 _POOLS: dict[str, ThreadPoolExecutor] = {}
 _LOCK = threading.Lock()
+_LIMIT: list[int] = []  # set in a worker process of a pool that shares the cores
 
 
 def read_threads() -> int:
-    """Worker threads: the cores this process may run on."""
+    """Worker threads: the cores this process may run on (its share, in a pool's worker)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    return min(cores, *_LIMIT) if _LIMIT else cores
+
+
+def limit_threads(count: int) -> None:
+    """At most ``count`` threads per pool from now on: a process that shares the cores
+    with others of a pool (:mod:`gradpipe.graph.process_pool`) takes only its share."""
+    _LIMIT[:] = [max(1, count)]
 
 
 def process_pool(purpose: str) -> ThreadPoolExecutor:

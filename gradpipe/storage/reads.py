@@ -63,8 +63,6 @@ READ_WINDOW: Final = 64
 #: Output bytes one window may fill: with two windows in flight, this bounds
 #: the frames held in memory (a frame is at most a few bytes above its output).
 READ_WINDOW_BYTES: Final = 32 * 2**20
-#: Chunks of at most this many bytes are decoded on the reading thread, not a pool thread.
-DECODE_HERE_BYTES: Final = 64 * 2**10
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,9 +139,11 @@ def decode_windows(store: Store, chunks: Sequence[ChunkRead]) -> Iterator[int]:
                     if chunk.frame is not None
                     else [f for f in got if not isinstance(f, BaseException)]
                 )
-                # A small chunk decodes here: handing it to a pool thread costs more
-                # (a lock, a wake-up, both with the GIL) than decoding it.
-                run = _run_here if chunk.out.nbytes <= DECODE_HERE_BYTES else submit
+                # A chunk kept inline in its manifest (a frame of at most inline-bytes,
+                # one block) decodes here: handing it to a pool thread costs more (a lock,
+                # a wake-up, both with the GIL) than decoding it.
+                inline = chunk.frame is not None and not chunk.links
+                run = _run_here if inline else submit
                 current.append((chunk, failed or run(_decode, chunk, frames)))
             del fetched, frames_read, got, frames  # the pool holds each frame until decoded
             if previous:
@@ -175,11 +175,11 @@ def _failure(
 def _run_here(
     fn: Callable[[ChunkRead, list[bytes]], None], chunk: ChunkRead, frames: list[bytes]
 ) -> Future[None]:
-    """Run ``fn`` now, on this thread, as a finished future (one core, or one chunk)."""
+    """Run ``fn`` now, on this thread, as a finished future (one core, one chunk, inline)."""
     future: Future[None] = Future()
     try:
         fn(chunk, frames)
-    except BaseException as exc:  # reported in chunk order by _finish
+    except Exception as exc:  # reported in chunk order by _finish (Ctrl-C stops at once)
         future.set_exception(exc)
     else:
         future.set_result(None)

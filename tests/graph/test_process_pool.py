@@ -80,10 +80,23 @@ def test_one_pool_serves_many_graphs_and_closes(sample: SampleRun, tmp_path: Pat
         assert os.getpid() not in first
         store = gp.open_store(str(tmp_path / "store"), mode="w")
         assert gp.ingest(store, sample.dump_pattern, run="r", runner=runner).ok
-        assert _pids(runner) <= first | _pids(runner)
-        assert len(first | _pids(runner)) <= 2  # the same two processes throughout
-    for pid in first:
-        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        seen = first | _pids(runner)
+        assert len(seen) <= 2  # a new pool would have brought new processes
+    _gone(seen)
+
+
+def _gone(pids: set[int], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_a_setting_changed_between_graphs_reaches_new_processes() -> None:
@@ -104,36 +117,96 @@ def test_a_killed_process_fails_the_graph_clearly_and_the_next_graph_runs() -> N
         os.kill(os.getpid(), signal.SIGKILL)
 
     with gp.runner(processes=True, workers=2) as runner:
+        before = _pids(runner)
         with pytest.raises(GradpipeError, match="died during gradpipe-test"):
             runner.get({"x": (die,)}, ["x"], name="gradpipe-test")
-        assert len(_pids(runner)) >= 1  # a new pool
+        assert _pids(runner).isdisjoint(before)  # a new pool
+
+
+def test_a_pool_broken_between_graphs_is_replaced_silently() -> None:
+    pool = LocalProcesses(2)
+    try:
+        assert pool.get({"x": (abs, -1)}, ["x"], name="gradpipe-test") == [1]
+        first = set(pool.pids)
+        assert len(first) == 2
+        os.kill(pool.pids[0], signal.SIGKILL)  # dies while idle
+        _gone({pool.pids[0]})
+        assert pool.get({"x": (abs, -2)}, ["x"], name="gradpipe-test") == [2]
+        assert first.isdisjoint(pool.pids)
+    finally:
+        pool.close()
+
+
+def test_workers_leave_ctrl_c_to_the_parent_and_take_their_share_of_threads() -> None:
+    from gradpipe.storage._pools import read_threads
+
+    pool = LocalProcesses(2)
+    try:
+        assert pool.get({"x": (abs, -1)}, ["x"], name="gradpipe-test") == [1]
+        pids = set(pool.pids)
+        for pid in pids:
+            os.kill(pid, signal.SIGINT)  # as a terminal's Ctrl-C reaches the process group
+        time.sleep(0.3)
+        graph = {("t", i): (read_threads,) for i in range(4)}
+        assert (
+            pool.get(graph, list(graph), name="gradpipe-test") == [max(1, read_threads() // 2)] * 4
+        )
+        assert set(pool.pids) == pids  # the same processes: none died of the SIGINT
+    finally:
+        pool.close()
+
+
+def test_workers_exit_when_their_parent_is_killed(tmp_path: Path) -> None:
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, time\n"
+        "from gradpipe.graph.process_pool import LocalProcesses\n"
+        "pool = LocalProcesses(2)\n"
+        "pool.get({'x': (abs, -1)}, ['x'], name='gradpipe-test')\n"
+        "print(*pool.pids, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        pids = {int(p) for p in parent.stdout.readline().split()}
+        assert len(pids) == 2
+        assert all(_alive(p) for p in pids)
+    finally:
+        parent.kill()  # SIGKILL: no cleanup of its own runs
+        parent.wait()
+    _gone(pids)
 
 
 def test_a_worker_killed_mid_ingest_commits_nothing_and_a_rerun_succeeds(
     sample: SampleRun, thread_ids: dict[Any, str], tmp_path: Path
 ) -> None:
-    store = gp.open_store(str(tmp_path / "store"), mode="w")
-    me = psutil.Process()
+    store_path = tmp_path / "store"
+    store = gp.open_store(str(store_path), mode="w")
     killed: list[int] = []
+    with dask.config.set(SETTINGS), gp.runner(processes=True, workers=2) as runner:
+        _pids(runner)  # the pool is up, with the settings of the ingest
+        assert runner._pool is not None
+        victim = runner._pool.pids[0]
 
-    def kill_a_worker() -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not killed:
-            for child in me.children(recursive=True):
-                if "spawn_main" in " ".join(child.cmdline()) and child.pid not in killed:
-                    time.sleep(0.3)  # let it start working
-                    child.kill()
-                    killed.append(child.pid)
+        def kill_at_the_first_block() -> None:
+            # Mid-ingest by construction: the first block is written by the first encode
+            # task, long before the commit (many small tasks, SETTINGS).
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if any(p.is_file() for p in (store_path / "blocks").rglob("*")):
+                    os.kill(victim, signal.SIGKILL)
+                    killed.append(victim)
                     return
-            time.sleep(0.01)
+                time.sleep(0.002)
 
-    killer = threading.Thread(target=kill_a_worker)
-    killer.start()
-    try:
-        with dask.config.set(SETTINGS), pytest.raises(GradpipeError, match="died during"):
-            gp.ingest(store, sample.dump_pattern, run="r", workers=2, processes=True)
-    finally:
-        killer.join()
+        killer = threading.Thread(target=kill_at_the_first_block)
+        killer.start()
+        try:
+            with pytest.raises(GradpipeError, match="died during"):
+                gp.ingest(store, sample.dump_pattern, run="r", runner=runner)
+        finally:
+            killer.join()
     assert killed
     assert read_run(store, "r", missing_ok=True)[0] is None  # no commit
     assert gp.verify(store, all_blocks=True).ok
