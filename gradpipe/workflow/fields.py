@@ -16,6 +16,7 @@ characters, refused at the value that passes it.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 from abc import ABC, abstractmethod
@@ -165,15 +166,27 @@ class PathOrUrl(Field):
 
 @dataclass(frozen=True)
 class LocalPath(Field):
-    """A path on this machine (relative to the workflow file's folder): outputs, sample data."""
+    """A path on this machine (relative to the workflow file's folder): outputs, sample data.
+
+    ``needs`` names a module that writing it takes, installed by gradpipe's extra ``extra``
+    (a plot needs matplotlib): a file that asks for it where the module is missing is
+    refused when it is read, so ``--dry-run`` says so and nothing is written.
+    """
 
     help: str = ""
+    needs: str = ""
+    extra: str = ""
 
     def parse(self, node: Node, ctx: Context) -> str:
         value = PathOrUrl(self.help).parse(node, ctx)
         if "://" in value:
             raise node.error(
                 f"{printable(node.value)}: a local path is needed here ({self.help}), not a URL"
+            )
+        if self.needs and importlib.util.find_spec(self.needs) is None:
+            raise node.error(
+                f"{self.help}: needs {self.needs}, which is not installed here: "
+                f"pip install 'gradpipe[{self.extra}]', or leave this out"
             )
         return value
 

@@ -190,7 +190,11 @@ STAGES: Final[dict[str, StageSpec]] = {
             "aggregate": Str("an aggregate of the run instead of its dumps", _NAME),
             "csv": LocalPath("a CSV file of per-(step, peer, tensor) records"),
             "json": LocalPath("a JSON file of the records and totals"),
-            "plot": LocalPath("a PNG of ratios, density and norms (needs matplotlib)"),
+            "plot": LocalPath(
+                "a PNG of ratios, density and norms (needs matplotlib: gradpipe[plot])",
+                needs="matplotlib",
+                extra="plot",
+            ),
         },
         ("run",),
     ),

@@ -95,9 +95,37 @@ def test_a_workflow_runs_its_stages_and_a_second_run_writes_nothing(
     assert _files(tmp_path / "archive") == before  # idempotent: not one object written
 
 
+def _without_matplotlib(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process as a base install sees it: matplotlib (the ``plot`` extra) not found."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, package: str | None = None) -> Any:
+        return None if name.split(".", maxsplit=1)[0] == "matplotlib" else real(name, package)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+def test_a_plot_without_matplotlib_is_refused_before_anything_runs(
+    sample: SampleRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    _without_matplotlib(monkeypatch)
+    path = _nightly(tmp_path, sample)
+    for extra in (["--dry-run"], []):
+        assert main(["run", str(path), *extra]) == 2
+        err = capsys.readouterr().err
+        assert "needs matplotlib" in err
+        assert "pip install 'gradpipe[plot]'" in err
+        assert "w.yaml:" in err  # file:line:col of the plot
+    assert not (tmp_path / "archive").exists()  # nothing written
+
+
 def test_the_quickstart_workflow_runs_from_the_cli(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    _without_matplotlib(monkeypatch)  # it runs on the install the README's first command makes
     (tmp_path / "workflows").mkdir()
     path = tmp_path / "workflows" / "quickstart.yaml"
     shutil.copy(REPO / "workflows" / "quickstart.yaml", path)
