@@ -113,7 +113,7 @@ def run_snapshot(args: argparse.Namespace) -> CommandResult:
     metadata = _metadata(args.meta)
     state, info = read_state_file(args.state_file)  # before opening the store
     metadata[STATE_FILE_KEY] = json.dumps(info.to_dict(), separators=(",", ":"))
-    store = open_store_arg(args, "a")
+    store = open_store_arg(args, "r+")  # never creates: `gradpipe init` does
     interval = args.keyframe_interval or DEFAULT_KEYFRAME_INTERVAL
     done = write_snapshot(
         store,
@@ -211,7 +211,7 @@ def run_log(args: argparse.Namespace) -> CommandResult:
 def run_prune(args: argparse.Namespace) -> CommandResult:
     from gradpipe.snapshot_prune import prune
 
-    store = open_store_arg(args, "r" if args.dry_run else "a")
+    store = open_store_arg(args, "r" if args.dry_run else "r+")
     report = prune(
         store, args.name, keep_last=args.keep_last, keep_every=args.keep_every, dry_run=args.dry_run
     )

@@ -28,6 +28,7 @@ def _weights(steps: int) -> list[dict[str, np.ndarray]]:
 
 def test_safetensors_round_trip_byte_for_byte_and_log(tmp_path: Path) -> None:
     store = str(tmp_path / "store")
+    gp.open_store(store, mode="w")  # snapshot never creates a store: init does
     files = []
     with dask.config.set(SMALL):
         for step, tensors in enumerate(_weights(4)):
@@ -74,6 +75,7 @@ def test_torch_checkpoint_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "ckpt.pt"
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 3}, path)
     store = str(tmp_path / "store")
+    gp.open_store(store, mode="w")  # snapshot never creates a store: init does
     assert run_cli("snapshot", store, "t", str(path), "--step", "1").status == 0
     out = tmp_path / "back.pt"
     assert run_cli("restore", store, "t", "-o", str(out)).status == 0
@@ -91,6 +93,7 @@ def test_torch_checkpoint_round_trip(tmp_path: Path) -> None:
 
 def test_npz_and_python_made_snapshots(tmp_path: Path) -> None:
     store_path = tmp_path / "store"
+    gp.open_store(str(store_path), mode="w")
     tensors = _weights(1)[0]
     npz = tmp_path / "w.npz"
     np.savez(npz, **tensors)
@@ -117,6 +120,7 @@ def test_npz_and_python_made_snapshots(tmp_path: Path) -> None:
 def test_a_snapshot_command_run_again_writes_nothing_and_says_so(tmp_path: Path) -> None:
     """Killed after its commit landed, the same command again: exit 0, no second version."""
     store = str(tmp_path / "store")
+    gp.open_store(store, mode="w")  # snapshot never creates a store: init does
     weights = _weights(2)
     paths = []
     for step, tensors in enumerate(weights):
@@ -161,6 +165,7 @@ def test_a_snapshot_command_run_again_writes_nothing_and_says_so(tmp_path: Path)
 )
 def test_errors_name_what_is_wrong(argv: list[str], status: int, word: str, tmp_path: Path) -> None:
     store = tmp_path / "store"
+    gp.open_store(str(store), mode="w")
     good = tmp_path / "good.safetensors"
     save_file(_weights(1)[0], str(good))
     assert run_cli("snapshot", str(store), "n", str(good), "--step", "0").status == 0
@@ -186,6 +191,7 @@ def test_errors_name_what_is_wrong(argv: list[str], status: int, word: str, tmp_
 
 def test_prune_dry_run_then_prune_and_gc(tmp_path: Path) -> None:
     store = str(tmp_path / "store")
+    gp.open_store(store, mode="w")  # snapshot never creates a store: init does
     weights = _weights(6)
     with dask.config.set(SMALL):
         for step, tensors in enumerate(weights):
@@ -210,3 +216,17 @@ def test_prune_dry_run_then_prune_and_gc(tmp_path: Path) -> None:
         assert run_cli("restore", store, "c", "--step", str(step), "-o", str(out)).status == 0
         assert out.read_bytes() == (tmp_path / f"s{step}.safetensors").read_bytes()
     assert run_cli("verify", store).status == 0
+
+
+def test_snapshot_and_prune_never_create_a_store(tmp_path: Path) -> None:
+    good = tmp_path / "good.safetensors"
+    save_file(_weights(1)[0], str(good))
+    missing = tmp_path / "typo"
+    for argv in (
+        ["snapshot", str(missing), "n", str(good), "--step", "0"],
+        ["prune", str(missing), "n", "--keep-last", "1"],
+    ):
+        status, doc = run_cli_json(*argv)
+        assert status == 2, doc
+        assert "gradpipe init" in doc["error"]
+        assert not missing.exists()
