@@ -644,3 +644,12 @@ def test_any_array_saved_again_at_its_step_is_found(
         if other.size:
             other.reshape(-1).view(np.uint8)[-1] ^= 1  # one bit of the last element
             assert write_snapshot(store, "p", {"a": other, "n": 1}, step=1).written
+
+
+def test_logical_bytes_count_every_array_even_identical_ones(store: gp.Store) -> None:
+    # Two identical arrays share one embedded manifest; the state still holds both.
+    weights = np.arange(96 * 1024, dtype="float32").reshape(96, 1024)
+    state = {"params": {"w": weights}, "ema": {"w": weights.copy()}}
+    gp.snapshot(store, "twins", state, step=0)
+    [info] = gp.snapshot_log(store, "twins")
+    assert info.logical_bytes == 2 * weights.nbytes

@@ -77,8 +77,9 @@ class SnapshotManifest(EmbeddedTensors, Manifest):
 
     @property
     def logical_bytes(self) -> int:
-        """Uncompressed bytes of its arrays."""
-        return sum(m.nbytes for m in self.embedded.values())
+        """Uncompressed bytes of its arrays, each counted (identical arrays share one
+        embedded manifest, but a state that holds two holds twice the bytes)."""
+        return sum(self.embedded[t].nbytes for t in self.tensors.values())
 
     @property
     def depth(self) -> int:
