@@ -9,6 +9,7 @@ are a line each; ``sample`` and ``snapshot`` have small reports of their own.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,11 +207,16 @@ class StatsStageReport(ReportHtml):
 
     def summary(self) -> str:
         t = self.totals
+        ratio = t.get("ratio")
+        shown = f"{ratio:.2f}" if isinstance(ratio, float) else str(ratio)
         line = (
             f"{t.get('raw_bytes', 0) / 2**20:.1f} MiB raw -> "
-            f"{t.get('stored_bytes', 0) / 2**20:.1f} MiB stored (ratio {t.get('ratio')})"
+            f"{t.get('stored_bytes', 0) / 2**20:.1f} MiB stored (ratio {shown})"
         )
-        files = ", ".join(f"{k} {printable(v, limit=PATH_LIMIT)}" for k, v in self.written.items())
+        files = ", ".join(
+            f"{k} {printable(os.path.normpath(v), limit=PATH_LIMIT)}"  # "a/../b" shown as "b"
+            for k, v in self.written.items()
+        )
         missing = (
             f"; {self.missing_blocks} block(s) missing: run verify" if self.missing_blocks else ""
         )

@@ -414,3 +414,16 @@ def test_a_workflow_on_local_processes_stores_what_threads_store(
     # snapshots carry their times, so the stores' other objects differ).
     assert tensor_ids(processes) == tensor_ids(threads)
     assert aggregates(processes) == aggregates(threads)
+
+
+def test_the_stats_stage_line_rounds_its_ratio_and_normalises_paths() -> None:
+    from gradpipe.workflow.stages import StatsStageReport
+
+    report = StatsStageReport(
+        {"raw_bytes": 3 * 2**20, "stored_bytes": 2**20, "ratio": 2.987654321},
+        {"csv": "/data/flows/../out/stats.csv"},
+        0,
+    )
+    line = report.summary()
+    assert "(ratio 2.99)" in line
+    assert "wrote csv '/data/out/stats.csv'" in line
