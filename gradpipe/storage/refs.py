@@ -15,7 +15,7 @@ history entry.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Final
 
@@ -24,7 +24,13 @@ from gradpipe.core.ids import hash_bytes
 from gradpipe.core.manifest import decode_manifest, encode_manifest
 from gradpipe.core.names import parse_name, parse_ref_name
 from gradpipe.core.ref_entry import RefEntry
-from gradpipe.errors import ConflictError, IntegrityError, NotFoundError, StorageError
+from gradpipe.errors import (
+    ConflictError,
+    IntegrityError,
+    InvalidInputError,
+    NotFoundError,
+    StorageError,
+)
 from gradpipe.storage.backend import VersionedBytes
 
 if TYPE_CHECKING:
@@ -220,18 +226,24 @@ class Refs:
                 break
         return mine
 
-    def history(self, name: str) -> Iterator[RefEntry]:
-        """Entries of ``name``, newest first (deletions included, target None)."""
+    def history(self, name: str, *, limit: int | None = None) -> list[RefEntry]:
+        """Entries of ``name``, newest first (deletions included, target None).
+
+        Each entry is one read; ``limit`` stops after that many (a run committed 20,000
+        times has 20,000 entries).
+        """
+        if limit is not None and (isinstance(limit, bool) or limit < 1):
+            raise InvalidInputError(f"limit must be a positive number of entries, got {limit!r}")
         current, entry = self.read(name)
         if current is None or entry is None:
             raise NotFoundError(f"ref {printable(name)} does not exist in store {self._store.url}")
-        while entry is not None:
-            yield entry
-            if entry.previous is None:
-                return
+        out = [entry]
+        while entry.previous is not None and (limit is None or len(out) < limit):
             entry = self._store.get_typed(
                 entry.previous, RefEntry, context=f"history of ref {printable(name)}"
             )
+            out.append(entry)
+        return out
 
     def names(self, kind: str | None = None) -> list[str]:
         """Names of every stored ref (deleted ones included), optionally of one kind."""

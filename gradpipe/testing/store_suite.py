@@ -151,6 +151,8 @@ class StoreTests:
         with pytest.raises(NotFoundError):
             store.refs.get("tags/x")
         assert [e.target for e in store.refs.history("tags/x")] == [None, b, a]
+        assert [e.target for e in store.refs.history("tags/x", limit=2)] == [None, b]
+        assert isinstance(store.refs.history("tags/x"), list)  # printable, reusable
 
     def test_ref_compare_and_swap_conflicts(self, store: Store) -> None:
         a = store.put_tensor(np.ones(3))
