@@ -170,10 +170,12 @@ _COLUMNS: Final = (
 def _table(ds: xr.Dataset, rows: Sequence[dict[str, Any]], totals: dict[str, Any], key: str) -> str:
     cells = int(ds["present"].sum())
     what = {"run": "dumps", "aggregate": "steps", "snapshot": "versions"}[ds.attrs["kind"]]
-    name = ds.attrs.get("snapshot") or ds.attrs.get("run")
-    head = f"{ds.attrs['kind']} {printable(name)}"
-    if "aggregate" in ds.attrs:
-        head += f", aggregate {printable(ds.attrs['aggregate'])}"
+    if ds.attrs["kind"] == "snapshot":
+        head = f"snapshot {printable(ds.attrs['snapshot'])}"
+    elif "aggregate" in ds.attrs:
+        head = f"aggregate {printable(ds.attrs['aggregate'])} of run {printable(ds.attrs['run'])}"
+    else:
+        head = f"run {printable(ds.attrs['run'])}"
     lines = [f"{head}: {cells} {what}, {ds.sizes['tensor']} tensors"]
     header = [key, *(title for title, _, _ in _COLUMNS)]
     body = [[_cell(row.get(key, "")), *_values(row)] for row in rows]

@@ -155,6 +155,12 @@ def test_aggregate_and_snapshot_rows(ingested: str) -> None:
     assert doc["records"][0]["step"] == 5
     assert doc["records"][0]["version"] == 0
     assert len(doc["summary"]) == 1
+    heads = [
+        run_cli("stats", ingested, *args).out.splitlines()[0]
+        for args in (["--run", "train", "--aggregate", "fedavg"], ["--snapshot", "model"])
+    ]
+    assert heads[0].startswith("aggregate 'fedavg' of run 'train': 3 steps")
+    assert heads[1].startswith("snapshot 'model': 1 versions")
 
 
 @pytest.mark.parametrize(
