@@ -196,12 +196,25 @@ def _ls_run(store: Store, name: str, *, depth: bool = False) -> CommandResult:
         )
     if aggregates:
         lines.append("aggregates:")
-        lines += [
-            f"  step {a['step']:>{width}}  {a['name']}  {a['method']}  {a['aggregate'][:19]}…"
-            + (f"  STALE ({a['stale']})" if a["stale"] else "")
-            for a in aggregates
-        ]
+        lines += _aggregate_table(aggregates)
     return CommandResult(doc, "\n".join(lines))
+
+
+def _aggregate_table(aggregates: list[dict[str, Any]]) -> list[str]:
+    """The run's aggregates under a header: step, name, method, id (and STALE, why)."""
+    rows = [
+        [str(a["step"]), printable_text(a["name"]), a["method"], f"{a['aggregate'][:19]}…"]
+        + ([f"STALE ({a['stale']})"] if a["stale"] else [])
+        for a in aggregates
+    ]
+    header = ["step", "name", "method", "id"]
+    widths = [max(len(r[i]) for r in (header, *rows) if i < len(r)) for i in range(4)]
+
+    def line(cells: list[str]) -> str:
+        fixed = [c.rjust(widths[0]) if i == 0 else c.ljust(widths[i]) for i, c in enumerate(cells)]
+        return "  " + "  ".join(fixed).rstrip()
+
+    return [line(header), *(line(r) for r in rows)]
 
 
 def _aggregates(store: Store, run: Run) -> list[dict[str, Any]]:

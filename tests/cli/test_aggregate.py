@@ -43,8 +43,10 @@ def test_aggregate_then_ls_and_export(ingested: str, tmp_path: Path) -> None:
     ]
     assert listing["aggregates"][0]["params"] == {"clip_norm": 0.1}
     text = run_cli("ls", ingested, "train").out
-    assert "aggregates:" in text
-    assert "fedavg" in text
+    lines = text.splitlines()
+    table = lines[lines.index("aggregates:") + 1 :]
+    assert table[0].split() == ["step", "name", "method", "id"]  # labelled columns
+    assert table[1].split()[:3] == ["0", "fedavg", "fedavg"]
 
     out = tmp_path / "agg.safetensors"
     status, exported = run_cli_json(
