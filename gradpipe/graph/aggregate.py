@@ -35,20 +35,28 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
 from dask.base import tokenize
 
 from gradpipe.core.aggregate import weight_shift
 from gradpipe.core.chunking import chunk_ranges
 from gradpipe.core.display import printable
-from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import InvalidInputError
+from gradpipe.graph.aggregate_clip import add_aggregate_clip
+from gradpipe.graph.aggregate_plan import (
+    DEFAULT_SPLIT_EVERY,
+    StepPlan,
+    TensorPlan,
+    add_tensor_task,
+    overlapping,
+    parse_split_every,
+    sources_of,
+    tree,
+    tree_levels,
+)
 from gradpipe.graph.aggregate_tasks import (
-    ChunkSource,
     CommitGuard,
-    StepSpec,
     combine_norms,
     combine_partials,
     commit_aggregates,
@@ -56,9 +64,9 @@ from gradpipe.graph.aggregate_tasks import (
     read_sq_norm,
     reduce_chunk,
     store_aggregate,
-    tensor_manifest,
     write_chunk,
 )
+from gradpipe.graph.robust import ROBUST_METHODS, add_robust_step
 from gradpipe.graph.robust_tasks import (
     clip_round,
     clip_round_params,
@@ -79,123 +87,6 @@ __all__ = [
     "tree",
     "tree_levels",
 ]
-
-#: Partials one combine task merges by default.
-DEFAULT_SPLIT_EVERY: Final = 8
-
-
-def add_tensor_task(
-    graph: dict[Hashable, Any],
-    token: str,
-    index: tuple[int, int],
-    spec: StepSpec,
-    tensor: TensorPlan,
-    chunk_keys: Sequence[Hashable],
-) -> Hashable:
-    """Add the task that builds one result tensor's manifest from its written chunks; its key."""
-    key = (f"gradpipe-aggregate-tensor-{token}", *index)
-    graph[key] = (
-        tensor_manifest,
-        spec.step,
-        tensor.dtype,
-        tensor.shape,
-        tensor.chunk_shape,
-        chunk_keys,
-    )
-    return key
-
-
-def parse_split_every(value: int | None) -> int:
-    """``split_every``: a power of two >= 2 (None: the default, 8)."""
-    if value is None:
-        return DEFAULT_SPLIT_EVERY
-    if isinstance(value, bool) or not isinstance(value, int) or value < 2 or value & (value - 1):
-        raise InvalidInputError(
-            f"split_every {printable(value)} must be a power of two >= 2 (2, 4, 8, ...): "
-            "then every partial holds one array per chunk"
-        )
-    return value
-
-
-@dataclass(frozen=True)
-class TensorPlan:
-    """One tensor of a step: its dtype and shape, and every peer's stored manifest (peer order)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    peers: tuple[TensorManifest, ...]
-
-    @property
-    def chunk_shape(self) -> tuple[int, ...]:
-        """The output grid: the first peer's."""
-        return self.peers[0].chunk_shape
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """The aggregate of one step to compute: its definition and its tensors."""
-
-    spec: StepSpec
-    tensors: tuple[TensorPlan, ...]
-    #: Decided when planning, recorded in the aggregate's params (DP-FedAvg: a seed picked).
-    decided: dict[str, Any] = field(default_factory=dict)
-    #: Adaptive clipping: the clip norm this step starts from; None: the previous plan's next.
-    clip_start: float | None = None
-
-
-def sources_of(manifest: TensorManifest) -> list[ChunkSource]:
-    """The stored chunks of a peer's tensor, as tasks take them."""
-    return [
-        ChunkSource(block, start, stop, manifest.inline.get(i), manifest.deltas.get(i, ()))
-        for i, (block, (start, stop)) in enumerate(
-            zip(manifest.blocks, manifest.chunk_ranges(), strict=True)
-        )
-    ]
-
-
-def overlapping(sources: list[ChunkSource], start: int, stop: int) -> list[ChunkSource]:
-    """The chunks of ``sources`` that hold some of the flat elements ``[start, stop)``."""
-    return [s for s in sources if s.start < stop and s.stop > start]
-
-
-def tree(
-    graph: dict[Hashable, Any],
-    name: str,
-    where: tuple[Any, ...],
-    leaves: list[Hashable],
-    func: Any,
-    step: int,
-    split_every: int,
-) -> Hashable:
-    """A bounded tree of ``func`` over ``leaves`` in order (contiguous groups); its root key."""
-    return tree_levels(graph, name, where, leaves, func, step, split_every, until=1)[0]
-
-
-def tree_levels(
-    graph: dict[Hashable, Any],
-    name: str,
-    where: tuple[Any, ...],
-    leaves: list[Hashable],
-    func: Any,
-    step: int,
-    split_every: int,
-    *,
-    until: int | None = None,
-) -> list[Hashable]:
-    """The levels of :func:`tree` until at most ``until`` (default ``split_every``) keys remain.
-
-    Returns those keys, in order: what the task above the tree takes.
-    """
-    level, depth = leaves, 0
-    while len(level) > (split_every if until is None else until):
-        nxt: list[Hashable] = []
-        for g, lo in enumerate(range(0, len(level), split_every)):
-            key = (name, *where, depth, g)
-            graph[key] = (func, step, list(level[lo : lo + split_every]))
-            nxt.append(key)
-        level, depth = nxt, depth + 1
-    return level
 
 
 def build_aggregate_graph(
@@ -227,9 +118,6 @@ def build_aggregate_graph(
     )
     graph: dict[Hashable, Any] = {}
     step_keys: list[Hashable] = []
-    # Robust methods are built by their own module, which builds on this one's helpers.
-    from gradpipe.graph.robust import ROBUST_METHODS, add_robust_step
-
     previous_round: Hashable | None = None  # adaptive clipping: the previous step's round
     for s, plan in enumerate(plans):
         spec = plan.spec
@@ -374,9 +262,6 @@ def _add_step_manifest(
     """The step's manifest task, after clipping the result if asked (``clip_aggregate``)."""
     spec = plan.spec
     if spec.params.get("clip_aggregate") is not None:
-        # Built by its own module, which builds on this one's helpers.
-        from gradpipe.graph.aggregate_clip import add_aggregate_clip
-
         tensor_keys, clipped = add_aggregate_clip(graph, token, store, s, plan, tensor_keys, fan)
         outcome = [*outcome, clipped]
     key = (f"gradpipe-aggregate-manifest-{token}", s)

@@ -31,7 +31,7 @@ from gradpipe.core.dtypes import is_float, parse_dtype
 from gradpipe.core.exact import ExactSum
 from gradpipe.core.privacy import apply_scale, clip_scale, sq_norm_partial
 from gradpipe.errors import InvalidInputError
-from gradpipe.graph.aggregate import StepPlan, TensorPlan, sources_of, tree
+from gradpipe.graph.aggregate_plan import StepPlan, TensorPlan, sources_of, tree
 from gradpipe.graph.aggregate_tasks import (
     ChunkOut,
     TensorOut,

@@ -29,7 +29,7 @@ from typing import Any, Final
 from gradpipe.core.aggregate import AggregationMethod
 from gradpipe.core.chunking import chunk_ranges
 from gradpipe.core.display import printable
-from gradpipe.graph.aggregate import (
+from gradpipe.graph.aggregate_plan import (
     StepPlan,
     add_tensor_task,
     overlapping,

@@ -28,7 +28,7 @@ from dask.base import tokenize
 from gradpipe.core.display import printable
 from gradpipe.core.server_opt import ServerOptimizerConfig
 from gradpipe.core.tensor_manifest import TensorManifest
-from gradpipe.graph.aggregate import overlapping, sources_of
+from gradpipe.graph.aggregate_plan import overlapping, sources_of
 from gradpipe.graph.chains import add_chunk_read, chunk_key
 from gradpipe.graph.server_tasks import (
     ChunkJob,
