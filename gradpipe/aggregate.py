@@ -5,8 +5,12 @@ other (tensor names, dtypes, shapes, no NaN or infinity, valid weights)
 before anything is written, skip the steps whose aggregate the run already
 records under the same memo key, then compute the rest as one graph
 (:mod:`gradpipe.graph.aggregate`) under a writer's lease and report.
-Methods here: the reducible ones (sum, mean, weighted mean, FedAvg), with
-optional per-peer L2 clipping. See ``docs/design/009-aggregation.md``.
+Methods (:data:`METHODS`): the reducible ones (sum, mean, weighted mean,
+FedAvg, DP-FedAvg), the coordinate-wise robust ones (median, trimmed mean), the
+selection ones (Krum, Multi-Krum, Bulyan) and the server optimizers (SGD,
+FedAvgM, FedAdagrad, FedAdam, FedYogi, on a snapshot chain), with optional
+per-peer L2 clipping (``clip_norm``) and clipping of the result
+(``clip_aggregate``). See ``docs/design/009-aggregation.md``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The tasks of the codec-evaluation graph, and what one candidate's evaluation adds up to.
+"""The tasks of the codec-evaluation graph (what they add up to, per candidate, is
+:class:`~gradpipe.graph.evaluate_result.CodecResult`).
 
 Each task takes the logical bytes of stored chunks (the results of the read
 tasks of :mod:`gradpipe.graph.chains`, shared by every candidate) and returns a
