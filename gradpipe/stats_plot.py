@@ -91,7 +91,7 @@ def _size(nbytes: float) -> str:
 def _title(ds: xr.Dataset) -> str:
     kind = ds.attrs.get("kind")
     if kind == "aggregate":
-        return f"run {printable(ds.attrs['run'])}, aggregate {printable(ds.attrs['aggregate'])}"
+        return f"aggregate {printable(ds.attrs['aggregate'])} of run {printable(ds.attrs['run'])}"
     if kind == "snapshot":
         return f"snapshot {printable(ds.attrs['snapshot'])}"
     return f"run {printable(ds.attrs.get('run', '?'))}"

@@ -65,6 +65,7 @@ def test_sigkill_mid_snapshot_leaves_the_previous_one(tmp_path: Path) -> None:
     files = _state_files(tmp_path)
     want = [_read(p) for p in files]
     timing_store = tmp_path / "timing"
+    gp.open_store(str(timing_store), mode="w")  # gradpipe snapshot never creates a store
     subprocess.run(_snapshot_cmd(timing_store, files[0], 0), check=True, env=ENV)
     start = time.perf_counter()
     subprocess.run(_snapshot_cmd(timing_store, files[1], 1), check=True, env=ENV)
@@ -75,6 +76,7 @@ def test_sigkill_mid_snapshot_leaves_the_previous_one(tmp_path: Path) -> None:
     moments += [rng.uniform(0.2, 1.0) * wall for _ in range(4)]
     for n, moment in enumerate(moments):
         store_path = tmp_path / f"store{n}"
+        gp.open_store(str(store_path), mode="w")
         subprocess.run(_snapshot_cmd(store_path, files[0], 0), check=True, env=ENV)
         before, ref = _blocks(store_path), _ref(store_path)
         proc = subprocess.Popen(_snapshot_cmd(store_path, files[1], 1), env=ENV)

@@ -77,9 +77,11 @@ class SnapshotManifest(EmbeddedTensors, Manifest):
 
     @property
     def logical_bytes(self) -> int:
-        """Uncompressed bytes of its arrays, each counted (identical arrays share one
-        embedded manifest, but a state that holds two holds twice the bytes)."""
-        return sum(self.embedded[t].nbytes for t in self.tensors.values())
+        """Uncompressed bytes of its arrays, each counted: identical arrays share one
+        embedded manifest, but a state that holds two holds twice the bytes. (Stored and
+        full bytes count a shared manifest once: its blocks are written once.) A tensor
+        whose manifest is not embedded (the format allows it) is not counted."""
+        return sum(self.embedded[t].nbytes for t in self.tensors.values() if t in self.embedded)
 
     @property
     def depth(self) -> int:

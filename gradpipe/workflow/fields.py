@@ -169,8 +169,8 @@ class LocalPath(Field):
     """A path on this machine (relative to the workflow file's folder): outputs, sample data.
 
     ``needs`` names a module that writing it takes, installed by gradpipe's extra ``extra``
-    (a plot needs matplotlib): a file that asks for it where the module is missing is
-    refused when it is read, so ``--dry-run`` says so and nothing is written.
+    (a plot needs matplotlib): :func:`gradpipe.workflow.run.run_workflow` checks it for the
+    stages it is about to run (``--dry-run`` included) before anything is written.
     """
 
     help: str = ""
@@ -183,12 +183,21 @@ class LocalPath(Field):
             raise node.error(
                 f"{printable(node.value)}: a local path is needed here ({self.help}), not a URL"
             )
-        if self.needs and importlib.util.find_spec(self.needs) is None:
-            raise node.error(
-                f"{self.help}: needs {self.needs}, which is not installed here: "
-                f"pip install 'gradpipe[{self.extra}]', or leave this out"
-            )
         return value
+
+    def missing(self) -> str | None:
+        """What to install for this field here (``needs`` not importable), else None."""
+        if not self.needs:
+            return None
+        try:
+            found = importlib.util.find_spec(self.needs) is not None
+        except (ImportError, ValueError):  # a stub module without a spec, a broken parent
+            found = False
+        if found:
+            return None
+        return (
+            f"needs {self.needs}, which is not installed here: pip install 'gradpipe[{self.extra}]'"
+        )
 
     def schema(self) -> dict[str, Any]:
         return {"type": "string", "description": self.help}

@@ -49,7 +49,7 @@ from gradpipe.errors import (
     NotFoundError,
     StorageError,
 )
-from gradpipe.workflow.spec import Stage, Workflow, load_workflow
+from gradpipe.workflow.spec import Stage, Workflow, load_workflow, missing_requirements
 from gradpipe.workflow.stages import RUNNERS, StageContext
 
 if TYPE_CHECKING:
@@ -217,6 +217,12 @@ def run_workflow(
             f"{printable_text(workflow.path, limit=PATH_LIMIT)}: no stage {unknown[0]} "
             f"(stages 0 to {len(workflow.stages) - 1})"
         )
+    # What the stages about to run need and this machine lacks (a plot without matplotlib):
+    # refused now, --dry-run included, before anything is written. Stages not run here
+    # (``only``: a worker running one stage) need nothing here.
+    missing = [m for s in workflow.stages if s.index in wanted for m in missing_requirements(s)]
+    if missing:
+        raise InvalidInputError("; ".join(missing))
     report = WorkflowReport(
         workflow.path,
         workflow.store_shown,

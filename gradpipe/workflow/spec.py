@@ -191,7 +191,7 @@ STAGES: Final[dict[str, StageSpec]] = {
             "csv": LocalPath("a CSV file of per-(step, peer, tensor) records"),
             "json": LocalPath("a JSON file of the records and totals"),
             "plot": LocalPath(
-                "a PNG of ratios, density and norms (needs matplotlib: gradpipe[plot])",
+                "a PNG of ratios, density and norms (needs matplotlib)",
                 needs="matplotlib",
                 extra="plot",
             ),
@@ -390,6 +390,22 @@ def _stage(index: int, node: Node, ctx: Context, retries: int, backoff: float) -
         _common(body, "backoff", backoff, ctx),
         node.where,
     )
+
+
+def missing_requirements(stage: Stage) -> list[str]:
+    """What ``stage`` needs that is not installed here: one message per field, with
+    its place in the file and what to install (a stats ``plot`` without matplotlib)."""
+    fields = STAGES[stage.kind].fields
+    out = []
+    for key in stage.params:
+        field = fields.get(key)
+        problem = field.missing() if isinstance(field, LocalPath) else None
+        if problem:
+            out.append(
+                f"{stage.where}: stage {stage.index} ({stage.kind}): {key} {problem}, "
+                f"or leave {key} out"
+            )
+    return out
 
 
 def json_schema() -> dict[str, Any]:

@@ -9,7 +9,6 @@ are a line each; ``sample`` and ``snapshot`` have small reports of their own.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,7 +213,8 @@ class StatsStageReport(ReportHtml):
             f"{t.get('stored_bytes', 0) / 2**20:.1f} MiB stored (ratio {shown})"
         )
         files = ", ".join(
-            f"{k} {printable(os.path.normpath(v), limit=PATH_LIMIT)}"  # "a/../b" shown as "b"
+            # The file written, "a/../b" resolved as the system does (through symlinks).
+            f"{k} {printable(str(Path(v).resolve()), limit=PATH_LIMIT)}"
             for k, v in self.written.items()
         )
         missing = (
