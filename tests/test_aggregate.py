@@ -13,6 +13,7 @@ import pytest
 import gradpipe as gp
 from gradpipe.core.ids import block_key
 from gradpipe.formats.safetensors import read_safetensors, write_safetensors
+from gradpipe.testing.cli import run_cli
 from gradpipe.testing.training import SampleRun, TrainingConfig, write_sample_run
 
 #: 3 peers x 3 steps; the embedding spans several chunks at the chunk size below.
@@ -317,6 +318,9 @@ def test_replacing_a_dump_leaves_the_aggregate_stale(sample: SampleRun, tmp_path
     assert stale.stale is not None
     assert "peer1" in stale.stale
     np.testing.assert_array_equal(stale.read("dense1.bias"), old.read("dense1.bias"))
+    listing = run_cli("ls", store.url, "r")  # the table takes the STALE note as a last cell
+    assert listing.status == 0
+    assert "STALE (" in listing.out
     again = gp.aggregate(store, run="r")  # a new memo key: the dump ids differ
     assert again.computed == 1
     assert again.aggregate_id(0) != first.aggregate_id(0)

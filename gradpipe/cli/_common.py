@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, NoReturn
 
@@ -186,6 +186,27 @@ def open_store_arg(args: argparse.Namespace, mode: Mode) -> Store:
         return open_store(args.store, mode=mode, storage_options=options)
     except NotFoundError as exc:
         raise MissingStoreError(str(exc)) from None
+
+
+def aligned_lines(rows: Sequence[Sequence[str]], *, right: Collection[int] = ()) -> list[str]:
+    """``rows`` of cells as text lines, each column as wide as its widest cell.
+
+    Columns whose index is in ``right`` are right-aligned, the others left-aligned; a row
+    may have more cells than others (a trailing note), trailing spaces are dropped.
+    """
+    widths: list[int] = []
+    for row in rows:
+        for i, cell in enumerate(row):
+            if i == len(widths):
+                widths.append(0)
+            widths[i] = max(widths[i], len(cell))
+    return [
+        "  ".join(
+            cell.rjust(widths[i]) if i in right else cell.ljust(widths[i])
+            for i, cell in enumerate(row)
+        ).rstrip()
+        for row in rows
+    ]
 
 
 def add_where_arguments(p: argparse.ArgumentParser) -> None:

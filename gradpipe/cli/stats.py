@@ -18,6 +18,7 @@ from gradpipe.cli._common import (
     EXIT_OK,
     CommandResult,
     Commands,
+    aligned_lines,
     json_text,
     open_store_arg,
 )
@@ -181,13 +182,9 @@ def _table(ds: xr.Dataset, rows: Sequence[dict[str, Any]], totals: dict[str, Any
     body = [[_cell(row.get(key, "")), *_values(row)] for row in rows]
     if totals:
         body.append(["total", *_values(totals)])
-    widths = [max(len(str(r[i])) for r in (header, *body)) for i in range(len(header))]
-    for row in (header, *body):
-        cells_text = [
-            str(v).ljust(w) if i in (0, len(row) - 1, len(row) - 2) else str(v).rjust(w)
-            for i, (v, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        lines.append("  ".join(cells_text).rstrip())
+    left = {0, len(header) - 1, len(header) - 2}  # the key, encoding and codec columns
+    table = [[str(v) for v in row] for row in (header, *body)]
+    lines += aligned_lines(table, right=set(range(len(header))) - left)
     lines.append(
         "stored MiB count a block several tensors share once, for the first (step, peer, "
         "tensor) that uses it"

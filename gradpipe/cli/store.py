@@ -10,6 +10,7 @@ from gradpipe.cli._common import (
     EXIT_OK,
     CommandResult,
     Commands,
+    aligned_lines,
     open_store_arg,
     parse_duration,
     report_result,
@@ -207,14 +208,9 @@ def _aggregate_table(aggregates: list[dict[str, Any]]) -> list[str]:
         + ([f"STALE ({a['stale']})"] if a["stale"] else [])
         for a in aggregates
     ]
-    header = ["step", "name", "method", "id"]
-    widths = [max(len(r[i]) for r in (header, *rows) if i < len(r)) for i in range(4)]
-
-    def line(cells: list[str]) -> str:
-        fixed = [c.rjust(widths[0]) if i == 0 else c.ljust(widths[i]) for i, c in enumerate(cells)]
-        return "  " + "  ".join(fixed).rstrip()
-
-    return [line(header), *(line(r) for r in rows)]
+    return [
+        "  " + line for line in aligned_lines([["step", "name", "method", "id"], *rows], right={0})
+    ]
 
 
 def _aggregates(store: Store, run: Run) -> list[dict[str, Any]]:
