@@ -482,25 +482,22 @@ def _write(
     one_chunk = get_bytes("chunk-bytes")
     large = threading.BoundedSemaphore(_LARGE_IN_FLIGHT)
 
-    def write_large(key: str) -> TensorManifest:
+    def is_large(key: str) -> bool:
+        return bool(flat.arrays[key].nbytes > one_chunk)
+
+    def write_one(key: str) -> TensorManifest:
+        if not is_large(key):
+            return write(key, parallel=False)
         with large:
             return write(key, parallel=True)
 
-    keys = sorted(flat.arrays, key=lambda k: flat.arrays[k].nbytes > one_chunk)
     pool = ThreadPoolExecutor(read_threads(), thread_name_prefix="gradpipe-snapshot")
     try:
-        futures = {
-            k: pool.submit(write_large, k)
-            if flat.arrays[k].nbytes > one_chunk
-            else pool.submit(write, k, parallel=False)
-            for k in keys
-        }
+        futures = {k: pool.submit(write_one, k) for k in sorted(flat.arrays, key=is_large)}
         done, _ = wait(futures.values(), return_when=FIRST_EXCEPTION)
-        failed = [futures[k] for k in flat.arrays if futures[k] in done]
-        error = next((e for e in (f.exception() for f in failed) if e is not None), None)
-        if error is not None:
-            pool.shutdown(wait=True, cancel_futures=True)  # what has not started never does
-            raise error
+        for key in flat.arrays:  # the first error in the state's order, if any
+            if futures[key] in done and (error := futures[key].exception()) is not None:
+                raise error  # the finally cancels what has not started
         manifests = [futures[k].result() for k in flat.arrays]
     finally:
         pool.shutdown(wait=True, cancel_futures=True)

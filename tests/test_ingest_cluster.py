@@ -34,6 +34,7 @@ from gradpipe.graph.ingest_tasks import inspect_dumps
 from gradpipe.ingest import ingest
 from gradpipe.runs import open_run
 from gradpipe.testing import SampleRun, TrainingConfig, write_sample_run
+from gradpipe.testing.ids import run_tensor_ids
 
 distributed = pytest.importorskip("distributed")
 
@@ -174,15 +175,6 @@ def sample(tmp_path_factory: pytest.TempPathFactory) -> SampleRun:
     return write_sample_run(tmp_path_factory.mktemp("sample"), config)
 
 
-def _tensor_ids(store: gp.Store, run: str) -> dict[tuple[int, str, str], str]:
-    view = open_run(store, run)
-    return {
-        (entry.step, entry.peer, name): tensor_id
-        for entry in view
-        for name, tensor_id in view.dump(entry.step, entry.peer).manifest.tensor_ids.items()
-    }
-
-
 @pytest.fixture(scope="module")
 def local_ids(sample: SampleRun, tmp_path_factory: pytest.TempPathFactory) -> dict[Any, str]:
     """Tensor ids of the sample ingested by ``gradpipe ingest`` on local threads.
@@ -194,7 +186,7 @@ def local_ids(sample: SampleRun, tmp_path_factory: pytest.TempPathFactory) -> di
     doc = _cli_ingest(root, sample)
     _check_doc(doc, sample)
     assert doc["dashboard"] is None
-    ids = _tensor_ids(gp.open_store(str(root), mode="r"), "r")
+    ids = run_tensor_ids(gp.open_store(str(root), mode="r"), "r")
     expected = len(sample.steps) * len(sample.peers) * len(sample.config.param_shapes())
     assert len(ids) == expected
     return ids
@@ -240,7 +232,7 @@ def test_cli_ingest_on_cluster_matches_local_threads(
 
     store = gp.open_store(str(tmp_path / "store"), mode="r")
     assert doc["run_id"] == store.refs.get("runs/r")
-    assert _tensor_ids(store, "r") == local_ids
+    assert run_tensor_ids(store, "r") == local_ids
     assert gp.verify(store).ok
 
     # The work ran on the cluster, under readable task names, in a named span.
@@ -274,7 +266,7 @@ def test_scheduler_address_from_environment(
     after = cluster.prefix_counts()
     assert after.get("gradpipe-commit", 0) == before.get("gradpipe-commit", 0) + 1
     store = gp.open_store(str(tmp_path / "store"), mode="r")
-    assert _tensor_ids(store, "r") == local_ids
+    assert run_tensor_ids(store, "r") == local_ids
 
     # A second ingest of the same files finds them all recorded: no graph, nothing to run.
     doc = _cli_ingest(tmp_path / "store", sample, env={"DASK_SCHEDULER_ADDRESS": cluster.address})
@@ -320,7 +312,7 @@ def test_python_api_task_names_on_the_scheduler(
         report = ingest(store, sample.dump_pattern, run="r", client=cluster.client)
     assert report.ok, report.summary()
     assert report.ingested == len(dumps)
-    assert _tensor_ids(store, "r") == local_ids
+    assert run_tensor_ids(store, "r") == local_ids
     ran = Counter(key_split(task["key"]) for task in stream.data)
     assert set(ran) == ALL_PREFIXES
     assert ran["gradpipe-commit"] == 1

@@ -39,6 +39,7 @@ from gradpipe.ingest import IngestReport, ingest, recorded_id
 from gradpipe.runs import open_run
 from gradpipe.storage._local import TEMP_PREFIX
 from gradpipe.testing import SampleRun, TrainingConfig, write_sample_run
+from gradpipe.testing.ids import TensorIds, run_tensor_ids
 
 BIN = Path(sys.executable).parent
 # Small chunks make thousands of blocks: an ingest of ~30 MiB that takes about a second.
@@ -46,8 +47,6 @@ CHUNK_BYTES = 16 << 10
 SETTINGS = {"gradpipe.chunk-bytes": CHUNK_BYTES}
 EARLY_STEPS = 2  # ingested first, as "the commit before" the killed ingest
 SEED = int(os.environ.get("GRADPIPE_TEST_SEED", "20240611"))
-
-TensorIds = dict[tuple[int, str, str], str]
 
 
 # --- data -----------------------------------------------------------------------
@@ -72,15 +71,6 @@ def early_pattern(sample: SampleRun, tmp_path_factory: pytest.TempPathFactory) -
             link.parent.mkdir(parents=True, exist_ok=True)
             os.link(sample.dump_path(step, peer), link)
     return pattern
-
-
-def _tensor_ids(store: gp.Store, run: str = "r") -> TensorIds:
-    view = open_run(store, run)
-    return {
-        (entry.step, entry.peer, name): tensor_id
-        for entry in view
-        for name, tensor_id in view.dump(entry.step, entry.peer).manifest.tensor_ids.items()
-    }
 
 
 def _check_bit_exact(store: gp.Store, sample: SampleRun) -> None:
@@ -153,7 +143,7 @@ def reference(
     assert proc.returncode == 0, err.decode()
     store = gp.open_store(str(root), mode="r")
     _check_bit_exact(store, sample)
-    ids = _tensor_ids(store)
+    ids = run_tensor_ids(store, "r")
     assert len(ids) == len(sample.steps) * len(sample.peers) * len(sample.config.param_shapes())
     return ids, seconds
 
@@ -223,7 +213,7 @@ def test_sigkill_client_leaves_a_complete_commit_and_rerun_finishes(
         if now != before:
             assert now is not None, where
             assert len(open_run(store, "r")) == total, where
-            assert _tensor_ids(store) == ids, where
+            assert run_tensor_ids(store, "r") == ids, where
         elif _block_files(root) > blocks_before:
             mid_graph += 1
         if kill == "commit":
@@ -241,7 +231,7 @@ def test_sigkill_client_leaves_a_complete_commit_and_rerun_finishes(
         else:
             assert rerun.skipped == (early if before else 0), where
         assert len(open_run(store, "r")) == total, where
-        assert _tensor_ids(store) == ids, where
+        assert run_tensor_ids(store, "r") == ids, where
         _check_bit_exact(store, sample)
     # At least one kill fell inside the graph (after blocks were written, before the
     # commit); otherwise this test would only have tested start-up and the finish.
@@ -326,7 +316,7 @@ def test_worker_killed_mid_graph_ingest_completes(
             assert report.ingested == total
             assert _gone(pids[victim]), f"worker pid {pids[victim]} survived SIGKILL"
             if chunk_bytes == CHUNK_BYTES:
-                assert _tensor_ids(store) == ids
+                assert run_tensor_ids(store, "r") == ids
             assert len(open_run(store, "r")) == total
             assert gp.verify(store).ok
             _check_bit_exact(store, sample)

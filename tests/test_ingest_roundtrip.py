@@ -27,6 +27,7 @@ from gradpipe.formats.safetensors import read_safetensors
 from gradpipe.graph.ingest_plan import plan_units
 from gradpipe.ingest import ingest
 from gradpipe.runs import export_dump, open_run
+from gradpipe.testing.ids import run_tensor_ids
 
 STEPS = [0, 1]
 PEERS = ["a", "b"]
@@ -280,15 +281,6 @@ def client(s3_server) -> Iterator[object]:  # type: ignore[no-untyped-def]
                 os.environ[k] = v
 
 
-def tensor_ids(store: gp.Store, run: str) -> dict[tuple[int, str, str], str]:
-    out = {}
-    for entry in open_run(store, run):
-        dump = open_run(store, run).dump(entry.step, entry.peer)
-        for name, tensor_id in dump.manifest.tensors:
-            out[entry.step, entry.peer, name] = tensor_id
-    return out
-
-
 def test_process_cluster_matches_threads(
     place, kit: types.ModuleType, client, small_chunks: None, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
@@ -309,9 +301,9 @@ def test_process_cluster_matches_threads(
     names = {key_split(t["key"]) for t in stream.data}
     expected = {"gradpipe-inspect", "gradpipe-read", "gradpipe-encode", "gradpipe-dump"}
     assert expected | {"gradpipe-commit"} <= names
-    ids = tensor_ids(cluster_store, batch.run)
+    ids = run_tensor_ids(cluster_store, batch.run)
     assert len(ids) == sum(len(t) for t, _ in batch.expected.values())
-    assert ids == tensor_ids(threaded, batch.run)
+    assert ids == run_tensor_ids(threaded, batch.run)
     # Same files, same content: the whole run manifest is the same object.
     assert open_run(cluster_store, batch.run).id == open_run(threaded, batch.run).id
     export_to = str(tmp_path) if place.kind == "local" else place.url("exported")

@@ -23,9 +23,9 @@ import pytest
 import gradpipe as gp
 from gradpipe.errors import GradpipeError, InvalidInputError
 from gradpipe.graph.process_pool import LocalProcesses
-from gradpipe.runs import open_run
 from gradpipe.storage.catalog import read_run
 from gradpipe.testing import SampleRun, TrainingConfig, write_sample_run
+from gradpipe.testing.ids import run_tensor_ids
 
 BIN = Path(sys.executable).parent
 SETTINGS = {"gradpipe.chunk-bytes": 64 << 10, "gradpipe.ingest.task-bytes": 256 << 10}
@@ -37,21 +37,12 @@ def sample(tmp_path_factory: pytest.TempPathFactory) -> SampleRun:
     return write_sample_run(tmp_path_factory.mktemp("sample"), config)
 
 
-def _tensor_ids(store: gp.Store, run: str) -> dict[tuple[int, str, str], str]:
-    view = open_run(store, run)
-    return {
-        (entry.step, entry.peer, name): tensor_id
-        for entry in view
-        for name, tensor_id in view.dump(entry.step, entry.peer).manifest.tensor_ids.items()
-    }
-
-
 @pytest.fixture(scope="module")
 def thread_ids(sample: SampleRun, tmp_path_factory: pytest.TempPathFactory) -> dict[Any, str]:
     store = gp.open_store(str(tmp_path_factory.mktemp("threads") / "store"), mode="w")
     with dask.config.set(SETTINGS):
         assert gp.ingest(store, sample.dump_pattern, run="r", workers=2).ok
-    return _tensor_ids(store, "r")
+    return run_tensor_ids(store, "r")
 
 
 def _pids(runner: gp.Runner, n: int = 8) -> set[int]:
@@ -69,7 +60,7 @@ def test_ingest_on_processes_is_bit_exact_with_threads(
         report = gp.ingest(store, sample.dump_pattern, run="r", workers=2, processes=True)
     assert report.ok, report.summary()
     assert report.ingested == len(sample.steps) * len(sample.peers)
-    assert _tensor_ids(store, "r") == thread_ids
+    assert run_tensor_ids(store, "r") == thread_ids
     assert gp.verify(store, all_blocks=True).ok
 
 
@@ -212,7 +203,7 @@ def test_a_worker_killed_mid_ingest_commits_nothing_and_a_rerun_succeeds(
     assert gp.verify(store, all_blocks=True).ok
     with dask.config.set(SETTINGS):
         assert gp.ingest(store, sample.dump_pattern, run="r", workers=2, processes=True).ok
-    assert _tensor_ids(store, "r") == thread_ids
+    assert run_tensor_ids(store, "r") == thread_ids
 
 
 def test_processes_ignore_the_environment_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -257,7 +248,7 @@ def test_cli_ingest_processes(
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["ok"] is True
-    assert _tensor_ids(gp.open_store(str(store), mode="r"), "r") == thread_ids
+    assert run_tensor_ids(gp.open_store(str(store), mode="r"), "r") == thread_ids
     refused = subprocess.run(
         [*command, "--processes", "--scheduler", "tcp://127.0.0.1:9"],
         capture_output=True, env=env, timeout=60, check=False, text=True,

@@ -15,6 +15,7 @@ import pytest
 
 import gradpipe as gp
 from gradpipe.cli import main
+from gradpipe.testing.ids import run_tensor_ids
 from gradpipe.testing.s3server import LostReply, S3Server
 from gradpipe.testing.training import SampleRun, TrainingConfig, write_sample_run
 
@@ -408,13 +409,10 @@ def test_a_workflow_on_local_processes_stores_what_threads_store(
         run = gp.open_run(gp.open_store(root / "archive"), "exp")
         return [run.aggregate("fedavg", step=s).id for s in range(TINY.steps)]
 
-    def tensor_ids(root: Path) -> dict[tuple[int, str], dict[str, str]]:
-        run = gp.open_run(gp.open_store(root / "archive"), "exp")
-        return {(e.step, e.peer): run.dump(e.step, e.peer).manifest.tensor_ids for e in run}
-
     # Content-addressed ids: the same bytes, statistics and provenance (commits and
     # snapshots carry their times, so the stores' other objects differ).
-    assert tensor_ids(processes) == tensor_ids(threads)
+    ids = [run_tensor_ids(gp.open_store(root / "archive"), "exp") for root in (processes, threads)]
+    assert ids[0] == ids[1]
     assert aggregates(processes) == aggregates(threads)
 
 
