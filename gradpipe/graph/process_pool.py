@@ -102,7 +102,7 @@ class LocalProcesses:
 
     def _executor(self) -> ProcessPoolExecutor:
         settings = all_settings()  # defaults merged: not a change of settings
-        broken = self._pool is not None and getattr(self._pool, "_broken", False)
+        broken = self._pool is not None and _unusable(self._pool, self.pids)
         if self._pool is not None and (broken or self._settings != settings):
             self._close()  # broken since the last graph, or gradpipe's settings changed
         if self._pool is None:
@@ -147,9 +147,24 @@ def _ready_pids(pool: ProcessPoolExecutor, ready: Any, count: int) -> tuple[int,
         try:
             pids.append(ready.get(timeout=0.1))
         except Empty:
-            if getattr(pool, "_broken", False) or time.monotonic() > deadline:
+            if _unusable(pool, ()) or time.monotonic() > deadline:
                 raise BrokenProcessPool("the pool's processes did not start") from None
     return tuple(pids)
+
+
+def _unusable(pool: ProcessPoolExecutor, started: tuple[int, ...]) -> bool:
+    """Whether ``pool`` can run no graph: marked broken, or one of the processes ``started``
+    has died and the executor's own thread has not marked the pool yet (it does so a
+    moment later, and may drop the process from its table first). A process's death is read
+    from its sentinel, which does not depend on who reaped it."""
+    from multiprocessing.connection import wait
+
+    if getattr(pool, "_broken", False):
+        return True
+    processes = dict(getattr(pool, "_processes", None) or {})
+    if not set(processes).issuperset(started):
+        return True
+    return bool(wait([process.sentinel for process in processes.values()], timeout=0))
 
 
 _HIDING = threading.Lock()
