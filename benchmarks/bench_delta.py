@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from gradpipe.codecs import choose_codec
+from gradpipe.codecs.ops.delta import int_delta, xor_delta
 from gradpipe.core.chunking import choose_chunk_shape, chunk_ranges
-from gradpipe.core.delta import int_delta, xor_delta
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.testing.transformer import TransformerConfig, train_transformer
 

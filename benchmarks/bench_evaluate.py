@@ -51,8 +51,8 @@ from bench_ingest import zipnn_compressor
 from numcodecs import BitRound, Quantize, Zstd
 
 import gradpipe as gp
-from gradpipe.core.fidelity import Fidelity, measure_fidelity
-from gradpipe.evaluate_report import EvaluationReport, describe_bound
+from gradpipe.evaluation.fidelity import Fidelity, measure_fidelity
+from gradpipe.evaluation.report import EvaluationReport, describe_bound
 from gradpipe.formats.safetensors import write_safetensors
 from gradpipe.testing import TransformerConfig, train_transformer
 

@@ -24,7 +24,7 @@ the same files in the same run:
   the commit) into a new local store,
 - ``gradpipe re-ingest (CLI)``: the same command again over the same files and
   store (everything is recorded already: nothing is read or written but refs),
-- ``gradpipe ingest (API, threads)``: ``gradpipe.ingest.ingest`` in this process
+- ``gradpipe ingest (API, threads)``: ``gradpipe.ingestion.api.ingest`` in this process
   with the default local threaded scheduler, into a new local store; and
   ``gradpipe re-ingest (API)``, the same call again into that store,
 - ``gradpipe ingest (API, LocalCluster)``: the same with ``client=`` a
@@ -76,7 +76,7 @@ import numpy as np
 
 from gradpipe import open_store
 from gradpipe.formats.safetensors import read_safetensors
-from gradpipe.ingest import ingest
+from gradpipe.ingestion.api import ingest
 from gradpipe.testing import (
     SampleRun,
     TrainingConfig,

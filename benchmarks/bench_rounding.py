@@ -20,7 +20,12 @@ import time
 import ml_dtypes
 import numpy as np
 
-from gradpipe.core.rounding import bf16_bits, bf16_truncate_bits, from_bf16_bits, to_fp16
+from gradpipe.codecs.ops.half_precision import (
+    bf16_bits,
+    bf16_truncate_bits,
+    from_bf16_bits,
+    to_fp16,
+)
 from gradpipe.testing.transformer import TransformerConfig, train_transformer
 
 

@@ -14,7 +14,7 @@ the same server in the same run:
   process, s3fs's defaults: the anchor,
 - ``gradpipe ingest local->S3 (CLI)``: the whole ``gradpipe ingest s3://bench/store<i>
   PATTERN --run r`` command (a subprocess: interpreter start, imports, the
-  graph, the commit), the dumps on local disk; and ``(API)``: ``gradpipe.ingest.ingest``
+  graph, the commit), the dumps on local disk; and ``(API)``: ``gradpipe.ingestion.api.ingest``
   in this process (threads),
 - ``gradpipe ingest S3->S3 (CLI)`` and ``(API)``: the same from the dumps
   uploaded by the ``s3fs put`` row (``s3://bench/dumps/step={step}/...``),
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
     import fsspec
 
     import gradpipe as gp
-    from gradpipe.ingest import ingest
+    from gradpipe.ingestion.api import ingest
     from gradpipe.testing import TransformerConfig, write_transformer_run
     from gradpipe.testing.s3server import S3Server
 
@@ -226,7 +226,7 @@ def run_sweep(
     """The API ingest from each source over ``storage.concurrency`` and ``ingest.task-bytes``."""
     import gradpipe as gp
     from gradpipe.config import get_setting
-    from gradpipe.ingest import ingest
+    from gradpipe.ingestion.api import ingest
 
     fs = server_fs(server)
     default_concurrency = int(get_setting("storage.concurrency"))

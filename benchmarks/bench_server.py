@@ -14,7 +14,7 @@ starts, after imports; Linux only):
   threads (``--workers``), writing the next snapshot chunk by chunk;
 - ``whole arrays (restore, step, snapshot)``: what the step did before it was
   out of core: ``gp.restore`` of the whole state, the aggregate read whole,
-  :func:`gradpipe.core.server_opt.server_step` per tensor, ``gp.snapshot``;
+  :func:`gradpipe.aggregation.server_opt.server_step` per tensor, ``gp.snapshot``;
 - ``numpy server_step only``: the step's arithmetic on arrays already in memory
   (no store): the compute anchor.
 
@@ -39,7 +39,7 @@ import dask.config
 import numpy as np
 
 import gradpipe as gp
-from gradpipe.core.server_opt import ServerOptimizerConfig, server_step
+from gradpipe.aggregation.server_opt import ServerOptimizerConfig, server_step
 from gradpipe.formats.safetensors import write_safetensors
 
 LR = 0.01

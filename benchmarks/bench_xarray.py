@@ -215,7 +215,7 @@ def main() -> None:
 
     import gradpipe as gp
     from gradpipe.storage.reads import read_threads
-    from gradpipe.xarray import GradpipeBackendEntrypoint
+    from gradpipe.xarray.backend import GradpipeBackendEntrypoint
 
     store_dir, zarr_dir = prepare(args.steps, args.fresh)
     # The engine class itself: the same code as engine="gradpipe", installed or not.

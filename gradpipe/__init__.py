@@ -15,10 +15,9 @@ The names are imported on first use (PEP 562), so ``import gradpipe`` — and th
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any, Final
 
+from gradpipe import _moved
 from gradpipe._version import __version__
 from gradpipe.errors import (
     ConflictError,
@@ -33,8 +32,12 @@ from gradpipe.errors import (
     UnsupportedFormatError,
 )
 
+_moved.install()
+
 if TYPE_CHECKING:
-    from gradpipe.aggregate import AggregateReport, aggregate
+    from gradpipe.aggregation.api import AggregateReport, aggregate
+    from gradpipe.aggregation.rounds import RoundsReport, rounds
+    from gradpipe.aggregation.server_update import apply_server_update
     from gradpipe.core.aggregate_manifest import AggregateManifest
     from gradpipe.core.chunk_stats import ChunkStats
     from gradpipe.core.ref_entry import RefEntry
@@ -48,11 +51,10 @@ if TYPE_CHECKING:
     )
     from gradpipe.core.snapshot_manifest import SnapshotManifest
     from gradpipe.core.tensor_manifest import TensorManifest
-    from gradpipe.evaluate import EvaluationReport, evaluate_codecs
-    from gradpipe.graph.discover import Failure
+    from gradpipe.evaluation.api import EvaluationReport, evaluate_codecs
     from gradpipe.graph.runner import Runner, runner
-    from gradpipe.ingest import IngestReport, ingest
-    from gradpipe.rounds import RoundsReport, rounds
+    from gradpipe.ingestion.api import IngestReport, ingest
+    from gradpipe.ingestion.discover import Failure
     from gradpipe.runs import (
         Aggregate,
         Dump,
@@ -62,44 +64,43 @@ if TYPE_CHECKING:
         list_runs,
         open_run,
     )
-    from gradpipe.server import apply_server_update
-    from gradpipe.snapshot import SnapshotInfo, restore, restore_steps, snapshot, snapshot_log
-    from gradpipe.snapshot_prune import PruneReport, prune
-    from gradpipe.stats import compression_stats, summarize_stats
-    from gradpipe.stats_plot import plot_stats
+    from gradpipe.snapshots.api import SnapshotInfo, restore, restore_steps, snapshot, snapshot_log
+    from gradpipe.snapshots.prune import PruneReport, prune
+    from gradpipe.statistics.api import compression_stats, summarize_stats
+    from gradpipe.statistics.plot import plot_stats
     from gradpipe.storage import Refs, Store, WriteStats, open_store
     from gradpipe.storage.gc import GcReport, gc
     from gradpipe.storage.locks import Lease
     from gradpipe.storage.verify import VerifyReport, verify
     from gradpipe.storage.walk import Problem
     from gradpipe.workflow import WorkflowReport, run_workflow
-    from gradpipe.xarray import open_dataset
+    from gradpipe.xarray.backend import open_dataset
 
 #: Public name → the module that defines it, imported on first access.
 _LAZY: Final[dict[str, str]] = {
     "Aggregate": "gradpipe.runs",
     "AggregateEntry": "gradpipe.core.run_manifest",
     "AggregateManifest": "gradpipe.core.aggregate_manifest",
-    "AggregateReport": "gradpipe.aggregate",
+    "AggregateReport": "gradpipe.aggregation.api",
     "ChunkStats": "gradpipe.core.chunk_stats",
     "Dump": "gradpipe.runs",
-    "EvaluationReport": "gradpipe.evaluate",
+    "EvaluationReport": "gradpipe.evaluation.api",
     "DumpEntry": "gradpipe.core.run_manifest",
     "DumpManifest": "gradpipe.core.run_manifest",
-    "Failure": "gradpipe.graph.discover",
+    "Failure": "gradpipe.ingestion.discover",
     "GcReport": "gradpipe.storage.gc",
-    "IngestReport": "gradpipe.ingest",
+    "IngestReport": "gradpipe.ingestion.api",
     "Lease": "gradpipe.storage.locks",
     "Problem": "gradpipe.storage.walk",
-    "PruneReport": "gradpipe.snapshot_prune",
+    "PruneReport": "gradpipe.snapshots.prune",
     "RefEntry": "gradpipe.core.ref_entry",
     "Refs": "gradpipe.storage",
     "Report": "gradpipe.core.report",
-    "RoundsReport": "gradpipe.rounds",
+    "RoundsReport": "gradpipe.aggregation.rounds",
     "Run": "gradpipe.runs",
     "RunManifest": "gradpipe.core.run_manifest",
     "Runner": "gradpipe.graph.runner",
-    "SnapshotInfo": "gradpipe.snapshot",
+    "SnapshotInfo": "gradpipe.snapshots.api",
     "SnapshotManifest": "gradpipe.core.snapshot_manifest",
     "Store": "gradpipe.storage",
     "TensorManifest": "gradpipe.core.tensor_manifest",
@@ -107,28 +108,28 @@ _LAZY: Final[dict[str, str]] = {
     "VerifyReport": "gradpipe.storage.verify",
     "WorkflowReport": "gradpipe.workflow",
     "WriteStats": "gradpipe.storage",
-    "aggregate": "gradpipe.aggregate",
-    "apply_server_update": "gradpipe.server",
-    "compression_stats": "gradpipe.stats",
-    "evaluate_codecs": "gradpipe.evaluate",
+    "aggregate": "gradpipe.aggregation.api",
+    "apply_server_update": "gradpipe.aggregation.server_update",
+    "compression_stats": "gradpipe.statistics.api",
+    "evaluate_codecs": "gradpipe.evaluation.api",
     "export_aggregate": "gradpipe.runs",
     "export_dump": "gradpipe.runs",
     "gc": "gradpipe.storage.gc",
-    "ingest": "gradpipe.ingest",
+    "ingest": "gradpipe.ingestion.api",
     "list_runs": "gradpipe.runs",
-    "open_dataset": "gradpipe.xarray",
+    "open_dataset": "gradpipe.xarray.backend",
     "open_run": "gradpipe.runs",
     "open_store": "gradpipe.storage",
-    "plot_stats": "gradpipe.stats_plot",
-    "prune": "gradpipe.snapshot_prune",
-    "restore": "gradpipe.snapshot",
-    "restore_steps": "gradpipe.snapshot",
-    "rounds": "gradpipe.rounds",
+    "plot_stats": "gradpipe.statistics.plot",
+    "prune": "gradpipe.snapshots.prune",
+    "restore": "gradpipe.snapshots.api",
+    "restore_steps": "gradpipe.snapshots.api",
+    "rounds": "gradpipe.aggregation.rounds",
     "runner": "gradpipe.graph.runner",
-    "snapshot": "gradpipe.snapshot",
-    "snapshot_log": "gradpipe.snapshot",
+    "snapshot": "gradpipe.snapshots.api",
+    "snapshot_log": "gradpipe.snapshots.api",
     "run_workflow": "gradpipe.workflow",
-    "summarize_stats": "gradpipe.stats",
+    "summarize_stats": "gradpipe.statistics.api",
     "verify": "gradpipe.storage.verify",
 }
 
@@ -212,19 +213,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY})
-
-
-class _Package(types.ModuleType):
-    """The gradpipe package, whose functions ``ingest`` and ``aggregate`` share their names
-    with submodules."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        # Importing the submodule ``gradpipe.ingest`` sets the package attribute
-        # ``ingest`` to that module; the public name is the function, as it was
-        # when this package imported everything eagerly.
-        if name in _LAZY and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gradpipe.errors import InvalidInputError
-from gradpipe.ingest import IngestReport, ingest
+from gradpipe.ingestion.api import IngestReport, ingest
 from gradpipe.storage.open import open_store, url_is_local
 from gradpipe.storage.registry import backend_for_url
 from gradpipe.testing.training import TrainingConfig, write_sample_run

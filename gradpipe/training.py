@@ -10,7 +10,7 @@
   (the README has the table).
 - :func:`has_nan_or_inf` and :func:`safe_clip`.
 - :class:`GradientCompressor`: the seed's random projection plus ternary
-  quantisation, on :mod:`gradpipe.core.projection` (the same math as the
+  quantisation, on :mod:`gradpipe.codecs.ops.projection` (the same math as the
   ``projection-R`` codec). It does not reconstruct gradients; see that module.
 
 Errors are :class:`~gradpipe.errors.InvalidInputError` (the seed's
@@ -26,10 +26,15 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from gradpipe.core.projection import project, quantize_ternary, segment_layout, transpose_project
-from gradpipe.core.rounding import bf16_bits, from_bf16_bits
-from gradpipe.core.rounding import to_fp16 as _to_fp16
-from gradpipe.core.sparsify import parse_fraction
+from gradpipe.codecs.ops.half_precision import bf16_bits, from_bf16_bits
+from gradpipe.codecs.ops.half_precision import to_fp16 as _to_fp16
+from gradpipe.codecs.ops.projection import (
+    project,
+    quantize_ternary,
+    segment_layout,
+    transpose_project,
+)
+from gradpipe.codecs.ops.sparsify import parse_fraction
 from gradpipe.errors import InvalidInputError
 
 __all__ = [
@@ -325,7 +330,7 @@ class GradientCompressor:
 
 def _transpose(sketch: np.ndarray, size: int, ratio: float, seed: int) -> np.ndarray:
     """``Aᵀ·y`` for a float sketch ``y`` (BLAS is fine here: nothing is hashed)."""
-    from gradpipe.core.projection import projection_matrix
+    from gradpipe.codecs.ops.projection import projection_matrix
 
     length, k, m = segment_layout(size, ratio, SEGMENT)
     s = projection_matrix(k, length, seed).astype(np.float64)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import gradpipe as gp
-from gradpipe.core.server_opt import ServerOptimizerConfig, init_server_state, server_step
+from gradpipe.aggregation.server_opt import ServerOptimizerConfig, init_server_state, server_step
 from gradpipe.testing.training import SampleRun, TrainingConfig, write_sample_run
 
 SMALL = TrainingConfig(vocab_size=500, embed_dim=8, hidden=8, peers=2, steps=3)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import gradpipe as gp
-from gradpipe.core.aggregate import reduce_peers
+from gradpipe.aggregation.reduce import reduce_peers
 from gradpipe.formats.safetensors import write_safetensors
 from gradpipe.testing.cli import run_cli, run_cli_json
 
@@ -191,9 +191,9 @@ def test_a_robust_result_beyond_float64_names_step_tensor_and_chunk_once(
     monkeypatch: pytest.MonkeyPatch, method: str, peers: int
 ) -> None:
     """The chunk's context leads the refusal once, as ``write_chunk``'s does (no ``tensor "…"``)."""
-    from gradpipe.core.result_range import round_result
-    from gradpipe.graph import robust_tasks
-    from gradpipe.graph.aggregate_tasks import StepFailure
+    from gradpipe.aggregation import robust_tasks
+    from gradpipe.aggregation.result_range import round_result
+    from gradpipe.aggregation.tasks import StepFailure
 
     chunks = [np.full(4, 1.7e308 - i * 1e307) for i in range(peers)]  # sums beyond float64
     monkeypatch.setattr(robust_tasks, "read_group", lambda *args: chunks)

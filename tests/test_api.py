@@ -156,7 +156,7 @@ def test_import_is_light() -> None:
     loaded = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
-    assert "'gradpipe.snapshot'" in loaded.stdout
+    assert "'gradpipe.snapshots.api'" in loaded.stdout
     assert "'gradpipe.torch'" not in loaded.stdout
     assert "'torch'" not in loaded.stdout
 

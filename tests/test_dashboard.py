@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from gradpipe._dashboard.board import Board, Live
-from gradpipe._dashboard.page import render_page
+from gradpipe.dashboard.board import Board, Live
+from gradpipe.dashboard.page import render_page
 from gradpipe.graph.runner import Runner
 from gradpipe.graph.telemetry import MAX_FAILURES, TOPIC, graph_operation, operation, reported
 
@@ -239,7 +239,7 @@ def test_board_keeps_running_operations_and_totals_when_it_trims() -> None:
 # --- Prometheus ---------------------------------------------------------------------
 def test_metrics_of_the_board() -> None:
     prometheus_client = pytest.importorskip("prometheus_client")
-    from gradpipe.dashboard import GradpipeDashboard, _Collector
+    from gradpipe.dashboard.plugin import GradpipeDashboard, _Collector
 
     plugin = GradpipeDashboard()
     _ingest_events(plugin.board)

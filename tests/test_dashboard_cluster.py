@@ -312,7 +312,7 @@ def test_failed_dumps_show_with_their_reasons(
 
 
 def test_register_plugin_on_a_running_scheduler(sample: SampleRun, tmp_path: Path) -> None:
-    from gradpipe.dashboard import GradpipeDashboard
+    from gradpipe.dashboard.plugin import GradpipeDashboard
 
     with dask_cluster(tmp_path / "cluster", preload=None, workers=1) as cluster:
         store = gp.open_store(tmp_path / "store", mode="w")

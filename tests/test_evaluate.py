@@ -20,7 +20,7 @@ from gradpipe.codecs.candidate import Candidate
 from gradpipe.codecs.policy import choose_codec
 from gradpipe.codecs.registry import make_codec
 from gradpipe.core.lossy import ErrorBound
-from gradpipe.core.sampling import Unit
+from gradpipe.evaluation.sampling import Unit
 from gradpipe.formats.safetensors import write_safetensors
 from gradpipe.graph.runner import Runner
 from gradpipe.testing import TransformerConfig, TransformerRun, write_transformer_run

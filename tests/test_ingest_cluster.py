@@ -28,10 +28,10 @@ from dask.utils import key_split
 
 import gradpipe as gp
 from gradpipe.formats.safetensors import read_safetensors
-from gradpipe.graph.discover import discover_dumps
-from gradpipe.graph.ingest import build_ingest_graph
-from gradpipe.graph.ingest_tasks import inspect_dumps
-from gradpipe.ingest import ingest
+from gradpipe.ingestion.api import ingest
+from gradpipe.ingestion.discover import discover_dumps
+from gradpipe.ingestion.graph import build_ingest_graph
+from gradpipe.ingestion.tasks import inspect_dumps
 from gradpipe.runs import open_run
 from gradpipe.testing import SampleRun, TrainingConfig, write_sample_run
 from gradpipe.testing.ids import run_tensor_ids

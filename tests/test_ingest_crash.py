@@ -35,7 +35,7 @@ import pytest
 
 import gradpipe as gp
 from gradpipe.formats.safetensors import read_safetensors
-from gradpipe.ingest import IngestReport, ingest, recorded_id
+from gradpipe.ingestion.api import IngestReport, ingest, recorded_id
 from gradpipe.runs import open_run
 from gradpipe.storage._local import TEMP_PREFIX
 from gradpipe.testing import SampleRun, TrainingConfig, write_sample_run

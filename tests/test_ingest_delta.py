@@ -19,7 +19,7 @@ import gradpipe as gp
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import InvalidInputError
 from gradpipe.formats.safetensors import read_safetensors, write_safetensors
-from gradpipe.ingest import IngestReport, ingest
+from gradpipe.ingestion.api import IngestReport, ingest
 from gradpipe.runs import export_dump, open_run
 from gradpipe.storage.gc import gc
 from gradpipe.storage.verify import verify

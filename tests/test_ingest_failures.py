@@ -13,7 +13,7 @@ import pytest
 import gradpipe as gp
 from gradpipe.cli import main
 from gradpipe.errors import InvalidInputError, NotFoundError
-from gradpipe.ingest import ingest
+from gradpipe.ingestion.api import ingest
 from gradpipe.runs import open_run
 
 PATTERN = "step={step}/peer={peer}.safetensors"

@@ -14,7 +14,7 @@ import pytest
 
 import gradpipe as gp
 from gradpipe.formats.safetensors import read_safetensors
-from gradpipe.ingest import IngestReport, ingest
+from gradpipe.ingestion.api import IngestReport, ingest
 from gradpipe.runs import open_run
 from gradpipe.testing.training import SampleRun, TrainingConfig, write_sample_run
 

@@ -19,7 +19,7 @@ import pytest
 
 import gradpipe as gp
 from gradpipe.formats import read_safetensors
-from gradpipe.ingest import ingest
+from gradpipe.ingestion.api import ingest
 from gradpipe.runs import export_dump, open_run
 from gradpipe.testing.cli import run_cli_json
 

@@ -12,7 +12,7 @@ import gradpipe as gp
 from gradpipe.core.ids import block_key
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.formats.safetensors import read_safetensors
-from gradpipe.ingest import ingest
+from gradpipe.ingestion.api import ingest
 from gradpipe.runs import open_run
 from gradpipe.storage.walk import find_missing
 from gradpipe.testing.training import SampleRun, TrainingConfig, write_sample_run

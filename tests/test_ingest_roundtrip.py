@@ -24,8 +24,8 @@ from gradpipe.core.chunking import choose_chunk_shape, dask_chunks
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.formats.dump import read_dump_header
 from gradpipe.formats.safetensors import read_safetensors
-from gradpipe.graph.ingest_plan import plan_units
-from gradpipe.ingest import ingest
+from gradpipe.ingestion.api import ingest
+from gradpipe.ingestion.plan import plan_units
 from gradpipe.runs import export_dump, open_run
 from gradpipe.testing.ids import run_tensor_ids
 

@@ -31,7 +31,7 @@ import fsspec
 import pytest
 
 import gradpipe as gp
-from gradpipe.ingest import recorded_id
+from gradpipe.ingestion.api import recorded_id
 from gradpipe.testing import SampleRun, TrainingConfig, write_sample_run
 from gradpipe.testing.faultproxy import KINDS, FaultProxy
 from gradpipe.testing.nightly import Nightly, check_nightly, run_nightly

@@ -148,7 +148,7 @@ def test_an_ingest_schema_conflict_names_a_long_hostile_path_short(tmp_path: Pat
 
 
 def test_an_aggregate_input_error_names_a_hostile_peer_and_tensor_short() -> None:
-    from gradpipe.core.aggregate_input import check_peer_chunks
+    from gradpipe.aggregation.inputs import check_peer_chunks
 
     chunks = [np.zeros(4, np.float32), np.full(4, np.nan, np.float32)]
     with pytest.raises(gp.InvalidInputError) as caught:

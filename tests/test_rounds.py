@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 import gradpipe as gp
+from gradpipe.aggregation.rounds import claim_aggregation
 from gradpipe.core.rounds import RoundsManifest
-from gradpipe.rounds import claim_aggregation
 from gradpipe.storage.catalog import read_rounds
 from gradpipe.testing.training import SampleRun, TrainingConfig, write_sample_run
 

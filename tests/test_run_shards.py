@@ -18,7 +18,7 @@ import pytest
 
 import gradpipe as gp
 import gradpipe.core.run_shards as run_shards
-import gradpipe.graph.ingest_tasks as ingest_tasks
+import gradpipe.ingestion.tasks as ingest_tasks
 from gradpipe.core.ids import id_from_block_key
 from gradpipe.core.manifest import decode_manifest
 from gradpipe.core.run_manifest import RunManifest

@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 
 import gradpipe as gp
+from gradpipe.aggregation import server_opt_graph as server_graph
+from gradpipe.aggregation import server_opt_tasks as server_tasks
+from gradpipe.aggregation.server_opt import ServerOptimizerConfig, init_server_state, server_step
+from gradpipe.aggregation.tasks import StepResult, commit_aggregates
 from gradpipe.core.aggregate_manifest import AggregateInput, AggregateManifest, aggregate_key
 from gradpipe.core.run_manifest import AggregateEntry
-from gradpipe.core.server_opt import ServerOptimizerConfig, init_server_state, server_step
 from gradpipe.formats.safetensors import read_safetensors, write_safetensors
-from gradpipe.graph import server as server_graph
-from gradpipe.graph import server_tasks
-from gradpipe.graph.aggregate_tasks import StepResult, commit_aggregates
-from gradpipe.snapshot import find_snapshot
+from gradpipe.snapshots.api import find_snapshot
 from gradpipe.storage.blocks import WriteStats
 from gradpipe.storage.tensors import write_tensor
 from gradpipe.testing.training import SampleRun, TrainingConfig, write_sample_run

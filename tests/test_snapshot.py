@@ -19,7 +19,7 @@ import gradpipe as gp
 from gradpipe.core.dtypes import DTYPE_NAMES
 from gradpipe.core.ids import block_key
 from gradpipe.errors import InvalidInputError, NotFoundError
-from gradpipe.snapshot import find_snapshot
+from gradpipe.snapshots.api import find_snapshot
 from gradpipe.testing.store_suite import special_values
 
 SMALL = {"gradpipe.chunk-bytes": 4096, "gradpipe.inline-bytes": 0}
@@ -440,7 +440,7 @@ def test_a_snapshot_run_again_records_its_step_once(
     tmp_path: Path, small: None, delta: str, threshold: float
 ) -> None:
     """A job killed after its commit landed, run again: nothing is written, the id comes back."""
-    from gradpipe.snapshot import write_snapshot
+    from gradpipe.snapshots.api import write_snapshot
 
     store = gp.open_store(tmp_path / "store", mode="w")
     states = drifting(3, seed=9)
@@ -514,7 +514,7 @@ def test_the_same_step_with_other_content_is_a_new_version(tmp_path: Path, small
 
 def test_identical_writers_racing_record_the_step_once(tmp_path: Path, small: None) -> None:
     """The check is made against the head each compare-and-swap is made from."""
-    from gradpipe.snapshot import write_snapshot
+    from gradpipe.snapshots.api import write_snapshot
     from gradpipe.testing.faults import Fault, faulty_store
 
     inner = gp.open_store(str(tmp_path / "store"), mode="w")
@@ -585,7 +585,7 @@ def test_versions_from_before_content_ids_are_compared_by_their_chunks(
     from dataclasses import replace
 
     from gradpipe.core.snapshot_manifest import SnapshotManifest
-    from gradpipe.snapshot import snapshot_ref, write_snapshot
+    from gradpipe.snapshots.api import snapshot_ref, write_snapshot
 
     store = gp.open_store(tmp_path / "store", mode="w")
     states = drifting(2, seed=13)
@@ -620,7 +620,7 @@ def test_any_array_saved_again_at_its_step_is_found(
 ) -> None:
     """The content id a version records is the one the same values give again: every dtype,
     all-zero chunks, views and byte orders, as a first version or as deltas against one."""
-    from gradpipe.snapshot import write_snapshot
+    from gradpipe.snapshots.api import write_snapshot
 
     values = special_values(dtype, size, seed=seed)
     if zeros is not None:

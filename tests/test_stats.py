@@ -23,7 +23,7 @@ from gradpipe.core.run_manifest import DumpEntry, DumpManifest, RunManifest, Ten
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.formats.safetensors import write_safetensors
 from gradpipe.runs import open_run
-from gradpipe.stats import stats_records
+from gradpipe.statistics.api import stats_records
 from gradpipe.testing.faults import faulty_store
 
 STEPS = 3

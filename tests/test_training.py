@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from gradpipe.core.projection import segment_layout
+from gradpipe.codecs.ops.projection import segment_layout
 from gradpipe.errors import InvalidInputError
 from gradpipe.training import (
     GradientAccumulator,

@@ -33,13 +33,13 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import gradpipe as gp
-from gradpipe._xarray_datasets import RUN_RESERVED, SNAPSHOT_RESERVED
 from gradpipe.core.dtypes import dtype_name
 from gradpipe.core.ids import block_key
 from gradpipe.errors import InvalidInputError, NotFoundError
 from gradpipe.formats.safetensors import write_safetensors
 from gradpipe.testing.s3server import S3Server
-from gradpipe.xarray import GradpipeBackendEntrypoint
+from gradpipe.xarray.backend import GradpipeBackendEntrypoint
+from gradpipe.xarray.datasets import RUN_RESERVED, SNAPSHOT_RESERVED
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = (0, 1, 2)
@@ -651,7 +651,7 @@ def test_a_tree_node_is_one_function(
     sample: tuple[gp.Store, Dumps], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A new kind of group is one builder in TREE_NODES."""
-    import gradpipe.xarray as gx
+    import gradpipe.xarray.backend as gx
 
     def notes_nodes(store: gp.Store, drop: set[str]) -> dict[str, xr.Dataset]:
         return {f"notes/{run}": xr.Dataset(attrs={"run": run}) for run in gp.list_runs(store)}
@@ -709,8 +709,8 @@ def commit_named_dumps(
     """``dumps`` committed as the ingest commits them, without files (fast: many per test)."""
     from gradpipe.core.manifest import manifest_id
     from gradpipe.core.run_manifest import DumpEntry, DumpManifest, TensorSchema
-    from gradpipe.graph.discover import DumpFile
-    from gradpipe.graph.ingest_tasks import DumpResult, commit_run
+    from gradpipe.ingestion.discover import DumpFile
+    from gradpipe.ingestion.tasks import DumpResult, commit_run
     from gradpipe.storage.blocks import WriteStats
 
     manifests, results, files = [], [], []
@@ -753,7 +753,7 @@ def assert_every_tensor_shown(
     variables: dict[str, xr.DataArray], dumps: Dumps, where: str, lead: str = "run"
 ) -> None:
     """Each tensor of ``dumps`` is exactly one of ``variables``, its name in ``attrs``."""
-    from gradpipe.core.view_names import original_name
+    from gradpipe.xarray.view_names import original_name
 
     by_tensor: dict[str, list[str]] = {}
     for key, variable in variables.items():
@@ -878,7 +878,7 @@ def test_a_name_the_tree_cannot_show_is_left_out_with_a_warning(
 ) -> None:
     """A node whose coordinate ``a/b`` escapes to its own ``a%2Fb``: left out, named; the rest
     opens. (gradpipe's own datasets escape ``%``, so only a node from elsewhere can.)"""
-    import gradpipe.xarray as gx
+    import gradpipe.xarray.backend as gx
 
     def odd_nodes(store: gp.Store, drop: set[str]) -> dict[str, xr.Dataset]:
         odd = xr.Dataset(

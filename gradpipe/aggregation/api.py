@@ -4,7 +4,7 @@ The user operation: read the run, check every step's dumps against each
 other (tensor names, dtypes, shapes, no NaN or infinity, valid weights)
 before anything is written, skip the steps whose aggregate the run already
 records under the same memo key, then compute the rest as one graph
-(:mod:`gradpipe.graph.aggregate`) under a writer's lease and report.
+(:mod:`gradpipe.aggregation.graph`) under a writer's lease and report.
 Methods (:data:`METHODS`): the reducible ones (sum, mean, weighted mean,
 FedAvg, DP-FedAvg), the coordinate-wise robust ones (median, trimmed mean), the
 selection ones (Krum, Multi-Krum, Bulyan) and the server optimizers (SGD,
@@ -22,29 +22,38 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from gradpipe.aggregate_report import AggregateReport, StepOutcome
-from gradpipe.aggregate_server import SERVER_METHODS, apply_server_steps, parse_server_options
-from gradpipe.core.aggregate import AggregationMethod
-from gradpipe.core.aggregate_input import (
+from gradpipe.aggregation.graph import (
+    StepPlan,
+    TensorPlan,
+    build_aggregate_graph,
+    parse_split_every,
+)
+from gradpipe.aggregation.inputs import (
     check_byzantine,
     parse_weight_text,
     parse_weights,
     where,
 )
+from gradpipe.aggregation.privacy import adaptive_noise_multiplier
+from gradpipe.aggregation.reduce import AggregationMethod
+from gradpipe.aggregation.report import AggregateReport, StepOutcome
+from gradpipe.aggregation.rounds import claim_aggregation, release_aggregation, step_rounds
+from gradpipe.aggregation.server_opt_method import (
+    SERVER_METHODS,
+    apply_server_steps,
+    parse_server_options,
+)
+from gradpipe.aggregation.tasks import AggregateCommit, CommitGuard, StepFailure, StepSpec
 from gradpipe.core.aggregate_manifest import AggregateInput, AggregateManifest, aggregate_key
 from gradpipe.core.display import printable
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.names import parse_name
-from gradpipe.core.privacy import adaptive_noise_multiplier
 from gradpipe.core.run_manifest import DumpManifest, RunManifest
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import InvalidInputError
-from gradpipe.graph.aggregate import StepPlan, TensorPlan, build_aggregate_graph, parse_split_every
-from gradpipe.graph.aggregate_tasks import AggregateCommit, CommitGuard, StepFailure, StepSpec
 from gradpipe.graph.runner import Runner, use_runner
 from gradpipe.graph.telemetry import reported
-from gradpipe.rounds import claim_aggregation, release_aggregation, step_rounds
-from gradpipe.snapshot import snapshot_head
+from gradpipe.snapshots.api import snapshot_head
 from gradpipe.storage.catalog import read_rounds, read_run
 from gradpipe.storage.store import Store
 
@@ -197,10 +206,10 @@ def aggregate(
         as ``name``, with the optimizer's config in its params, then steps the
         newest snapshot of the chain ``snapshot`` with learning rate
         ``server_lr``, writing the next snapshot at that step, in step order
-        (:mod:`gradpipe.aggregate_server`; a step is applied once per chain).
+        (:mod:`gradpipe.aggregation.server_opt_method`; a step is applied once per chain).
     momentum, beta1, beta2, tau, initial_accumulator, bias_correction
         The server optimizer's hyperparameters (defaults of Reddi et al.:
-        :class:`~gradpipe.core.server_opt.ServerOptimizerConfig`).
+        :class:`~gradpipe.aggregation.server_opt.ServerOptimizerConfig`).
 
     Returns
     -------

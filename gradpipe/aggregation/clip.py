@@ -14,7 +14,7 @@ core. The result is therefore written first, then::
 A factor of 1 keeps every chunk as written. When the aggregate is clipped, the
 unclipped blocks are left unreferenced (gc reclaims them): one extra write and
 two extra reads of the aggregate, which is ``1/n`` of the step's input. The
-norm is summed exactly (:class:`~gradpipe.core.exact.ExactSum`), so the result
+norm is summed exactly (:class:`~gradpipe.aggregation.exact.ExactSum`), so the result
 is the same bits whatever the tree, scheduler or worker count.
 """
 
@@ -25,19 +25,19 @@ from typing import Any
 
 import numpy as np
 
-from gradpipe.core.chunking import chunk_ranges
-from gradpipe.core.display import printable
-from gradpipe.core.dtypes import is_float, parse_dtype
-from gradpipe.core.exact import ExactSum
-from gradpipe.core.privacy import apply_scale, clip_scale, sq_norm_partial
-from gradpipe.errors import InvalidInputError
-from gradpipe.graph.aggregate_plan import StepPlan, TensorPlan, sources_of, tree
-from gradpipe.graph.aggregate_tasks import (
+from gradpipe.aggregation.exact import ExactSum
+from gradpipe.aggregation.plan import StepPlan, TensorPlan, sources_of, tree
+from gradpipe.aggregation.privacy import apply_scale, clip_scale, sq_norm_partial
+from gradpipe.aggregation.tasks import (
     ChunkOut,
     TensorOut,
     _isolated,
     combine_norms,
 )
+from gradpipe.core.chunking import chunk_ranges
+from gradpipe.core.display import printable
+from gradpipe.core.dtypes import is_float, parse_dtype
+from gradpipe.errors import InvalidInputError
 from gradpipe.graph.arrays import load_chunk
 from gradpipe.storage.blocks import WriteStats
 from gradpipe.storage.store import Store

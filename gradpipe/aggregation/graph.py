@@ -16,12 +16,12 @@ partial of the chunk is ever built, stored or passed between tasks.
 
 With ``clip_norm``, each peer's leaves wait for its clipping factor: one
 ``norm`` task per stored chunk of the peer, combined exactly
-(:class:`~gradpipe.core.exact.ExactSum`) by a bounded tree, then ``scale``.
+(:class:`~gradpipe.aggregation.exact.ExactSum`) by a bounded tree, then ``scale``.
 Each chunk is then read twice (once for the norm, once for the sum): the
 factor must multiply every term before it is summed (one rounding), and
 keeping every chunk in memory until the norm is known would not be out of core.
 
-The tree groups contiguous peer ranges, so by :mod:`gradpipe.core.aggregate`
+The tree groups contiguous peer ranges, so by :mod:`gradpipe.aggregation.reduce`
 the result is the same bits for every ``split_every``, scheduler and worker
 count. Tasks hold at most ``split_every`` peers' chunks or partials of one chunk.
 
@@ -39,12 +39,8 @@ from typing import Any
 
 from dask.base import tokenize
 
-from gradpipe.core.aggregate import weight_shift
-from gradpipe.core.chunking import chunk_ranges
-from gradpipe.core.display import printable
-from gradpipe.errors import InvalidInputError
-from gradpipe.graph.aggregate_clip import add_aggregate_clip
-from gradpipe.graph.aggregate_plan import (
+from gradpipe.aggregation.clip import add_aggregate_clip
+from gradpipe.aggregation.plan import (
     DEFAULT_SPLIT_EVERY,
     StepPlan,
     TensorPlan,
@@ -55,7 +51,15 @@ from gradpipe.graph.aggregate_plan import (
     tree,
     tree_levels,
 )
-from gradpipe.graph.aggregate_tasks import (
+from gradpipe.aggregation.reduce import weight_shift
+from gradpipe.aggregation.robust_graph import ROBUST_METHODS, add_robust_step
+from gradpipe.aggregation.robust_tasks import (
+    clip_round,
+    clip_round_params,
+    round_scale,
+    write_noised_chunk,
+)
+from gradpipe.aggregation.tasks import (
     CommitGuard,
     combine_norms,
     combine_partials,
@@ -66,13 +70,9 @@ from gradpipe.graph.aggregate_tasks import (
     store_aggregate,
     write_chunk,
 )
-from gradpipe.graph.robust import ROBUST_METHODS, add_robust_step
-from gradpipe.graph.robust_tasks import (
-    clip_round,
-    clip_round_params,
-    round_scale,
-    write_noised_chunk,
-)
+from gradpipe.core.chunking import chunk_ranges
+from gradpipe.core.display import printable
+from gradpipe.errors import InvalidInputError
 from gradpipe.storage.store import Store
 
 __all__ = [
@@ -102,7 +102,7 @@ def build_aggregate_graph(
     """The graph that computes, stores and commits the aggregates of ``plans`` (not computed).
 
     The output key's result is an
-    :class:`~gradpipe.graph.aggregate_tasks.AggregateCommit`. ``lease`` is the
+    :class:`~gradpipe.aggregation.tasks.AggregateCommit`. ``lease`` is the
     key of the writer's lease the commit publishes under; ``guard`` what the
     commit checks before recording each step (the rounds claim).
     """

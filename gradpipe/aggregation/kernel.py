@@ -1,6 +1,6 @@
-"""The canonical-forest reduction of :mod:`gradpipe.core.aggregate`, run in cache-sized blocks.
+"""The canonical-forest reduction of :mod:`gradpipe.aggregation.reduce`, run in cache-sized blocks.
 
-:mod:`gradpipe.core.aggregate` defines the weighted sum of a chunk over peers
+:mod:`gradpipe.aggregation.reduce` defines the weighted sum of a chunk over peers
 by one tree of float64 additions (its module docstring). Run as written, one
 whole-chunk array per step, that costs a fresh float64 array per peer (the
 term ``c_i * x_i``) and per sibling merge, each written to and read back from
@@ -34,7 +34,7 @@ from typing import Final
 
 import numpy as np
 
-from gradpipe.core.result_range import round_result
+from gradpipe.aggregation.result_range import round_result
 
 __all__ = ["BLOCK", "Item", "NotFiniteError", "Program", "forest_shape"]
 

@@ -1,8 +1,8 @@
 """The plan of an aggregate graph and the helpers its builders share.
 
-:mod:`gradpipe.graph.aggregate` builds the reducible methods' graph, and the modules it
-delegates to (:mod:`gradpipe.graph.robust` for the coordinate and selection methods,
-:mod:`gradpipe.graph.aggregate_clip` for ``clip_aggregate``) build on these: the plan of a
+:mod:`gradpipe.aggregation.graph` builds the reducible methods' graph, and the modules it
+delegates to (:mod:`gradpipe.aggregation.robust_graph` for the coordinate and selection methods,
+:mod:`gradpipe.aggregation.clip` for ``clip_aggregate``) build on these: the plan of a
 step, the sources of a peer's tensor, the tensor task and bounded trees. Kept apart so
 that those modules import this one, not each other.
 """
@@ -13,10 +13,10 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from gradpipe.aggregation.tasks import ChunkSource, StepSpec, tensor_manifest
 from gradpipe.core.display import printable
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import InvalidInputError
-from gradpipe.graph.aggregate_tasks import ChunkSource, StepSpec, tensor_manifest
 
 __all__ = [
     "DEFAULT_SPLIT_EVERY",

@@ -1,7 +1,7 @@
 """L2 clipping, DP-FedAvg noise and adaptive clipping, in pieces a graph runs per chunk.
 
 Clipping a peer's update needs its L2 norm over every chunk of every tensor:
-each chunk gives :func:`sq_norm_partial` (an :class:`~gradpipe.core.exact.ExactSum`,
+each chunk gives :func:`sq_norm_partial` (an :class:`~gradpipe.aggregation.exact.ExactSum`,
 summed exactly by a tree of any shape), :func:`clip_scale` turns the total into
 the factor ``min(1, C / norm)`` (the seed's ``clip_gradient_norm``), and the
 factor enters the peer's leaf as ``partial(chunk, scale=...)``. Clipping the
@@ -39,9 +39,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from gradpipe.aggregation.exact import ExactSum
+from gradpipe.aggregation.result_range import round_result
 from gradpipe.core.display import printable
-from gradpipe.core.exact import ExactSum
-from gradpipe.core.result_range import round_result
 from gradpipe.errors import InvalidInputError
 
 __all__ = [
@@ -85,7 +85,8 @@ def apply_scale(
 ) -> np.ndarray:
     """``chunk * scale`` in float64, rounded once (clipping a stored aggregate).
 
-    A result beyond ``dtype``'s range is refused (:func:`~gradpipe.core.result_range.round_result`).
+    A result beyond ``dtype``'s range is refused
+    (:func:`~gradpipe.aggregation.result_range.round_result`).
     """
     return round_result(np.asarray(chunk, dtype=np.float64) * scale, dtype or chunk.dtype)
 

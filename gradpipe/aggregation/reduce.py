@@ -27,7 +27,7 @@ bounds the float64 error by ``ceil(log2 n)·ε₆₄·Σ|c_i x_i|``, against
 Cost: the same ``n`` multiplies and ``n - 1`` float64 additions per element as
 a naive weighted sum. :func:`partial_of` (a contiguous group of peers),
 :func:`combine`, :func:`finish` and :func:`reduce_peers` run the tree in
-cache-sized blocks of elements (:mod:`gradpipe.core.aggregate_kernel`), so
+cache-sized blocks of elements (:mod:`gradpipe.aggregation.kernel`), so
 the float64 terms and sibling sums never make whole-chunk arrays: a partial
 holds one array per block of its canonical forest (one when its range is an
 aligned power of two), and a reduction finished in the same call holds none.
@@ -69,7 +69,7 @@ exact rationals over the whole float64 range of weights): ``|result - exact| <=
 D`` before the rounding to the output dtype (D: the total weight, or 1 for
 ``sum``), then at most one unit in the last place of the output dtype; a result
 that does not fit the output dtype is refused
-(:mod:`gradpipe.core.result_range`).
+(:mod:`gradpipe.aggregation.result_range`).
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ from enum import StrEnum
 
 import numpy as np
 
-from gradpipe.core.aggregate_input import check_peer_chunks, parse_weights, where
-from gradpipe.core.aggregate_kernel import Item, NotFiniteError, Program
+from gradpipe.aggregation.inputs import check_peer_chunks, parse_weights, where
+from gradpipe.aggregation.kernel import Item, NotFiniteError, Program
 from gradpipe.errors import InvalidInputError
 
 __all__ = [
@@ -284,7 +284,7 @@ def partial_of(
 
     The same bits as :func:`combine` of each peer's :func:`partial`, without
     a float64 array per peer: the terms and sibling sums are computed in
-    cache-sized blocks (:mod:`gradpipe.core.aggregate_kernel`). ``names``
+    cache-sized blocks (:mod:`gradpipe.aggregation.kernel`). ``names``
     name the peers in errors (default ``#index``). ``shift`` scales the
     weights by ``2**shift``: pass :func:`weight_shift` of *all* the step's
     weights, so extreme weights neither underflow nor overflow.

@@ -2,9 +2,9 @@
 
 Every aggregation method computes in float64 and rounds once to the output
 dtype (the peers' dtype): the reducible methods in
-:mod:`gradpipe.core.aggregate_kernel`, the coordinate-wise and Bulyan
-methods in :mod:`gradpipe.core.robust`, clipping of the aggregate in
-:mod:`gradpipe.core.privacy`. They all round through :func:`round_result`.
+:mod:`gradpipe.aggregation.kernel`, the coordinate-wise and Bulyan
+methods in :mod:`gradpipe.aggregation.robust`, clipping of the aggregate in
+:mod:`gradpipe.aggregation.privacy`. They all round through :func:`round_result`.
 Krum copies one peer's chunk bit for bit, so it has nothing to round; the
 server optimizers check their own float32 parameters and state for
 non-finite values (``graph/server_tasks``) and refuse a step the same way.

@@ -7,11 +7,11 @@ Out of core, each method splits into steps a graph runs chunk by chunk:
 - **Krum, Multi-Krum** need the ``(n, n)`` squared L2 distances between the
   peers' updates, all tensors flattened together. Each chunk gives
   :func:`pairwise_sq_distances_partial`; the graph sums the partials by a
-  bounded tree of :class:`~gradpipe.core.exact.ExactSum` (exact integer
+  bounded tree of :class:`~gradpipe.aggregation.exact.ExactSum` (exact integer
   addition, so the total is the same for every tree and order; see
   :func:`sum_distance_partials`), then :func:`krum_select` picks peers from the
   small matrix, and the result is that peer's update (Krum) or the FedAvg of the
-  kept peers (Multi-Krum, by :mod:`gradpipe.core.aggregate`).
+  kept peers (Multi-Krum, by :mod:`gradpipe.aggregation.reduce`).
 - **Bulyan** selects from the same matrix (:func:`bulyan_select`, repeated
   Krum on submatrices: no second pass over the data), then
   :func:`bulyan_combine` runs per chunk on the selected peers' chunks.
@@ -36,10 +36,10 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from gradpipe.core.aggregate_input import check_byzantine, check_peer_chunks, where
+from gradpipe.aggregation.exact import ExactSum
+from gradpipe.aggregation.inputs import check_byzantine, check_peer_chunks, where
+from gradpipe.aggregation.result_range import round_result
 from gradpipe.core.display import printable
-from gradpipe.core.exact import ExactSum
-from gradpipe.core.result_range import round_result
 from gradpipe.errors import InvalidInputError
 
 __all__ = [

@@ -26,24 +26,24 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any, Final
 
-from gradpipe.core.aggregate import AggregationMethod
-from gradpipe.core.chunking import chunk_ranges
-from gradpipe.core.display import printable
-from gradpipe.graph.aggregate_plan import (
+from gradpipe.aggregation.plan import (
     StepPlan,
     add_tensor_task,
     overlapping,
     sources_of,
     tree,
 )
-from gradpipe.graph.aggregate_tasks import StepSpec, combine_norms
-from gradpipe.graph.robust_tasks import (
+from gradpipe.aggregation.reduce import AggregationMethod
+from gradpipe.aggregation.robust_tasks import (
     read_distances,
     robust_chunk,
     select_peers,
     selected_chunk,
     selection_params,
 )
+from gradpipe.aggregation.tasks import StepSpec, combine_norms
+from gradpipe.core.chunking import chunk_ranges
+from gradpipe.core.display import printable
 from gradpipe.storage.store import Store
 
 __all__ = ["COORDINATE_METHODS", "ROBUST_METHODS", "SELECTION_METHODS", "add_robust_step"]

@@ -1,6 +1,6 @@
 """The tasks of the robust and private aggregates: what runs on workers.
 
-Built by :mod:`gradpipe.graph.robust`; the task keys::
+Built by :mod:`gradpipe.aggregation.robust_graph`; the task keys::
 
     gradpipe-aggregate-robust     median / trimmed mean of one chunk of every peer  per chunk
     gradpipe-aggregate-distance   one chunk's share of the (n, n) distances          per chunk
@@ -22,7 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from gradpipe.core.aggregate import (
+from gradpipe.aggregation.exact import ExactSum
+from gradpipe.aggregation.privacy import clip_scale, gaussian_noise, update_clip_norm
+from gradpipe.aggregation.reduce import (
     AggregationMethod,
     Partial,
     combine,
@@ -30,9 +32,7 @@ from gradpipe.core.aggregate import (
     partial,
     weight_shift,
 )
-from gradpipe.core.exact import ExactSum
-from gradpipe.core.privacy import clip_scale, gaussian_noise, update_clip_norm
-from gradpipe.core.robust import (
+from gradpipe.aggregation.robust import (
     bulyan_combine,
     bulyan_select,
     krum_scores,
@@ -41,8 +41,7 @@ from gradpipe.core.robust import (
     pairwise_sq_distances_partial,
     trimmed_mean,
 )
-from gradpipe.errors import InvalidInputError
-from gradpipe.graph.aggregate_tasks import (
+from gradpipe.aggregation.tasks import (
     ChunkOut,
     ChunkSource,
     _isolated,
@@ -50,6 +49,7 @@ from gradpipe.graph.aggregate_tasks import (
     read_group,
     write_result,
 )
+from gradpipe.errors import InvalidInputError
 from gradpipe.storage.store import Store
 
 __all__ = [
@@ -165,7 +165,7 @@ def selected_chunk(
 
     Krum: the selected peer's chunk, bit for bit. Multi-Krum: the FedAvg of
     the selected peers (the partial / combine / finish reduction, one peer at
-    a time). Bulyan: :func:`~gradpipe.core.robust.bulyan_combine`.
+    a time). Bulyan: :func:`~gradpipe.aggregation.robust.bulyan_combine`.
     """
     chosen = selection.peers
     if method == AggregationMethod.KRUM:
@@ -273,7 +273,7 @@ def write_noised_chunk(
 ) -> ChunkOut:
     """DP-FedAvg's chunk: the mean of the clipped updates plus ``N(0, (z·C/n)²)`` noise.
 
-    The noise is drawn by element (:func:`~gradpipe.core.privacy.gaussian_noise`
+    The noise is drawn by element (:func:`~gradpipe.aggregation.privacy.gaussian_noise`
     keyed by the seed and ``noise_tensor``), so it does not depend on the chunk grid.
     """
     clip_norm = clip.used if isinstance(clip, ClipRound) else float(clip)

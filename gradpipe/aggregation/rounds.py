@@ -45,7 +45,7 @@ from gradpipe.storage.store import Store
 
 if TYPE_CHECKING:
     from gradpipe.core.report import Report
-    from gradpipe.graph.discover import Failure
+    from gradpipe.ingestion.discover import Failure
 
 __all__ = [
     "RoundsReport",

@@ -25,18 +25,18 @@ from typing import Any
 
 from dask.base import tokenize
 
-from gradpipe.core.display import printable
-from gradpipe.core.server_opt import ServerOptimizerConfig
-from gradpipe.core.tensor_manifest import TensorManifest
-from gradpipe.graph.aggregate_plan import overlapping, sources_of
-from gradpipe.graph.chains import add_chunk_read, chunk_key
-from gradpipe.graph.server_tasks import (
+from gradpipe.aggregation.plan import overlapping, sources_of
+from gradpipe.aggregation.server_opt import ServerOptimizerConfig
+from gradpipe.aggregation.server_opt_tasks import (
     ChunkJob,
     ChunkOutput,
     StateInput,
     server_chunk,
     server_tensor,
 )
+from gradpipe.core.display import printable
+from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.graph.chains import add_chunk_read, chunk_key
 from gradpipe.storage.chains import ChunkVersioner, ParentChunk, parent_chunks
 from gradpipe.storage.store import Store
 
@@ -96,7 +96,7 @@ def build_server_graph(
 ) -> tuple[dict[Hashable, Any], list[tuple[str, Hashable]]]:
     """The graph of one server step (not computed) and, per new array, its key and task key.
 
-    Each task key's result is a :class:`~gradpipe.graph.aggregate_tasks.TensorOut`:
+    Each task key's result is a :class:`~gradpipe.aggregation.tasks.TensorOut`:
     the array's manifest, its blocks written, and what writing them did.
     """
     # A step writes blocks: a fresh token per call, so a failed attempt's keys

@@ -7,12 +7,12 @@ step's FedAvg of the peers' updates is the round's pseudo-gradient, recorded
 as an aggregate under ``name`` (default: the method) whose params hold the
 server optimizer's config (so the memo key does), and the server optimizer
 then steps the newest snapshot of ``snapshot`` with it, writing the next
-snapshot at that step (:func:`gradpipe.server.server_update`, out of core).
+snapshot at that step (:func:`gradpipe.aggregation.server_update.server_update`, out of core).
 
 Steps apply in ascending order. A step that has no aggregate (not ready,
 failed, claimed by another aggregation) stops the steps after it: they are
 reported ``skipped``, to be applied by a later call once it is there. A step
-the chain applied already is ``memoised`` (see :mod:`gradpipe.server` for what
+the chain applied already is ``memoised`` (see :mod:`gradpipe.aggregation.server_update` for what
 idempotence means for a stateful optimizer); a step older than the chain's
 newest snapshot, never applied to it, is ``skipped`` without stopping the rest.
 """
@@ -23,12 +23,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
-from gradpipe.aggregate_report import AggregateReport, ServerStepOutcome, StepOutcome
+from gradpipe.aggregation.report import AggregateReport, ServerStepOutcome, StepOutcome
+from gradpipe.aggregation.server_opt import ServerOptimizerConfig
+from gradpipe.aggregation.server_update import parse_server_config, server_update
 from gradpipe.core.names import parse_name
-from gradpipe.core.server_opt import ServerOptimizerConfig
 from gradpipe.errors import GradpipeError, InvalidInputError
-from gradpipe.server import parse_server_config, server_update
-from gradpipe.snapshot import snapshot_head
+from gradpipe.snapshots.api import snapshot_head
 
 if TYPE_CHECKING:
     from gradpipe.graph.runner import Runner

@@ -1,6 +1,6 @@
 """The tasks of the server-optimizer graph: one chunk of one parameter tensor at a time.
 
-The graph is built by :mod:`gradpipe.graph.server`; its task keys are::
+The graph is built by :mod:`gradpipe.aggregation.server_opt_graph`; its task keys are::
 
     gradpipe-chunk           a stored chunk of the snapshot, by content   shared
     gradpipe-server-step     read the update's chunk, step, write         per chunk
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gradpipe.aggregation.server_opt import ServerOptimizerConfig, init_server_state, server_step
+from gradpipe.aggregation.tasks import ChunkSource, TensorOut, _read
 from gradpipe.core.dtypes import is_float, parse_dtype
-from gradpipe.core.server_opt import ServerOptimizerConfig, init_server_state, server_step
 from gradpipe.errors import InvalidInputError
-from gradpipe.graph.aggregate_tasks import ChunkSource, TensorOut, _read
 from gradpipe.storage.blocks import WriteStats
 from gradpipe.storage.chains import (
     ChunkVersioner,

@@ -5,7 +5,7 @@
 ... )
 
 The aggregate of a round is the *pseudo-gradient* (the direction to descend,
-:mod:`gradpipe.core.server_opt`); the newest snapshot of a named chain holds
+:mod:`gradpipe.aggregation.server_opt`); the newest snapshot of a named chain holds
 the global parameters and the server optimizer's state, and the step writes the
 next snapshot of that chain:
 
@@ -18,16 +18,16 @@ next snapshot of that chain:
 The first snapshot of the chain may hold only ``{"params": ...}``, or a flat
 ``{name: array}`` (``gradpipe snapshot`` of a safetensors or npz file), taken as
 the parameters: the optimizer's state is then initialised
-(:func:`~gradpipe.core.server_opt.init_server_state`).
+(:func:`~gradpipe.aggregation.server_opt.init_server_state`).
 FedAdam and FedYogi follow Reddi et al. and have **no bias correction** unless
 ``bias_correction=True`` is passed (Flower's FedAdam corrects it).
 
-Out of core: the step is a Dask graph (:mod:`gradpipe.graph.server`) with one
+Out of core: the step is a Dask graph (:mod:`gradpipe.aggregation.server_opt_graph`) with one
 task per chunk of the parameters, which reads that chunk of the parameters, of
 the update and of the state, steps, and writes the new chunks as the next
 version of the old ones (deltas against their keyframes, as :func:`gp.snapshot
-<gradpipe.snapshot.snapshot>` writes them). The math is element-wise, so the
-result is the same bits as :func:`~gradpipe.core.server_opt.server_step` on
+<gradpipe.snapshots.api.snapshot>` writes them). The math is element-wise, so the
+result is the same bits as :func:`~gradpipe.aggregation.server_opt.server_step` on
 whole tensors. The snapshot is published by one compare-and-swap of its ref
 once every chunk is written: a failure anywhere leaves the chain as it was.
 
@@ -48,19 +48,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
+from gradpipe.aggregation.server_opt import ServerOptimizer, ServerOptimizerConfig, state_dtype
 from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
 from gradpipe.core.display import printable, printable_error
 from gradpipe.core.dtypes import is_float, parse_dtype
 from gradpipe.core.manifest import manifest_id
 from gradpipe.core.names import parse_name
-from gradpipe.core.server_opt import ServerOptimizer, ServerOptimizerConfig, state_dtype
 from gradpipe.core.snapshot_manifest import SnapshotManifest
 from gradpipe.core.state import ArraySpec, flatten_skeleton, state_skeleton
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import ConflictError, IntegrityError, InvalidInputError
 from gradpipe.graph.runner import Runner, use_runner
 from gradpipe.runs import Aggregate, open_run
-from gradpipe.snapshot import (
+from gradpipe.snapshots.api import (
     commit_snapshot,
     snapshot_head,
     snapshot_tensor,
@@ -69,8 +69,8 @@ from gradpipe.snapshot import (
 from gradpipe.storage.blocks import WriteStats
 
 if TYPE_CHECKING:
-    from gradpipe.graph.aggregate_tasks import TensorOut
-    from gradpipe.graph.server import NewArray, ServerPlan, TensorStep
+    from gradpipe.aggregation.server_opt_graph import NewArray, ServerPlan, TensorStep
+    from gradpipe.aggregation.tasks import TensorOut
     from gradpipe.storage.store import Store
 
 __all__ = ["ServerUpdate", "apply_server_update", "parse_server_config", "server_update"]
@@ -130,7 +130,7 @@ def apply_server_update(
     runner : Runner, optional
         Where the graph runs (default: local threads).
     **hyperparams
-        Other fields of :class:`~gradpipe.core.server_opt.ServerOptimizerConfig`
+        Other fields of :class:`~gradpipe.aggregation.server_opt.ServerOptimizerConfig`
         (``momentum``, ``beta1``, ``beta2``, ``tau``, ``initial_accumulator``,
         ``bias_correction``: off by default, as in Reddi et al.). The call's
         values are used, and recorded, even when the snapshot recorded others
@@ -246,8 +246,8 @@ def server_update(
 
 
 def _compute(store: Store, plan: ServerPlan, runner: Runner) -> dict[str, TensorOut]:
-    from gradpipe.graph.aggregate_tasks import TensorOut
-    from gradpipe.graph.server import build_server_graph
+    from gradpipe.aggregation.server_opt_graph import build_server_graph
+    from gradpipe.aggregation.tasks import TensorOut
 
     graph, keys = build_server_graph(store, plan)
     results = runner.get(graph, [k for _, k in keys], name="gradpipe-server")
@@ -339,7 +339,7 @@ def _plan(
 
     Everything is checked here, from manifests, before a chunk is read.
     """
-    from gradpipe.graph.server import ServerPlan
+    from gradpipe.aggregation.server_opt_graph import ServerPlan
 
     try:
         skeleton = state_skeleton(head.state)
@@ -390,7 +390,7 @@ def _tensor_step(
     updates: Mapping[str, TensorManifest],
     outputs: list[NewArray],
 ) -> TensorStep:
-    from gradpipe.graph.server import TensorStep
+    from gradpipe.aggregation.server_opt_graph import TensorStep
 
     specs = {"params": spec, **{k: arrays[name] for k, arrays in (stored or {}).items()}}
     manifests = {role: snapshot_tensor(store, head, s.key) for role, s in specs.items()}
@@ -408,7 +408,7 @@ def _tensor_step(
 
 def _new_array(store: Store, head: SnapshotManifest, spec: ArraySpec, role: str) -> NewArray:
     """An array of the new snapshot, written after the array of the same key in ``head``."""
-    from gradpipe.graph.server import NewArray
+    from gradpipe.aggregation.server_opt_graph import NewArray
 
     parent_id = head.tensors.get(spec.key)
     parent = None if parent_id is None else snapshot_tensor(store, head, spec.key)

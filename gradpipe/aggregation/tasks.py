@@ -1,6 +1,6 @@
 """The tasks of the aggregate graph: what runs on workers, one chunk of one peer at a time.
 
-The graph is built by :mod:`gradpipe.graph.aggregate`; its task keys are::
+The graph is built by :mod:`gradpipe.aggregation.graph`; its task keys are::
 
     gradpipe-aggregate-norm      one stored chunk's squared norm     ┐ with clip_norm:
     gradpipe-aggregate-normsum   exact sums of norms (bounded tree)  │ per peer, before
@@ -32,7 +32,9 @@ from typing import Any, ParamSpec, TypeVar
 import numpy as np
 
 from gradpipe._version import __version__
-from gradpipe.core.aggregate import (
+from gradpipe.aggregation.exact import ExactSum
+from gradpipe.aggregation.privacy import clip_scale, sq_norm_partial
+from gradpipe.aggregation.reduce import (
     AggregationMethod,
     Partial,
     combine,
@@ -43,10 +45,8 @@ from gradpipe.core.aggregate import (
 from gradpipe.core.aggregate_manifest import AggregateInput, AggregateManifest
 from gradpipe.core.chain import DeltaLink
 from gradpipe.core.dtypes import parse_dtype
-from gradpipe.core.exact import ExactSum
 from gradpipe.core.ids import hash_bytes
 from gradpipe.core.manifest import encode_manifest
-from gradpipe.core.privacy import clip_scale, sq_norm_partial
 from gradpipe.core.run_manifest import AggregateEntry, RunManifest, record_aggregates
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import InvalidInputError
@@ -214,7 +214,7 @@ def read_partial(
     """One chunk of the contiguous peers ``first ..``, read and reduced to their :class:`Partial`.
 
     ``contexts`` name each peer's chunk in read errors, ``where`` the chunk in
-    others; ``shift`` is the step's :func:`~gradpipe.core.aggregate.weight_shift`.
+    others; ``shift`` is the step's :func:`~gradpipe.aggregation.reduce.weight_shift`.
     """
     chunks = read_group(store, sources, start, stop, dtype, contexts)
     try:

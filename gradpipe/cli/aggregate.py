@@ -19,7 +19,7 @@ from gradpipe.cli._common import (
 from gradpipe.core.display import printable
 from gradpipe.errors import InvalidInputError
 
-#: The methods ``--method`` takes: ``gradpipe.aggregate.METHODS`` (a test checks),
+#: The methods ``--method`` takes: ``gradpipe.aggregation.api.METHODS`` (a test checks),
 #: not imported from there so that ``--help`` loads no numpy.
 METHODS = (
     "sum",
@@ -214,7 +214,7 @@ class _Number(str):
 
 def parse_weights_arg(text: str | None) -> dict[str, float] | None:
     """``--weights`` JSON: an object of peer name to a finite number > 0."""
-    from gradpipe.core.aggregate_input import parse_weight_text  # numpy: not for --help
+    from gradpipe.aggregation.inputs import parse_weight_text  # numpy: not for --help
 
     if text is None:
         return None
@@ -245,7 +245,7 @@ def parse_weights_arg(text: str | None) -> dict[str, float] | None:
 
 
 def run_aggregate(args: argparse.Namespace) -> CommandResult:
-    from gradpipe.aggregate import aggregate
+    from gradpipe.aggregation.api import aggregate
     from gradpipe.graph.runner import job_runner
 
     options: dict[str, Any] = {

@@ -71,7 +71,7 @@ def register(commands: Commands) -> None:
 
 def run_evaluate(args: argparse.Namespace) -> CommandResult:
     from gradpipe.codecs.candidate import parse_candidates
-    from gradpipe.evaluate import evaluate_codecs
+    from gradpipe.evaluation.api import evaluate_codecs
     from gradpipe.graph.runner import runner
 
     candidates = parse_candidates(args.codecs)  # a bad name is refused before any I/O

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from numcodecs.abc import Codec
 
 #: The kinds ``--delta-kind`` takes and the default ``--keyframe-interval``: those
-#: of ``gradpipe.ingest.DELTA_KINDS`` and ``gradpipe.core.chain.DEFAULT_KEYFRAME_INTERVAL``
+#: of ``gradpipe.ingestion.api.DELTA_KINDS`` and ``gradpipe.core.chain.DEFAULT_KEYFRAME_INTERVAL``
 #: (a test checks), not imported from there so that ``--help`` loads no numpy.
 DELTA_KINDS = ("int", "xor")
 DEFAULT_KEYFRAME_INTERVAL = 8
@@ -147,7 +147,7 @@ def ingest_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_ingest(args: argparse.Namespace) -> CommandResult:
-    from gradpipe.ingest import ingest
+    from gradpipe.ingestion.api import ingest
 
     options = ingest_options(args)
     store = open_store_arg(args, "a")  # ingest creates the store if needed, as documented

@@ -81,7 +81,7 @@ def parse_peers(text: str) -> list[str]:
 
 
 def run_rounds(args: argparse.Namespace) -> CommandResult:
-    from gradpipe.rounds import rounds
+    from gradpipe.aggregation.rounds import rounds
 
     options: dict[str, Any] = {
         "expect": None if args.expect is None else parse_peers(args.expect),

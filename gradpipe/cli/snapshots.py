@@ -108,7 +108,7 @@ def _metadata(pairs: list[str]) -> dict[str, str]:
 def run_snapshot(args: argparse.Namespace) -> CommandResult:
     from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
     from gradpipe.formats.state_file import STATE_FILE_KEY, read_state_file
-    from gradpipe.snapshot import write_snapshot
+    from gradpipe.snapshots.api import write_snapshot
 
     metadata = _metadata(args.meta)
     state, info = read_state_file(args.state_file)  # before opening the store
@@ -126,7 +126,7 @@ def run_snapshot(args: argparse.Namespace) -> CommandResult:
         keyframe_interval=interval,
     )
     from gradpipe.core.snapshot_manifest import SnapshotManifest
-    from gradpipe.snapshot import SnapshotInfo
+    from gradpipe.snapshots.api import SnapshotInfo
 
     # This snapshot's own manifest (another writer may have landed on top since).
     snapshot_id = done.id
@@ -154,7 +154,7 @@ def run_restore(args: argparse.Namespace) -> CommandResult:
     from gradpipe.formats.dump import dump_format
     from gradpipe.formats.state_file import STATE_FILE_KEY, StateFileInfo, check_state_path
     from gradpipe.output import parse_output_path
-    from gradpipe.snapshot import find_snapshot, restore_file
+    from gradpipe.snapshots.api import find_snapshot, restore_file
 
     parse_output_path(args.output, what="-o")  # before opening anything
     store = open_store_arg(args, "r")
@@ -182,7 +182,7 @@ def run_restore(args: argparse.Namespace) -> CommandResult:
 
 
 def run_log(args: argparse.Namespace) -> CommandResult:
-    from gradpipe.snapshot import snapshot_log
+    from gradpipe.snapshots.api import snapshot_log
 
     store = open_store_arg(args, "r")
     versions = snapshot_log(store, args.name)
@@ -209,7 +209,7 @@ def run_log(args: argparse.Namespace) -> CommandResult:
 
 
 def run_prune(args: argparse.Namespace) -> CommandResult:
-    from gradpipe.snapshot_prune import prune
+    from gradpipe.snapshots.prune import prune
 
     store = open_store_arg(args, "r" if args.dry_run else "r+")
     report = prune(

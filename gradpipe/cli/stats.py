@@ -76,7 +76,12 @@ def run_stats(args: argparse.Namespace) -> CommandResult:
     if args.plot is not None:
         parse_output_path(args.plot, what="--plot")  # before reading anything
     store = open_store_arg(args, "r")
-    from gradpipe.stats import compression_stats, records_csv, stats_records, summarize_stats
+    from gradpipe.statistics.api import (
+        compression_stats,
+        records_csv,
+        stats_records,
+        summarize_stats,
+    )
 
     ds = compression_stats(store, run=args.run, aggregate=args.aggregate, snapshot=args.snapshot)
     by = _dim(ds, args.by)
@@ -103,7 +108,7 @@ def run_stats(args: argparse.Namespace) -> CommandResult:
         doc["by"] = args.by
         doc["summary"] = [_json_safe(r) for r in summary]
     if args.plot is not None:
-        from gradpipe.stats_plot import plot_stats
+        from gradpipe.statistics.plot import plot_stats
 
         plot_stats(ds, args.plot)
         doc["plot"] = args.plot
@@ -138,7 +143,7 @@ def _dim(ds: xr.Dataset, by: str | None) -> str | None:
 
 
 def _default_table(ds: xr.Dataset) -> list[dict[str, Any]]:
-    from gradpipe.stats import stats_records, summarize_stats
+    from gradpipe.statistics.api import stats_records, summarize_stats
 
     return list(stats_records(summarize_stats(ds, by="tensor")))
 

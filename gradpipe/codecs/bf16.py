@@ -3,7 +3,7 @@
 Halves float32 (quarters float64). bfloat16 keeps float32's exponent range,
 so only values within half a unit of its largest finite value overflow (to
 infinity, counted in the frame); NaN stays NaN. The rounding is in
-:mod:`gradpipe.core.rounding`.
+:mod:`gradpipe.codecs.ops.half_precision`.
 
 Body: ``overflows u8`` then the bfloat16 words (``count × u2``).
 """
@@ -16,8 +16,8 @@ from typing import ClassVar, Final
 import numpy as np
 
 from gradpipe.codecs._lossy import LossyCodec
+from gradpipe.codecs.ops.half_precision import bf16_bits, from_bf16_bits
 from gradpipe.core.lossy import ErrorBound
-from gradpipe.core.rounding import bf16_bits, from_bf16_bits
 
 __all__ = ["BF16Codec"]
 

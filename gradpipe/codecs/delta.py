@@ -9,7 +9,7 @@ The delta bytes are stored as an ordinary block (named by the hash of the delta
 bytes and compressed by the lossless policy like any chunk), so every store
 integrity check applies to them unchanged; see docs/design/008.
 
-Kinds (the math is in :mod:`gradpipe.core.delta`):
+Kinds (the math is in :mod:`gradpipe.codecs.ops.delta`):
 
 - ``int``: wrapping difference of the bit patterns, bit-exact for every dtype.
   The default: measured ~10% smaller than XOR on parameters (design note 008).
@@ -28,7 +28,7 @@ import numpy as np
 from numcodecs.abc import Codec
 from numcodecs.compat import ensure_contiguous_ndarray
 
-from gradpipe.core.delta import (
+from gradpipe.codecs.ops.delta import (
     SparseDelta,
     apply_int_delta,
     apply_sparse_delta,

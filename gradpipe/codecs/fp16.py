@@ -16,8 +16,8 @@ from typing import ClassVar, Final
 import numpy as np
 
 from gradpipe.codecs._lossy import LossyCodec
+from gradpipe.codecs.ops.half_precision import to_fp16
 from gradpipe.core.lossy import ErrorBound
-from gradpipe.core.rounding import to_fp16
 
 __all__ = ["FP16Codec"]
 

@@ -6,7 +6,7 @@ rows unless one row is larger than a chunk). A chunk that is not a whole
 number of rows, a vector (``columns`` 0 or 1, or one row), and a matrix too
 small for factors to be smaller (``R·(rows + cols) ≥ rows·cols``) are stored
 exactly, as PowerSGD sends biases uncompressed. The math is in
-:mod:`gradpipe.core.lowrank`; the factors are kept as float32.
+:mod:`gradpipe.codecs.ops.lowrank`; the factors are kept as float32.
 
 Body: ``rows u8, cols u8, rank u4, method u1 (0 exact, 1 factors), 3x``, then
 the values as they are, or ``P`` (rows × r) and ``Q`` (cols × r) as float32.
@@ -21,8 +21,13 @@ from typing import Any, ClassVar, Final, Self
 import numpy as np
 
 from gradpipe.codecs._lossy import LossyCodec, parse_seed
+from gradpipe.codecs.ops.lowrank import (
+    low_rank_factors,
+    low_rank_product,
+    parse_rank,
+    worth_factoring,
+)
 from gradpipe.core.lossy import ErrorBound
-from gradpipe.core.lowrank import low_rank_factors, low_rank_product, parse_rank, worth_factoring
 from gradpipe.errors import IntegrityError, InvalidInputError
 
 __all__ = ["PowerSGDCodec"]

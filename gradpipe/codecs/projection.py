@@ -8,7 +8,7 @@ sketch keeps is norms and inner products: the frame stores the sketch's exact
 norm ``‖Ax‖₂`` (:meth:`ProjectionCodec.norm`, within the Johnson–Lindenstrauss
 bound of ``‖x‖₂``), and :meth:`ProjectionCodec.inner` estimates ``⟨a, b⟩``
 from two frames. The projection, its segments and the bound are in
-:mod:`gradpipe.core.projection`.
+:mod:`gradpipe.codecs.ops.projection`.
 
 Body: ``ratio f8, seed u8, segment u8, k u4, 4x, scale f8, norm f8``, then the
 ternary codes, four per byte (``t + 1`` in two bits, first code lowest).
@@ -23,15 +23,15 @@ from typing import Any, ClassVar, Final
 import numpy as np
 
 from gradpipe.codecs._lossy import LossyCodec, parse_seed
-from gradpipe.core.lossy import ErrorBound
-from gradpipe.core.projection import (
+from gradpipe.codecs.ops.projection import (
     jl_epsilon,
     project,
     quantize_ternary,
     segment_layout,
     transpose_project,
 )
-from gradpipe.core.sparsify import parse_fraction
+from gradpipe.codecs.ops.sparsify import parse_fraction
+from gradpipe.core.lossy import ErrorBound
 from gradpipe.errors import IntegrityError, InvalidInputError
 
 __all__ = ["DEFAULT_SEGMENT", "ProjectionCodec", "pack_ternary", "unpack_ternary"]

@@ -1,6 +1,6 @@
 """Lossy codec: QSGD stochastic quantisation, ``S`` levels per bucket, seeded.
 
-The math and its bounds are in :mod:`gradpipe.core.qsgd`. The random draws
+The math and its bounds are in :mod:`gradpipe.codecs.ops.qsgd`. The random draws
 come from a generator seeded with the codec's ``seed`` and the chunk's bytes
 (their BLAKE3 hash): encoding the same chunk twice gives the same frame, so
 the same block id, while different chunks get independent draws (one stream
@@ -19,9 +19,14 @@ from typing import Any, ClassVar, Final
 import numpy as np
 
 from gradpipe.codecs._lossy import LossyCodec, parse_seed
+from gradpipe.codecs.ops.qsgd import (
+    dequantize_qsgd,
+    parse_levels,
+    qsgd_variance_bound,
+    quantize_qsgd,
+)
 from gradpipe.core.ids import hash_bytes
 from gradpipe.core.lossy import ErrorBound, unit_roundoff
-from gradpipe.core.qsgd import dequantize_qsgd, parse_levels, qsgd_variance_bound, quantize_qsgd
 from gradpipe.errors import IntegrityError, InvalidInputError
 
 __all__ = ["DEFAULT_BUCKET", "QSGDCodec"]

@@ -4,7 +4,7 @@ Per chunk of ``n`` values it keeps ``k = ⌈F·n⌉`` values exactly (in their
 dtype) and their positions, as a bitmap or a list of indices, whichever is
 smaller (a bitmap costs ``n/8`` bytes, indices ``4k``: the bitmap wins above
 F = 1/32). Decoding puts them back among zeros. The bound, and why it needs
-``k`` rounded up, is in :mod:`gradpipe.core.sparsify`; so is the error-feedback
+``k`` rounded up, is in :mod:`gradpipe.codecs.ops.sparsify`; so is the error-feedback
 step an evaluator runs across training steps.
 
 Body: ``k u8, method u1 (0 indices, 1 bitmap), 7x``, the positions (``k × u4``
@@ -19,8 +19,8 @@ from typing import Any, ClassVar, Final
 import numpy as np
 
 from gradpipe.codecs._lossy import LossyCodec
+from gradpipe.codecs.ops.sparsify import parse_fraction, topk_bound, topk_count, topk_indices
 from gradpipe.core.lossy import ErrorBound
-from gradpipe.core.sparsify import parse_fraction, topk_bound, topk_count, topk_indices
 from gradpipe.errors import IntegrityError
 
 __all__ = ["TopKCodec"]

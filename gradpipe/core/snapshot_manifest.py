@@ -7,7 +7,7 @@ in the previous snapshot. ``previous`` links the versions of a name, newest
 first, the way a commit links its parent: the ref ``snapshots/<name>``
 points at the newest, and everything older stays reachable from it until
 ``prune`` writes a shorter chain. ``content`` is the id of what the caller
-gave, without time or history (see :mod:`gradpipe.snapshot_content`): the
+gave, without time or history (see :mod:`gradpipe.snapshots.content`): the
 same state saved at the same step again is found by it, not written twice.
 """
 

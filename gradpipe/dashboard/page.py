@@ -33,7 +33,7 @@ ul.failures { margin: 0; padding-left: 1.2em; color: #8a3a00; } .empty { color: 
 
 
 def render_page(doc: Mapping[str, Any], *, refresh: int) -> str:
-    """The page for ``doc`` (:meth:`gradpipe._dashboard.board.Board.document`)."""
+    """The page for ``doc`` (:meth:`gradpipe.dashboard.board.Board.document`)."""
     now = float(doc.get("time", 0.0))
     head = f'<meta http-equiv="refresh" content="{refresh}">' if refresh > 0 else ""
     scheduler = html.escape(str(doc.get("scheduler") or ""))

@@ -6,7 +6,7 @@ Load it where the scheduler starts::
 
 or register it on a running scheduler from any client (the same plugin)::
 
-    from gradpipe.dashboard import GradpipeDashboard
+    from gradpipe.dashboard.plugin import GradpipeDashboard
     client.register_plugin(GradpipeDashboard())
 
 It adds, on the scheduler's dashboard server (port 8787 by default):
@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.http.utils import RequestHandler
 
-from gradpipe._dashboard.board import Board, Live
-from gradpipe._dashboard.page import render_page
+from gradpipe.dashboard.board import Board, Live
+from gradpipe.dashboard.page import render_page
 from gradpipe.graph.telemetry import TOPIC
 from gradpipe.meter import RAW, READ, WRITE
 

@@ -2,10 +2,10 @@
 
 The user operation: check the candidates and parameters before any I/O, draw
 a seeded sample of the run's chunks stratified over tensors, steps and peers
-(:mod:`gradpipe.core.sampling`, reading only the manifests of the dumps it
+(:mod:`gradpipe.evaluation.sampling`, reading only the manifests of the dumps it
 draws from), add each sampled chunk's error-feedback window and its partner
-for inner products, then compute one graph (:mod:`gradpipe.graph.evaluate`)
-and report (:class:`~gradpipe.evaluate_report.EvaluationReport`).
+for inner products, then compute one graph (:mod:`gradpipe.evaluation.graph`)
+and report (:class:`~gradpipe.evaluation.report.EvaluationReport`).
 
 The sampled unit is a stored chunk. gradpipe chunks a tensor into runs of
 whole rows (a row larger than a chunk aside), so for PowerSGD a chunk of a
@@ -22,12 +22,12 @@ from gradpipe.codecs._lossy import parse_seed
 from gradpipe.codecs.candidate import Candidate, parse_candidates
 from gradpipe.core.display import printable
 from gradpipe.core.run_manifest import DumpManifest
-from gradpipe.core.sampling import Unit, order_dumps, parse_sample_size, sample_units
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import InvalidInputError
-from gradpipe.evaluate_report import EvaluationReport
-from gradpipe.graph.evaluate import ChunkRef, EvaluationPlan, build_evaluate_graph
-from gradpipe.graph.evaluate_result import CodecResult
+from gradpipe.evaluation.graph import ChunkRef, EvaluationPlan, build_evaluate_graph
+from gradpipe.evaluation.report import EvaluationReport
+from gradpipe.evaluation.result import CodecResult
+from gradpipe.evaluation.sampling import Unit, order_dumps, parse_sample_size, sample_units
 from gradpipe.graph.runner import Runner, use_runner
 from gradpipe.runs import Dump, Run, open_run
 from gradpipe.storage.store import Store
@@ -87,7 +87,7 @@ def evaluate_codecs(
     Returns
     -------
     EvaluationReport
-        One :class:`~gradpipe.graph.evaluate_tasks.CodecResult` per candidate;
+        One :class:`~gradpipe.evaluation.tasks.CodecResult` per candidate;
         ``ok`` when every deterministic bound held on every chunk.
 
     Examples

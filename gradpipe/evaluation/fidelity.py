@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
+from gradpipe.codecs.ops.sparsify import error_feedback
 from gradpipe.core.encoding import encode_float
 from gradpipe.core.lossy import ErrorBound
-from gradpipe.core.sparsify import error_feedback
 from gradpipe.errors import InvalidInputError
 
 __all__ = ["Fidelity", "bound_usage", "measure_fidelity", "simulate_feedback"]
@@ -234,7 +234,7 @@ def simulate_feedback(
     """What a compressor keeps of a gradient summed over steps, with and without error feedback.
 
     Step ``t`` sends ``compress(g_t + e_{t−1})`` and carries the residual
-    ``e_t = g_t + e_{t−1} − sent_t`` (:func:`gradpipe.core.sparsify.error_feedback`),
+    ``e_t = g_t + e_{t−1} − sent_t`` (:func:`gradpipe.codecs.ops.sparsify.error_feedback`),
     as GRACE's memory does. Returned: the :class:`Fidelity` of the sum of
     what was sent against the true sum ``Σ g_t``, with error feedback and
     without it (each step compressed alone), all in float64.

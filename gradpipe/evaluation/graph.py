@@ -30,15 +30,15 @@ from typing import Any
 from dask.base import tokenize
 
 from gradpipe.codecs.candidate import Candidate
-from gradpipe.core.sampling import Unit
 from gradpipe.core.tensor_manifest import TensorManifest
-from gradpipe.graph.chains import add_chunk_read
-from gradpipe.graph.evaluate_tasks import (
+from gradpipe.evaluation.sampling import Unit
+from gradpipe.evaluation.tasks import (
     evaluate_chunk,
     evaluate_feedback,
     evaluate_pair,
     summarise,
 )
+from gradpipe.graph.chains import add_chunk_read
 from gradpipe.storage.store import Store
 
 __all__ = ["ChunkRef", "EvaluationPlan", "build_evaluate_graph"]

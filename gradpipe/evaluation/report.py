@@ -11,7 +11,7 @@ The table :meth:`EvaluationReport.summary` prints, one row per candidate:
 - ``exact``: every chunk decoded to its own bytes,
 - ``max abs``, ``rel L2``, ``cosine``, ``norm``, ``sign``: fidelity in float64
   over every evaluated chunk laid end to end (see
-  :mod:`gradpipe.core.fidelity`),
+  :mod:`gradpipe.evaluation.fidelity`),
 - ``bound``: the codec's stated bound, ``used`` the most of it any chunk
   used (measured over allowed) and ``held`` on how many chunks it held.
 
@@ -29,8 +29,8 @@ from typing import Any
 
 from gradpipe.core.display import printable
 from gradpipe.core.lossy import ErrorBound
-from gradpipe.core.sampling import Unit
-from gradpipe.graph.evaluate_result import CodecResult
+from gradpipe.evaluation.result import CodecResult
+from gradpipe.evaluation.sampling import Unit
 
 __all__ = ["EvaluationReport", "describe_bound"]
 

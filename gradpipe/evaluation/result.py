@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from gradpipe.core.encoding import encode_float
-from gradpipe.core.fidelity import Fidelity
 from gradpipe.core.lossy import ErrorBound
+from gradpipe.evaluation.fidelity import Fidelity
 
 if TYPE_CHECKING:
-    from gradpipe.graph.evaluate_tasks import ChunkOutcome, FeedbackOutcome, PairOutcome
+    from gradpipe.evaluation.tasks import ChunkOutcome, FeedbackOutcome, PairOutcome
 
 __all__ = ["CodecResult"]
 

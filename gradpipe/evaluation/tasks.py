@@ -1,18 +1,18 @@
 """The tasks of the codec-evaluation graph (what they add up to, per candidate, is
-:class:`~gradpipe.graph.evaluate_result.CodecResult`).
+:class:`~gradpipe.evaluation.result.CodecResult`).
 
 Each task takes the logical bytes of stored chunks (the results of the read
 tasks of :mod:`gradpipe.graph.chains`, shared by every candidate) and returns a
 few numbers, never an array:
 
 - :func:`evaluate_chunk`: one candidate on one sampled chunk (sizes, times,
-  :class:`~gradpipe.core.fidelity.Fidelity`, its bound checked; for a sketch,
+  :class:`~gradpipe.evaluation.fidelity.Fidelity`, its bound checked; for a sketch,
   its stored norm checked against the Johnson–Lindenstrauss bound);
 - :func:`evaluate_feedback`: error feedback over consecutive steps of one
   (peer, tensor, chunk);
 - :func:`evaluate_pair`: a sketch's inner-product estimate of two chunks;
 - :func:`summarise`: everything of one candidate, as a
-  :class:`~gradpipe.graph.evaluate_result.CodecResult`.
+  :class:`~gradpipe.evaluation.result.CodecResult`.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from typing import Any
 import numpy as np
 
 from gradpipe.codecs.candidate import Candidate
+from gradpipe.codecs.ops.projection import jl_epsilon, segment_layout
 from gradpipe.core.dtypes import parse_dtype
-from gradpipe.core.fidelity import Fidelity, bound_usage, measure_fidelity, simulate_feedback
 from gradpipe.core.lossy import ErrorBound
-from gradpipe.core.projection import jl_epsilon, segment_layout
-from gradpipe.graph.evaluate_result import CodecResult
+from gradpipe.evaluation.fidelity import Fidelity, bound_usage, measure_fidelity, simulate_feedback
+from gradpipe.evaluation.result import CodecResult
 
 __all__ = [
     "ChunkOutcome",

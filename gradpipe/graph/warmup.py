@@ -26,11 +26,11 @@ TASK_MODULES: Final = (
     "gradpipe.codecs",
     "gradpipe.storage.tensors",
     "gradpipe.storage.chains",
-    "gradpipe.graph.ingest_tasks",
-    "gradpipe.graph.aggregate_tasks",
-    "gradpipe.graph.robust_tasks",
-    "gradpipe.graph.server_tasks",
-    "gradpipe.graph.evaluate_tasks",
+    "gradpipe.ingestion.tasks",
+    "gradpipe.aggregation.tasks",
+    "gradpipe.aggregation.robust_tasks",
+    "gradpipe.aggregation.server_opt_tasks",
+    "gradpipe.evaluation.tasks",
     "gradpipe.graph.arrays",
 )
 

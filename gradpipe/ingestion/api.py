@@ -3,7 +3,7 @@
 The user operation: find the dumps, skip those already recorded, check the
 headers against the run's schema, then compute the write graph under a
 writer's lease and report. The graphs themselves are built in
-:mod:`gradpipe.graph.ingest` and computed by a :class:`~gradpipe.graph.runner.Runner`.
+:mod:`gradpipe.ingestion.graph` and computed by a :class:`~gradpipe.graph.runner.Runner`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from dask.utils import format_bytes
 from numcodecs.abc import Codec
 
+from gradpipe.aggregation.rounds import record_ingest_failures
 from gradpipe.config import get_bytes
 from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL, ChainTotals, parse_keyframe_interval
 from gradpipe.core.display import PATH_LIMIT, printable
@@ -24,18 +25,17 @@ from gradpipe.core.names import parse_name
 from gradpipe.core.run_manifest import RunManifest, TensorSchema
 from gradpipe.errors import InvalidInputError, NotFoundError
 from gradpipe.formats.dump import DumpHeader
-from gradpipe.graph.discover import DumpFile, Failure, discover_dumps
-from gradpipe.graph.ingest import (
+from gradpipe.graph.runner import Runner, RunnerOptions, check_runner_options, use_runner
+from gradpipe.graph.telemetry import operation
+from gradpipe.ingestion.chains import ChainSettings
+from gradpipe.ingestion.discover import DumpFile, Failure, discover_dumps
+from gradpipe.ingestion.graph import (
     build_chained_ingest_graph,
     build_ingest_graph,
     build_inspect_graph,
 )
-from gradpipe.graph.ingest_chains import ChainSettings
-from gradpipe.graph.ingest_plan import plan_chains
-from gradpipe.graph.ingest_tasks import CommitResult, schema_conflict
-from gradpipe.graph.runner import Runner, RunnerOptions, check_runner_options, use_runner
-from gradpipe.graph.telemetry import operation
-from gradpipe.rounds import record_ingest_failures
+from gradpipe.ingestion.plan import plan_chains
+from gradpipe.ingestion.tasks import CommitResult, schema_conflict
 from gradpipe.storage.blocks import WriteStats
 from gradpipe.storage.catalog import read_run, run_ref
 from gradpipe.storage.store import Store

@@ -2,10 +2,10 @@
 
 One task per dump (``gradpipe-chain``) writes every tensor of the dump with
 :func:`~gradpipe.storage.chains.write_version` against the same tensor of the
-same peer's previous step (see :func:`~gradpipe.graph.ingest_plan.plan_chains`):
+same peer's previous step (see :func:`~gradpipe.ingestion.plan.plan_chains`):
 
 - when that step is in the batch, its task's result (a small
-  :class:`~gradpipe.graph.ingest_tasks.DumpResult` holding the dump's
+  :class:`~gradpipe.ingestion.tasks.DumpResult` holding the dump's
   manifest) is this task's argument, and the parent's *values* are read again
   from its file, untrusted: each chunk used as a base is checked against the
   block id it was stored under, so a file changed in between only costs full
@@ -36,8 +36,8 @@ from gradpipe.errors import GradpipeError
 from gradpipe.formats.checksum import check_crc32
 from gradpipe.formats.dump import DumpHeader, read_byte_range, read_dump_tensors
 from gradpipe.formats.spec import TensorSpec, check_tensor_values
-from gradpipe.graph.discover import DumpFile, Failure
-from gradpipe.graph.ingest_tasks import DumpResult, _isolated, store_dump
+from gradpipe.ingestion.discover import DumpFile, Failure
+from gradpipe.ingestion.tasks import DumpResult, _isolated, store_dump
 from gradpipe.storage.blocks import WriteStats
 from gradpipe.storage.chains import ChainParent, write_version
 from gradpipe.storage.store import Store

@@ -13,7 +13,7 @@ An ingest computes two graphs, one after the other::
                           gradpipe-commit
 
 The builders only build: they return plain task dicts (the tasks are in
-:mod:`gradpipe.graph.ingest_tasks`) and the keys to compute, and a
+:mod:`gradpipe.ingestion.tasks`) and the keys to compute, and a
 :class:`~gradpipe.graph.runner.Runner` computes them. Keys are tokenised from
 everything that defines the work, so the same dumps give the same keys and a
 scheduler that already holds a result does not recompute it.
@@ -29,15 +29,15 @@ from dask.base import tokenize
 from numcodecs.abc import Codec
 
 from gradpipe.formats.dump import DumpHeader
-from gradpipe.graph.discover import DumpFile
-from gradpipe.graph.ingest_chains import (
+from gradpipe.ingestion.chains import (
     ChainSettings,
     ParentFile,
     ParentRecorded,
     write_dump_version,
 )
-from gradpipe.graph.ingest_plan import ChainPlan, ReadUnit, plan_units
-from gradpipe.graph.ingest_tasks import (
+from gradpipe.ingestion.discover import DumpFile
+from gradpipe.ingestion.plan import ChainPlan, ReadUnit, plan_units
+from gradpipe.ingestion.tasks import (
     commit_run,
     encode_unit,
     inspect_dumps,
@@ -63,7 +63,7 @@ def build_inspect_graph(
     """The graph that reads the headers of ``dumps`` (not computed), and its output keys.
 
     Each key's result is a list of :class:`~gradpipe.formats.dump.DumpHeader`
-    or :class:`~gradpipe.graph.discover.Failure`, one per dump of its batch;
+    or :class:`~gradpipe.ingestion.discover.Failure`, one per dump of its batch;
     the keys are in the order of ``dumps``, so concatenating the results
     pairs every dump with its header.
     """
@@ -89,7 +89,7 @@ def build_ingest_graph(
 ) -> tuple[dict[Hashable, Any], str]:
     """The read/encode/dump/commit graph of ``dumps`` (not computed), and its output key.
 
-    The output key's result is a :class:`~gradpipe.graph.ingest_tasks.CommitResult`.
+    The output key's result is a :class:`~gradpipe.ingestion.tasks.CommitResult`.
     ``lease`` is the key of the writer's lease the commit publishes under
     (:meth:`Store.writing <gradpipe.storage.store.Store.writing>`).
     """
@@ -153,9 +153,9 @@ def build_chained_ingest_graph(
 
     One ``gradpipe-chain`` task per dump, which depends on the task of the
     dump it is written against (``plans``, from
-    :func:`~gradpipe.graph.ingest_plan.plan_chains`): the steps of one peer
+    :func:`~gradpipe.ingestion.plan.plan_chains`): the steps of one peer
     run in order, peers in parallel. The output is the commit's
-    :class:`~gradpipe.graph.ingest_tasks.CommitResult`, as for
+    :class:`~gradpipe.ingestion.tasks.CommitResult`, as for
     :func:`build_ingest_graph`.
     """
     token = tokenize(

@@ -1,8 +1,8 @@
 """Planning an ingest: each dump cut into read units of tens of MiB, on chunk boundaries.
 
 Pure logic on a dump's header (no I/O): the graph builders in
-:mod:`gradpipe.graph.ingest` make one read task and one encode task per unit,
-and the tasks in :mod:`gradpipe.graph.ingest_tasks` take a unit as their plan.
+:mod:`gradpipe.ingestion.graph` make one read task and one encode task per unit,
+and the tasks in :mod:`gradpipe.ingestion.tasks` take a unit as their plan.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from gradpipe.core.chunking import choose_chunk_shape, chunk_ranges
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.run_manifest import DumpEntry, RunManifest
 from gradpipe.formats.dump import DumpHeader
-from gradpipe.graph.discover import DumpFile
+from gradpipe.ingestion.discover import DumpFile
 
 __all__ = ["ChainPlan", "Part", "ReadUnit", "plan_chains", "plan_units", "tensor_chunks"]
 

@@ -1,6 +1,6 @@
 """The tasks of the ingest graph: what runs on workers, one dump or read unit at a time.
 
-The graphs are built by :mod:`gradpipe.graph.ingest`; the task keys are::
+The graphs are built by :mod:`gradpipe.ingestion.graph`; the task keys are::
 
     gradpipe-inspect   headers of a few dumps            (phase 1, computed first)
     gradpipe-read      one ranged read of tens of MiB    ┐ per read unit
@@ -37,8 +37,8 @@ from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.formats.checksum import check_crc32, join_crc32
 from gradpipe.formats.dump import DumpHeader, read_byte_range, read_dump_header, read_dump_tensors
 from gradpipe.formats.spec import check_tensor_values
-from gradpipe.graph.discover import DumpFile, Failure
-from gradpipe.graph.ingest_plan import ReadUnit, tensor_chunks
+from gradpipe.ingestion.discover import DumpFile, Failure
+from gradpipe.ingestion.plan import ReadUnit, tensor_chunks
 from gradpipe.storage.blocks import WriteStats
 from gradpipe.storage.catalog import read_run_at, run_ref
 from gradpipe.storage.store import Store

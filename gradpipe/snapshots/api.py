@@ -13,9 +13,9 @@ whole snapshot is one manifest, published by one compare-and-swap of the ref
 was, and a second writer that lost the race rebuilds against the winner.
 A snapshot whose step's newest version already holds the same state (a job
 killed after its commit landed, run again) writes nothing
-(:mod:`gradpipe.snapshot_content`).
+(:mod:`gradpipe.snapshots.content`).
 
-Retention (``prune``) lives in :mod:`gradpipe.snapshot_prune`.
+Retention (``prune``) lives in :mod:`gradpipe.snapshots.prune`.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from gradpipe.core.state import (
 )
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import ConflictError, IntegrityError, InvalidInputError, NotFoundError
-from gradpipe.snapshot_content import holds_state, written_content
+from gradpipe.snapshots.content import holds_state, written_content
 from gradpipe.storage._pools import read_threads
 from gradpipe.storage.chains import ChainParent, write_version
 from gradpipe.storage.tensors import read_tensors
@@ -390,7 +390,7 @@ def commit_snapshot(
     only if it still points there (one compare-and-swap), else
     :class:`ConflictError` and nothing is visible. The caller holds the
     store's writing lease from its first block write to here. ``content`` is
-    the state's content id (:mod:`gradpipe.snapshot_content`), if known.
+    the state's content id (:mod:`gradpipe.snapshots.content`), if known.
     """
     manifest = SnapshotManifest(
         name=name,

@@ -9,7 +9,7 @@ hashes are the chunk ids its manifest lists already (a chunk keeps the id of
 its logical bytes however it is stored, see :mod:`gradpipe.storage.chains`),
 so only arrays stored lossily are hashed again when a version is written.
 
-:func:`gradpipe.snapshot.write_snapshot` compares the content id of the state
+:func:`gradpipe.snapshots.api.write_snapshot` compares the content id of the state
 it is given with the step's newest version before writing: the same one means
 the step is recorded already (a job killed after its commit landed, run again).
 Versions written before content ids were kept have theirs worked out from

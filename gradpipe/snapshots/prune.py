@@ -28,7 +28,7 @@ from gradpipe.core.ids import block_key
 from gradpipe.core.manifest import manifest_id
 from gradpipe.core.snapshot_manifest import SnapshotManifest
 from gradpipe.errors import ConflictError, InvalidInputError
-from gradpipe.snapshot import snapshot_ref, snapshot_versions
+from gradpipe.snapshots.api import snapshot_ref, snapshot_versions
 from gradpipe.storage.walk import walk_reachable
 
 if TYPE_CHECKING:

@@ -7,13 +7,13 @@
 Nothing here reads a chunk. The manifests of the dumps (or aggregates, or
 snapshot versions) hold each chunk's block id and value statistics; the stored
 size of every block comes from one listing of the store's ``blocks/``; the
-figures are computed in :mod:`gradpipe.core.tensor_stats`. A run of 2,000
+figures are computed in :mod:`gradpipe.statistics.tensor_stats`. A run of 2,000
 dumps costs 2,000 manifest reads and one listing, whatever its size in bytes.
 
 Cells that hold nothing (a peer that sent no dump at a step, a tensor a dump
 lacks) are NaN in every numeric variable, ``""`` in the text ones and False in
 ``lossy``; ``present`` says which dumps exist. Counts are float64 so that they
-can be NaN. Summing a variable of :data:`~gradpipe.core.tensor_stats.ADDITIVE`
+can be NaN. Summing a variable of :data:`~gradpipe.statistics.tensor_stats.ADDITIVE`
 over any dims gives the figure of the whole (pass ``min_count=1`` to keep an
 all-missing cell NaN); ratios, densities and norms must be recomputed from
 those sums, which :func:`summarize_stats` does.
@@ -41,7 +41,8 @@ from gradpipe.core.ids import id_from_block_key
 from gradpipe.core.names import parse_name
 from gradpipe.core.run_manifest import DumpManifest
 from gradpipe.core.tensor_manifest import TensorManifest
-from gradpipe.core.tensor_stats import (
+from gradpipe.errors import InvalidInputError, NotFoundError
+from gradpipe.statistics.tensor_stats import (
     ADDITIVE,
     MAXIMA,
     RECORD_FIELDS,
@@ -51,7 +52,6 @@ from gradpipe.core.tensor_stats import (
     derived_fields,
     tensor_stats,
 )
-from gradpipe.errors import InvalidInputError, NotFoundError
 from gradpipe.storage.blocks import frame_codec_ids
 from gradpipe.storage.catalog import read_run
 
@@ -175,7 +175,7 @@ def compression_stats(
     Returns
     -------
     xarray.Dataset
-        The variables of :data:`gradpipe.core.tensor_stats.RECORD_FIELDS`
+        The variables of :data:`gradpipe.statistics.tensor_stats.RECORD_FIELDS`
         (``raw_bytes``, ``stored_bytes``, ``ratio``, ``bits_per_value``,
         ``encoding``, ``chain_depth``, ``codec``, ``numel``, ``density``,
         ``zero_chunk_fraction``, ``nan_count``, ``inf_count``, ``l2_norm``,
@@ -246,7 +246,7 @@ def _aggregate_cells(store: Store, run: str, name: str) -> Cells:
 
 
 def _snapshot_cells(store: Store, name: str) -> Cells:
-    from gradpipe.snapshot import snapshot_versions
+    from gradpipe.snapshots.api import snapshot_versions
 
     versions = list(reversed(list(snapshot_versions(store, name))))  # oldest first
     cells = []
@@ -459,7 +459,7 @@ def stats_records(ds: xr.Dataset) -> Iterator[dict[str, Any]]:
 
     Works on what :func:`compression_stats` and :func:`summarize_stats`
     return alike (a summary of the whole gives one record). Fields follow
-    :data:`~gradpipe.core.tensor_stats.RECORD_FIELDS`; counts are ints and a
+    :data:`~gradpipe.statistics.tensor_stats.RECORD_FIELDS`; counts are ints and a
     figure that does not exist (NaN) is None.
     """
     dims = [str(d) for d in ds["numel"].dims]

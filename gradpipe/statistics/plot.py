@@ -17,9 +17,9 @@ import numpy as np
 import xarray as xr
 
 from gradpipe.core.display import printable
-from gradpipe.core.tensor_stats import fraction, ratio
 from gradpipe.errors import InvalidInputError
-from gradpipe.stats import summarize_stats
+from gradpipe.statistics.api import summarize_stats
+from gradpipe.statistics.tensor_stats import fraction, ratio
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -1,7 +1,7 @@
 """Tiny real dumps committed through the ingest's own commit: runs of any size, fast.
 
 A run of 20,000 dumps takes minutes to ingest from files; what its size
-costs is in the commit (``gradpipe.graph.ingest_tasks.commit_run``), which
+costs is in the commit (``gradpipe.ingestion.tasks.commit_run``), which
 does not care how a dump was read. These helpers store one tiny dump per
 (step, peer) (a 4-value tensor kept inside the dump's manifest) and commit
 them as the ingest does: for the scale benchmark and tests of runs in shards.
@@ -17,8 +17,8 @@ import numpy as np
 
 from gradpipe.core.manifest import manifest_id
 from gradpipe.core.run_manifest import DumpEntry, DumpManifest, TensorSchema
-from gradpipe.graph.discover import DumpFile
-from gradpipe.graph.ingest_tasks import CommitResult, DumpResult, commit_run
+from gradpipe.ingestion.discover import DumpFile
+from gradpipe.ingestion.tasks import CommitResult, DumpResult, commit_run
 from gradpipe.storage.blocks import WriteStats
 from gradpipe.storage.store import Store
 

@@ -20,7 +20,7 @@ import fsspec
 
 from gradpipe.errors import NotFoundError
 from gradpipe.formats.state_file import read_state_file
-from gradpipe.snapshot import snapshot, snapshot_log
+from gradpipe.snapshots.api import snapshot, snapshot_log
 from gradpipe.storage.open import open_store
 from gradpipe.testing.training import TrainingConfig, write_sample_run
 

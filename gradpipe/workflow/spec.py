@@ -87,7 +87,7 @@ class StageSpec:
 
 
 def _aggregate_methods() -> tuple[str, ...]:
-    from gradpipe.aggregate import METHODS
+    from gradpipe.aggregation.api import METHODS
 
     return tuple(METHODS)
 

@@ -119,20 +119,20 @@ def _sample(ctx: StageContext, p: dict[str, Any]) -> Report:
 
 
 def _ingest(ctx: StageContext, p: dict[str, Any]) -> Report:
-    from gradpipe.ingest import ingest
+    from gradpipe.ingestion.api import ingest
 
     pattern = p.pop("pattern")
     return ingest(ctx.store, pattern, runner=ctx.runner, **p)
 
 
 def _rounds(ctx: StageContext, p: dict[str, Any]) -> Report:
-    from gradpipe.rounds import rounds
+    from gradpipe.aggregation.rounds import rounds
 
     return rounds(ctx.store, **p)
 
 
 def _aggregate(ctx: StageContext, p: dict[str, Any]) -> Report:
-    from gradpipe.aggregate import aggregate
+    from gradpipe.aggregation.api import aggregate
 
     return aggregate(ctx.store, runner=ctx.runner, **p)
 
@@ -140,8 +140,8 @@ def _aggregate(ctx: StageContext, p: dict[str, Any]) -> Report:
 def _snapshot(ctx: StageContext, p: dict[str, Any]) -> Report:
     from gradpipe.errors import InvalidInputError, NotFoundError
     from gradpipe.formats.state_file import STATE_FILE_KEY, read_state_file
-    from gradpipe.graph.discover import parse_pattern
-    from gradpipe.snapshot import snapshot_versions, write_snapshot
+    from gradpipe.ingestion.discover import parse_pattern
+    from gradpipe.snapshots.api import snapshot_versions, write_snapshot
 
     name, pattern = p["name"], p["pattern"]
     if "://" in pattern:
@@ -224,7 +224,12 @@ class StatsStageReport(ReportHtml):
 
 
 def _stats(ctx: StageContext, p: dict[str, Any]) -> Report:
-    from gradpipe.stats import compression_stats, records_csv, stats_records, summarize_stats
+    from gradpipe.statistics.api import (
+        compression_stats,
+        records_csv,
+        stats_records,
+        summarize_stats,
+    )
 
     ds = compression_stats(ctx.store, run=p["run"], aggregate=p.get("aggregate"))
     records = list(stats_records(ds))
@@ -247,7 +252,7 @@ def _stats(ctx: StageContext, p: dict[str, Any]) -> Report:
         Path(p["json"]).write_text(json.dumps(doc))
         written["json"] = p["json"]
     if "plot" in p:
-        from gradpipe.stats_plot import plot_stats
+        from gradpipe.statistics.plot import plot_stats
 
         plot_stats(ds, p["plot"])
         written["plot"] = p["plot"]
@@ -255,7 +260,7 @@ def _stats(ctx: StageContext, p: dict[str, Any]) -> Report:
 
 
 def _prune(ctx: StageContext, p: dict[str, Any]) -> Report:
-    from gradpipe.snapshot_prune import prune
+    from gradpipe.snapshots.prune import prune
 
     return prune(ctx.store, p.pop("snapshot"), **p)
 

@@ -9,8 +9,8 @@ entry point as ``gradpipe``. xarray loads it whenever it lists its engines, so
 this module imports xarray and nothing else at import time; the store, the
 manifests and the readers are imported when something is opened.
 
-What the datasets hold is described in :mod:`gradpipe._xarray_datasets`;
-how their arrays read in :mod:`gradpipe._xarray_array`.
+What the datasets hold is described in :mod:`gradpipe.xarray.datasets`;
+how their arrays read in :mod:`gradpipe.xarray.array`.
 
 Dask keys. With ``chunks=`` xarray names the dask arrays after a token of the
 arguments of the open call. :func:`open_dataset` passes ``at=``, the id of the
@@ -85,7 +85,7 @@ class GradpipeBackendEntrypoint(BackendEntrypoint):
         storage_options : dict, optional
             fsspec options for a URL (``{"endpoint_url": ...}`` on S3).
         """
-        from gradpipe._xarray_datasets import aggregate_dataset, run_dataset, snapshot_dataset
+        from gradpipe.xarray.datasets import aggregate_dataset, run_dataset, snapshot_dataset
 
         store = _open_store(filename_or_obj, storage_options)
         drop = _drop_set(drop_variables)
@@ -156,7 +156,7 @@ def open_dataset(
         The run (for ``kind="run"`` and ``"aggregate"``).
     kind : {"run", "aggregate", "snapshot"}
         ``"run"``: dims ``(step, peer, <tensor>_dim0, ...)``, one variable per
-        tensor name (escaped where it would clash: :mod:`gradpipe.core.view_names`;
+        tensor name (escaped where it would clash: :mod:`gradpipe.xarray.view_names`;
         ``attrs["tensor"]`` holds it), ``present`` for the (step, peer) pairs with a dump;
         ``"aggregate"``: aggregate ``name`` of the run, dims ``(step, ...)``;
         ``"snapshot"``: the snapshot chain ``name``, dims ``(version, ...)``.
@@ -188,7 +188,7 @@ def open_dataset(
     _check_target(kind, run, name)
     if kind == "snapshot":
         assert name is not None
-        from gradpipe.snapshot import snapshot_versions
+        from gradpipe.snapshots.api import snapshot_versions
 
         at = next(snapshot_versions(opened, name))[0]
     else:
@@ -210,8 +210,8 @@ def open_dataset(
 # --- the tree ---------------------------------------------------------------------
 def _run_nodes(store: Store, drop: set[str]) -> dict[str, xr.Dataset]:
     """``runs/<run>``: every run's dumps."""
-    from gradpipe._xarray_datasets import run_dataset
     from gradpipe.runs import list_runs, open_run
+    from gradpipe.xarray.datasets import run_dataset
 
     return {
         f"runs/{r}": run_dataset(store, open_run(store, r), drop=drop) for r in list_runs(store)
@@ -220,8 +220,8 @@ def _run_nodes(store: Store, drop: set[str]) -> dict[str, xr.Dataset]:
 
 def _aggregate_nodes(store: Store, drop: set[str]) -> dict[str, xr.Dataset]:
     """``aggregates/<run>/<name>``: every aggregate name of every run."""
-    from gradpipe._xarray_datasets import aggregate_dataset
     from gradpipe.runs import list_runs, open_run
+    from gradpipe.xarray.datasets import aggregate_dataset
 
     out = {}
     for run_name in list_runs(store):
@@ -233,7 +233,7 @@ def _aggregate_nodes(store: Store, drop: set[str]) -> dict[str, xr.Dataset]:
 
 def _snapshot_nodes(store: Store, drop: set[str]) -> dict[str, xr.Dataset]:
     """``snapshots/<name>``: every snapshot chain, oldest version first."""
-    from gradpipe._xarray_datasets import snapshot_dataset
+    from gradpipe.xarray.datasets import snapshot_dataset
 
     names = [ref.split("/", 1)[1] for ref in store.refs.list("snapshots")]
     return {
@@ -245,7 +245,7 @@ def _snapshot_nodes(store: Store, drop: set[str]) -> dict[str, xr.Dataset]:
 def _stats_nodes(store: Store, drop: set[str]) -> dict[str, xr.Dataset]:
     """``stats/<run>``: every run's compression statistics (manifests only, no chunk read)."""
     from gradpipe.runs import list_runs
-    from gradpipe.stats import compression_stats
+    from gradpipe.statistics.api import compression_stats
 
     return {f"stats/{r}": compression_stats(store, run=r) for r in list_runs(store)}
 
@@ -267,12 +267,12 @@ def tree_groups(store: Store, *, drop: Iterable[str] = ()) -> dict[str, xr.Datas
     has ``/`` in it (``params/w``) is put in a child group (``.../params``,
     variable ``w``), since a DataTree variable name cannot hold one, or, where
     that group would not be a plain name of its own, keeps its place with the
-    ``/`` escaped (``step%2Fw``): :mod:`gradpipe._xarray_tree`.
+    ``/`` escaped (``step%2Fw``): :mod:`gradpipe.xarray.tree`.
     """
     import xarray as xr
 
     from gradpipe._version import __version__
-    from gradpipe._xarray_tree import nest
+    from gradpipe.xarray.tree import nest
 
     drops = set(drop)
     root = xr.Dataset(attrs={"kind": "store", "store": store.url, "gradpipe_version": __version__})
@@ -349,7 +349,7 @@ def _snapshot_chain(store: Store, name: str, at: str | None) -> list[tuple[str, 
     """The versions of snapshot chain ``name`` (from version ``at``), oldest first."""
     from gradpipe.core.display import printable
     from gradpipe.errors import InvalidInputError
-    from gradpipe.snapshot import snapshot_versions
+    from gradpipe.snapshots.api import snapshot_versions
 
     chain = list(snapshot_versions(store, name, head=at))
     if chain and chain[0][1].name != name:

@@ -2,7 +2,7 @@
 
 Each builder reads manifests only (in batches where their ids are known up
 front) and returns an :class:`xarray.Dataset` whose tensor variables are
-:class:`~gradpipe._xarray_array.TensorStack` arrays behind xarray's
+:class:`~gradpipe.xarray.array.TensorStack` arrays behind xarray's
 ``LazilyIndexedArray``: nothing is read until a value is asked for.
 
 - a **run**: dims ``(step, peer, <tensor>_dim0, ...)``; coordinates ``step``,
@@ -18,7 +18,7 @@ front) and returns an :class:`xarray.Dataset` whose tensor variables are
   ``snapshot_id`` and every metadata key.
 
 Tensor names, array keys and metadata keys are shown as
-:mod:`gradpipe.core.view_names` says: reversibly escaped where they would
+:mod:`gradpipe.xarray.view_names` says: reversibly escaped where they would
 clash, each tensor variable with its name in ``attrs["tensor"]``.
 
 Metadata (strings in a dump) becomes a typed coordinate: int64 where every
@@ -40,15 +40,15 @@ import xarray as xr
 from xarray.core import indexing
 
 from gradpipe._version import __version__
-from gradpipe._xarray_array import TensorStack
 from gradpipe.core.aggregate_manifest import AggregateManifest, stale_reason
 from gradpipe.core.display import printable, printable_names
 from gradpipe.core.gc_pause import gc_paused
 from gradpipe.core.run_manifest import DumpManifest
 from gradpipe.core.snapshot_manifest import SnapshotManifest
 from gradpipe.core.tensor_manifest import TensorManifest, TensorRef, embedded_tensor
-from gradpipe.core.view_names import coordinate_name, dim_name, variable_name
 from gradpipe.errors import NotFoundError
+from gradpipe.xarray.array import TensorStack
+from gradpipe.xarray.view_names import coordinate_name, dim_name, variable_name
 
 if TYPE_CHECKING:
     from gradpipe.runs import Run

@@ -8,7 +8,7 @@ own group, which keeps the coordinates: children inherit them. Where a group
 on the way would not be a plain name of its own (``..``, ``""``, a name taken
 by a coordinate, a dimension or another variable: ``step/w`` beside the
 coordinate ``step``), the tensor stays in the dataset's group with its ``/``
-escaped (``step%2Fw``); :func:`gradpipe.core.view_names.tree_layout` has the
+escaped (``step%2Fw``); :func:`gradpipe.xarray.view_names.tree_layout` has the
 rules. Every variable keeps its full tensor name in ``attrs["tensor"]`` and
 every child group the prefix it stands for in ``attrs["tensor_prefix"]``.
 
@@ -24,7 +24,7 @@ import warnings
 import xarray as xr
 
 from gradpipe.core.display import printable
-from gradpipe.core.view_names import tree_layout
+from gradpipe.xarray.view_names import tree_layout
 
 __all__ = ["nest"]
 

@@ -28,8 +28,8 @@ In a DataTree, :func:`tree_layout` puts a tensor whose shown name holds ``/``
 way is a plain name that clashes with nothing; any other ``/`` is escaped
 (``%2F``) and the tensor stays in its dataset's own group.
 
-This module is pure (no xarray): the views in :mod:`gradpipe._xarray_datasets`
-and :mod:`gradpipe._xarray_tree` apply it.
+This module is pure (no xarray): the views in :mod:`gradpipe.xarray.datasets`
+and :mod:`gradpipe.xarray.tree` apply it.
 """
 
 from __future__ import annotations

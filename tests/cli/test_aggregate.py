@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import gradpipe as gp
-from gradpipe.aggregate import METHODS
+from gradpipe.aggregation.api import METHODS
+from gradpipe.aggregation.server_opt import ServerOptimizerConfig, init_server_state, server_step
 from gradpipe.cli.aggregate import METHODS as CLI_METHODS
-from gradpipe.core.server_opt import ServerOptimizerConfig, init_server_state, server_step
 from gradpipe.formats.safetensors import read_safetensors, write_safetensors
 from gradpipe.testing.cli import run_cli, run_cli_json
 

@@ -134,19 +134,45 @@ def test_python_dash_m() -> None:
     assert done.stderr.startswith("gradpipe gc: error: no gradpipe store at 'no/such/store'")
 
 
-def test_lazy_package_keeps_ingest_a_function() -> None:
-    # ``gradpipe.ingest`` is a submodule and the public function; importing the first
-    # must not hide the second.
+def test_no_package_shares_a_name_with_a_public_function() -> None:
+    # Every public function stays a function whatever is imported first: no submodule of
+    # gradpipe is named after one (they live in feature packages: ingestion, aggregation...).
     code = (
-        "import gradpipe as gp, gradpipe.ingest, gradpipe.cli.ingest\n"
-        "from gradpipe.ingest import IngestReport\n"
-        "assert callable(gp.ingest) and gp.ingest.__module__ == 'gradpipe.ingest', gp.ingest\n"
+        "import gradpipe as gp, gradpipe.ingestion.api, gradpipe.aggregation.api\n"
+        "import gradpipe.snapshots.api, gradpipe.aggregation.rounds, gradpipe.cli.ingest\n"
+        "from gradpipe.ingestion.api import IngestReport\n"
+        "import pkgutil, types\n"
+        "subs = {m.name for m in pkgutil.iter_modules(gp.__path__)}\n"
+        "assert not subs & {n for n in gp.__all__ if n.islower()}, subs\n"
+        "for n in gp.__all__:\n"
+        "    assert not isinstance(getattr(gp, n), types.ModuleType), n\n"
+        "assert gp.ingest.__module__ == 'gradpipe.ingestion.api', gp.ingest\n"
         "assert gp.IngestReport is IngestReport\n"
         "assert set(gp.__all__) <= set(dir(gp))\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         gp.nope  # noqa: B018
+
+
+def test_moved_modules_import_by_their_old_names_with_a_warning() -> None:
+    # One release of shims: the old name gives the same module object, with a warning.
+    code = (
+        "import warnings, gradpipe\n"
+        "from gradpipe._moved import MOVED\n"
+        "import importlib\n"
+        "for old, new in MOVED.items():\n"
+        "    with warnings.catch_warnings(record=True) as seen:\n"
+        "        warnings.simplefilter('always')\n"
+        "        module = importlib.import_module(old)\n"
+        "    assert module is importlib.import_module(new), old\n"
+        "    assert module.__spec__.name == new, (old, module.__spec__.name)\n"
+        "    assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message)\n"
+        "               for w in seen), (old, seen)\n"
+        "from gradpipe.stats import compression_stats\n"
+        "assert compression_stats is gradpipe.compression_stats\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # --- bad arguments, every command ---------------------------------------------------

@@ -206,7 +206,7 @@ def test_bad_delta_options_exit_2(extra: list[str], sample: SampleRun, tmp_path:
 def test_delta_flags_in_help_match_the_library() -> None:
     from gradpipe.cli import ingest as cli_ingest
     from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
-    from gradpipe.ingest import DELTA_KINDS
+    from gradpipe.ingestion.api import DELTA_KINDS
 
     assert cli_ingest.DELTA_KINDS == DELTA_KINDS
     assert cli_ingest.DEFAULT_KEYFRAME_INTERVAL == DEFAULT_KEYFRAME_INTERVAL

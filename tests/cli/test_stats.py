@@ -13,9 +13,9 @@ import pytest
 
 import gradpipe as gp
 from gradpipe.core.ids import block_key
-from gradpipe.core.tensor_stats import RECORD_FIELDS
 from gradpipe.runs import open_run
-from gradpipe.stats import stats_records
+from gradpipe.statistics.api import stats_records
+from gradpipe.statistics.tensor_stats import RECORD_FIELDS
 from gradpipe.testing.cli import run_cli, run_cli_json
 
 TENSORS = 7
@@ -120,7 +120,7 @@ def test_plot_writes_a_png(ingested: str, tmp_path: Path) -> None:
 
 def test_plot_of_an_aggregate_and_a_snapshot(ingested: str, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from gradpipe.stats_plot import plot_stats
+    from gradpipe.statistics.plot import plot_stats
 
     store = gp.open_store(ingested, mode="r+")
     assert gp.aggregate(store, run="train", method="fedavg").ok

@@ -11,8 +11,8 @@ from hypothesis.extra import numpy as hnp
 
 from gradpipe.cli.evaluate import DEFAULT_CODECS
 from gradpipe.codecs.candidate import DEFAULT_CANDIDATES, Candidate, parse_candidates
-from gradpipe.core.fidelity import bound_usage
 from gradpipe.errors import InvalidInputError
+from gradpipe.evaluation.fidelity import bound_usage
 
 LOSSY = [
     "bf16",

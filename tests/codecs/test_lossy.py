@@ -26,6 +26,7 @@ from gradpipe.codecs import (
     TopKCodec,
 )
 from gradpipe.codecs._lossy import LossyCodec
+from gradpipe.codecs.ops.projection import jl_epsilon, projection_matrix, segment_layout
 from gradpipe.codecs.registry import (
     CODEC_FAMILIES,
     CODEC_NAMES,
@@ -37,7 +38,6 @@ from gradpipe.codecs.registry import (
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.ids import hash_bytes
 from gradpipe.core.lossy import ErrorBound, measure_error
-from gradpipe.core.projection import jl_epsilon, projection_matrix, segment_layout
 from gradpipe.errors import IntegrityError, InvalidInputError
 
 FIXTURE = Path(__file__).parent / "fixtures" / "lossy.json"

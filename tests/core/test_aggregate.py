@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradpipe.core.aggregate import (
+from gradpipe.aggregation.kernel import BLOCK
+from gradpipe.aggregation.reduce import (
     AggregationMethod,
     Partial,
     combine,
@@ -21,7 +22,6 @@ from gradpipe.core.aggregate import (
     partial_of,
     reduce_peers,
 )
-from gradpipe.core.aggregate_kernel import BLOCK
 from gradpipe.errors import InvalidInputError
 from gradpipe.testing.transformer import TransformerConfig, train_transformer
 

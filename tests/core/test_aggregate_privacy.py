@@ -7,9 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from gradpipe.core.aggregate import combine, finish, partial, reduce_peers
-from gradpipe.core.exact import ExactSum
-from gradpipe.core.privacy import (
+from gradpipe.aggregation.exact import ExactSum
+from gradpipe.aggregation.privacy import (
     adaptive_noise_multiplier,
     apply_scale,
     clip_scale,
@@ -18,6 +17,7 @@ from gradpipe.core.privacy import (
     sq_norm_partial,
     update_clip_norm,
 )
+from gradpipe.aggregation.reduce import combine, finish, partial, reduce_peers
 from gradpipe.errors import InvalidInputError
 
 

@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 
-from gradpipe.core.aggregate import reduce_peers
-from gradpipe.core.exact import ExactSum
-from gradpipe.core.robust import (
+from gradpipe.aggregation.exact import ExactSum
+from gradpipe.aggregation.reduce import reduce_peers
+from gradpipe.aggregation.robust import (
     bulyan_combine,
     bulyan_select,
     krum_scores,

@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import pytest
 
-from gradpipe.core.server_opt import (
+from gradpipe.aggregation.server_opt import (
     ServerOptimizer,
     ServerOptimizerConfig,
     init_server_state,

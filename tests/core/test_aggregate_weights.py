@@ -4,7 +4,7 @@ Issue 18, item 2: weights that are positive and finite but extreme made the
 products ``w_i * x_i`` or the total weight underflow or overflow, so FedAvg
 returned a wrong average with no error, and ``sum`` stored infinities. Here
 every result is checked against the exact weighted mean (``fractions.Fraction``)
-within the bound the module docstring of :mod:`gradpipe.core.aggregate`
+within the bound the module docstring of :mod:`gradpipe.aggregation.reduce`
 states, or must be a refusal that says the result does not fit.
 """
 
@@ -21,10 +21,10 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from gradpipe.core.aggregate import combine, finish, partial_of, reduce_peers, weight_shift
-from gradpipe.core.aggregate_input import parse_weight_text, parse_weights
-from gradpipe.core.privacy import apply_scale
-from gradpipe.core.robust import bulyan_combine, median, trimmed_mean
+from gradpipe.aggregation.inputs import parse_weight_text, parse_weights
+from gradpipe.aggregation.privacy import apply_scale
+from gradpipe.aggregation.reduce import combine, finish, partial_of, reduce_peers, weight_shift
+from gradpipe.aggregation.robust import bulyan_combine, median, trimmed_mean
 from gradpipe.errors import InvalidInputError
 
 DBL_MAX = sys.float_info.max

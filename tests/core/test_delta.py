@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradpipe.core.delta import (
+from gradpipe.codecs.ops.delta import (
     apply_int_delta,
     apply_sparse_delta,
     apply_xor_delta,

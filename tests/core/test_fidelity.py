@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from gradpipe.core.fidelity import Fidelity, bound_usage, measure_fidelity, simulate_feedback
 from gradpipe.core.lossy import ErrorBound, measure_error
 from gradpipe.errors import InvalidInputError
+from gradpipe.evaluation.fidelity import Fidelity, bound_usage, measure_fidelity, simulate_feedback
 
 # Gradient-like magnitudes: squares of values below 1e-154 underflow in float64 sums
 # (numpy's norm rescales; float32 data squared never gets there).
@@ -149,7 +149,7 @@ def test_error_feedback_keeps_everything_but_the_last_residual() -> None:
     grads = [rng.standard_normal(50) for _ in range(6)]
     fed, plain = simulate_feedback(grads, _keep_largest)
     residual = None
-    from gradpipe.core.sparsify import error_feedback
+    from gradpipe.codecs.ops.sparsify import error_feedback
 
     for g in grads:
         _, residual = error_feedback(g, residual, _keep_largest)

@@ -133,7 +133,7 @@ def test_a_malformed_grid_fails_the_read_of_the_dump(
 def test_a_malformed_tensor_read_through_a_dataset_names_its_dump(tmp_path: Path) -> None:
     from xarray.core.indexing import BasicIndexer
 
-    from gradpipe._xarray_array import TensorStack
+    from gradpipe.xarray.array import TensorStack
 
     store, dump_id = _store(tmp_path)
     data, tensor_id = _with_a_malformed_chunk_list(store, dump_id)

@@ -10,18 +10,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradpipe.core.lossy import ChunkError, ErrorBound, LossyInfo, measure_error
-from gradpipe.core.lowrank import low_rank_factors, low_rank_product, worth_factoring
-from gradpipe.core.projection import jl_epsilon, jl_min_dim, quantize_ternary
-from gradpipe.core.qsgd import dequantize_qsgd, qsgd_variance_bound, quantize_qsgd
-from gradpipe.core.rounding import (
+from gradpipe.codecs.ops.half_precision import (
     BF16_MAX,
     bf16_bits,
     bf16_truncate_bits,
     from_bf16_bits,
     to_fp16,
 )
-from gradpipe.core.sparsify import error_feedback, topk_count, topk_indices
+from gradpipe.codecs.ops.lowrank import low_rank_factors, low_rank_product, worth_factoring
+from gradpipe.codecs.ops.projection import jl_epsilon, jl_min_dim, quantize_ternary
+from gradpipe.codecs.ops.qsgd import dequantize_qsgd, qsgd_variance_bound, quantize_qsgd
+from gradpipe.codecs.ops.sparsify import error_feedback, topk_count, topk_indices
+from gradpipe.core.lossy import ChunkError, ErrorBound, LossyInfo, measure_error
 from gradpipe.errors import InvalidInputError
 
 

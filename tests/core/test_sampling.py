@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradpipe.core.sampling import order_dumps, parse_sample_size, sample_units
 from gradpipe.errors import InvalidInputError
+from gradpipe.evaluation.sampling import order_dumps, parse_sample_size, sample_units
 
 DUMPS = [(s, p) for s in range(10) for p in ("a", "b", "c")]
 #: One huge tensor, a medium one, and tiny ones, as in a transformer's dump.

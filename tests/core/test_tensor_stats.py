@@ -11,7 +11,7 @@ from gradpipe.core.chain import ChainInfo, DeltaLink
 from gradpipe.core.chunk_stats import chunk_stats
 from gradpipe.core.ids import hash_bytes
 from gradpipe.core.tensor_manifest import TensorManifest
-from gradpipe.core.tensor_stats import (
+from gradpipe.statistics.tensor_stats import (
     ADDITIVE,
     MAXIMA,
     RECORD_FIELDS,

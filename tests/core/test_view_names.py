@@ -11,8 +11,8 @@ import re
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradpipe._xarray_datasets import RUN_RESERVED, SNAPSHOT_RESERVED
-from gradpipe.core.view_names import (
+from gradpipe.xarray.datasets import RUN_RESERVED, SNAPSHOT_RESERVED
+from gradpipe.xarray.view_names import (
     coordinate_name,
     dim_name,
     original_name,

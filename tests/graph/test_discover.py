@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gradpipe.graph.discover import discover_dumps
+from gradpipe.ingestion.discover import discover_dumps
 
 ROOT = Path(__file__).resolve().parents[2]
 PATTERN = "step={step}/peer={peer}.safetensors"

@@ -14,9 +14,9 @@ from dask.utils import key_split
 
 import gradpipe as gp
 from gradpipe.formats.dump import DumpHeader, TensorSpec
-from gradpipe.graph.discover import DumpFile
-from gradpipe.graph.ingest import HEADERS_PER_TASK, build_ingest_graph, build_inspect_graph
-from gradpipe.graph.ingest_tasks import commit_run, inspect_dumps
+from gradpipe.ingestion.discover import DumpFile
+from gradpipe.ingestion.graph import HEADERS_PER_TASK, build_ingest_graph, build_inspect_graph
+from gradpipe.ingestion.tasks import commit_run, inspect_dumps
 
 FS = fsspec.filesystem("file")
 CHUNK = 4096

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from gradpipe.core.chunking import chunk_ranges
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.formats.dump import DumpHeader, TensorSpec
-from gradpipe.graph.ingest_plan import plan_units, tensor_chunks
+from gradpipe.ingestion.plan import plan_units, tensor_chunks
 
 tensors = st.lists(
     st.tuples(

@@ -11,9 +11,9 @@ import pytest
 import gradpipe as gp
 from gradpipe.core.run_manifest import TensorSchema
 from gradpipe.formats.dump import DumpHeader
-from gradpipe.graph.discover import DumpFile
-from gradpipe.graph.ingest_plan import plan_units
-from gradpipe.graph.ingest_tasks import (
+from gradpipe.ingestion.discover import DumpFile
+from gradpipe.ingestion.plan import plan_units
+from gradpipe.ingestion.tasks import (
     DumpResult,
     UnitResult,
     commit_run,

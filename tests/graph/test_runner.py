@@ -14,7 +14,7 @@ import gradpipe as gp
 from gradpipe.testing import SampleRun, TrainingConfig, write_sample_run
 
 distributed = pytest.importorskip("distributed")
-from gradpipe.dashboard import JSON_ROUTE  # noqa: E402  (needs distributed)
+from gradpipe.dashboard.plugin import JSON_ROUTE  # noqa: E402  (needs distributed)
 
 GRAPH = {"x": 1, "y": 2, "z": (sum, ["x", "y"])}
 

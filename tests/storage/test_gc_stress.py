@@ -27,7 +27,7 @@ import pytest
 
 import gradpipe as gp
 from gradpipe.formats.safetensors import read_safetensors
-from gradpipe.ingest import ingest
+from gradpipe.ingestion.api import ingest
 from gradpipe.runs import open_run
 from gradpipe.testing.s3server import S3Server
 from gradpipe.testing.training import SampleRun, TrainingConfig, write_sample_run

@@ -16,7 +16,7 @@ from gradpipe.core.run_manifest import DumpManifest
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import IntegrityError, InvalidInputError
 from gradpipe.formats.safetensors import write_safetensors
-from gradpipe.ingest import ingest
+from gradpipe.ingestion.api import ingest
 from gradpipe.runs import open_run
 from gradpipe.storage.tensors import chunk_frames
 

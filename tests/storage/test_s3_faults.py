@@ -198,7 +198,7 @@ def test_ref_swap_answered_409_is_retried_by_refs(
 def test_ingest_with_lost_replies_everywhere_is_complete_and_written_once(
     s3_faults: S3Server, store: gp.Store, prefix: str, tmp_path: Path
 ) -> None:
-    from gradpipe.ingest import ingest
+    from gradpipe.ingestion.api import ingest
     from gradpipe.runs import open_run
     from gradpipe.testing.training import TrainingConfig, write_sample_run
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import gradpipe as gp
-from gradpipe.ingest import ingest
+from gradpipe.ingestion.api import ingest
 from gradpipe.storage.tensors import WRITE_WINDOW
 from gradpipe.testing.s3server import S3Request, S3Server
 from gradpipe.testing.training import TrainingConfig, write_sample_run

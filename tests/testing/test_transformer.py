@@ -15,7 +15,7 @@ import pytest
 from gradpipe import open_store
 from gradpipe.errors import InvalidInputError
 from gradpipe.formats.safetensors import read_safetensors
-from gradpipe.ingest import ingest
+from gradpipe.ingestion.api import ingest
 from gradpipe.runs import open_run
 from gradpipe.testing import TransformerConfig, train_transformer, write_transformer_run
 from gradpipe.testing._transformer_numpy import loss_and_gradients
