@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
+from gradpipe.aggregation.options import SERVER_METHODS, SERVER_PARAMS, check_value, params_of
 from gradpipe.aggregation.report import AggregateReport, ServerStepOutcome, StepOutcome
 from gradpipe.aggregation.server_opt import ServerOptimizerConfig
 from gradpipe.aggregation.server_update import parse_server_config, server_update
@@ -36,16 +37,15 @@ if TYPE_CHECKING:
 
 __all__ = ["SERVER_METHODS", "ServerOptions", "apply_server_steps", "parse_server_options"]
 
-#: The server optimizers :func:`gradpipe.aggregate` applies after FedAvg.
-SERVER_METHODS: Final = ("sgd", "fedavgm", "fedadagrad", "fedadam", "fedyogi")
-
-#: The hyperparameters each server optimizer takes (besides the learning rate).
+#: The hyperparameters each server optimizer takes besides its chain and learning rate
+#: (from the options table).
 _TAKES: Final = {
-    "sgd": (),
-    "fedavgm": ("momentum",),
-    "fedadagrad": ("beta1", "tau", "initial_accumulator"),
-    "fedadam": ("beta1", "beta2", "tau", "initial_accumulator", "bias_correction"),
-    "fedyogi": ("beta1", "beta2", "tau", "initial_accumulator", "bias_correction"),
+    method: tuple(
+        p.name
+        for p in params_of(method)
+        if p.name in SERVER_PARAMS and p.name not in ("snapshot", "server_lr")
+    )
+    for method in SERVER_METHODS
 }
 
 
@@ -67,7 +67,7 @@ def parse_server_options(
     beta2: float | None,
     tau: float | None,
     initial_accumulator: float | None,
-    bias_correction: bool,
+    bias_correction: bool | None,
 ) -> ServerOptions | None:
     """The server step a method asks for (None for a plain aggregation), checked.
 
@@ -83,7 +83,8 @@ def parse_server_options(
         "bias_correction": bias_correction or None,
     }
     if method not in SERVER_METHODS:
-        extra = [k for k, v in {"snapshot": snapshot, "server_lr": server_lr, **given}.items() if v]
+        named = {"snapshot": snapshot, "server_lr": server_lr, **given}
+        extra = [k for k, v in named.items() if v is not None]  # 0 is a value too
         if extra:
             raise InvalidInputError(
                 f"{method} takes no {', '.join(extra)}: those are for the server optimizers "
@@ -104,7 +105,14 @@ def parse_server_options(
     if server_lr is None:
         raise InvalidInputError(f"{method} needs the server learning rate (--server-lr ETA)")
     parse_name(snapshot, what="snapshot name")
-    return ServerOptions(snapshot, parse_server_config(method, server_lr, given))
+    checked: dict[str, float | bool | None] = {}
+    for key, value in given.items():  # numbers and flags, checked by the table
+        number = None if value is None else check_value(key, value)
+        if isinstance(number, str):  # the table's own invariant: no text among them
+            raise TypeError(f"{key} is text")
+        checked[key] = number
+    lr = check_value("server_lr", server_lr)
+    return ServerOptions(snapshot, parse_server_config(method, float(lr), checked))
 
 
 def apply_server_steps(

@@ -7,6 +7,13 @@ import json
 import math
 from typing import Any
 
+from gradpipe.aggregation.options import (
+    METHOD_TABLE,
+    METHODS,
+    PARAMS,
+    SERVER_METHODS,
+    SERVER_PARAMS,
+)
 from gradpipe.cli._common import (
     CommandResult,
     Commands,
@@ -19,27 +26,7 @@ from gradpipe.cli._common import (
 from gradpipe.core.display import printable
 from gradpipe.errors import InvalidInputError
 
-#: The methods ``--method`` takes: ``gradpipe.aggregation.api.METHODS`` (a test checks),
-#: not imported from there so that ``--help`` loads no numpy.
-METHODS = (
-    "sum",
-    "mean",
-    "weighted-mean",
-    "fedavg",
-    "median",
-    "trimmed-mean",
-    "krum",
-    "multi-krum",
-    "bulyan",
-    "dp-fedavg",
-    "sgd",
-    "fedavgm",
-    "fedadagrad",
-    "fedadam",
-    "fedyogi",
-)
-
-__all__ = ["METHODS", "parse_steps", "parse_weights_arg", "register"]
+__all__ = ["parse_steps", "parse_weights_arg", "register"]
 
 
 def register(commands: Commands) -> None:
@@ -54,13 +41,7 @@ def register(commands: Commands) -> None:
         "--method",
         required=True,
         choices=METHODS,
-        help="fedavg weights peers by their dumps' num_examples (or --weights); weighted-mean "
-        "needs --weights; mean is unweighted; sum adds; median and trimmed-mean (--trim) are "
-        "coordinate-wise; krum, multi-krum (--keep) and bulyan select peers (--byzantine); "
-        "dp-fedavg clips (--clip-norm) and adds seeded Gaussian noise (--noise-multiplier); "
-        "the server optimizers sgd, fedavgm, fedadagrad, fedadam and fedyogi record the FedAvg "
-        "of each step and apply it to the newest snapshot of --snapshot with --server-lr, "
-        "writing the next snapshot",
+        help=_methods_help(),
     )
     p.add_argument("--name", help="what the run records the aggregates as (default: the method)")
     p.add_argument(
@@ -75,63 +56,6 @@ def register(commands: Commands) -> None:
         help='explicit peer weights, a JSON object, e.g. \'{"peer0": 32, "peer1": 64}\'',
     )
     p.add_argument(
-        "--clip-norm",
-        type=float,
-        metavar="C",
-        help="clip each peer's update (all its tensors) to L2 norm C first (dp-fedavg: "
-        "required; with --adaptive-clip, the first step's clip norm)",
-    )
-    p.add_argument(
-        "--clip-aggregate",
-        type=float,
-        metavar="C",
-        help="clip each step's result (all its tensors) to L2 norm C, for every method",
-    )
-    p.add_argument(
-        "--trim",
-        type=float,
-        metavar="BETA",
-        help="trimmed-mean: drop int(BETA*n) values at each end per coordinate, "
-        "0 <= BETA < 0.5 (default 0.1)",
-    )
-    p.add_argument(
-        "--byzantine",
-        type=int,
-        metavar="F",
-        help="krum, multi-krum, bulyan: faulty peers tolerated (default 0); krum needs "
-        "n >= 2F+3 peers, bulyan n >= 4F+3",
-    )
-    p.add_argument(
-        "--keep",
-        type=int,
-        metavar="M",
-        help="multi-krum: FedAvg of the M peers of best score (default n - F)",
-    )
-    p.add_argument(
-        "--noise-multiplier",
-        type=float,
-        metavar="Z",
-        help="dp-fedavg: Gaussian noise of standard deviation Z*C/n on the mean (default 1.0)",
-    )
-    p.add_argument(
-        "--seed",
-        type=int,
-        metavar="S",
-        help="dp-fedavg: the noise's seed (default: one is picked and recorded)",
-    )
-    p.add_argument(
-        "--adaptive-clip",
-        action="store_true",
-        help="dp-fedavg: move the clip norm every step toward --target-quantile of the update "
-        "norms (Andrew et al.), resuming from the previous step's recorded value",
-    )
-    p.add_argument(
-        "--target-quantile",
-        type=float,
-        metavar="GAMMA",
-        help="adaptive clipping's target quantile of update norms (default 0.5)",
-    )
-    p.add_argument(
         "--split-every",
         type=int,
         metavar="N",
@@ -144,50 +68,45 @@ def register(commands: Commands) -> None:
         help="recompute steps already recorded (memoised), and aggregate steps that are not "
         "ready in `gradpipe rounds` (a step another live aggregation claimed is still skipped)",
     )
-    server = p.add_argument_group(
-        "server optimizers",
-        "sgd, fedavgm, fedadagrad, fedadam, fedyogi (Reddi et al., 'Adaptive Federated "
-        "Optimization'): steps apply in order, each once per snapshot chain",
-    )
-    server.add_argument(
-        "--snapshot",
-        metavar="NAME",
-        help='the chain whose newest snapshot holds {"params": ...} (and the optimizer state '
-        "after the first step); each step writes its next snapshot",
-    )
-    server.add_argument(
-        "--server-lr",
-        type=float,
-        metavar="ETA",
-        help="the server learning rate (required with a server optimizer)",
-    )
-    server.add_argument(
-        "--momentum", type=float, metavar="MU", help="fedavgm: momentum (default 0.9)"
-    )
-    server.add_argument(
-        "--beta1", type=float, metavar="B1", help="fedadagrad, fedadam, fedyogi (default 0.9)"
-    )
-    server.add_argument("--beta2", type=float, metavar="B2", help="fedadam, fedyogi (default 0.99)")
-    server.add_argument(
-        "--tau",
-        type=float,
-        metavar="TAU",
-        help="adaptivity: x -= eta*m/(sqrt(v)+tau) (default 0.001)",
-    )
-    server.add_argument(
-        "--initial-accumulator",
-        type=float,
-        metavar="V0",
-        help="where v starts (default tau**2, as in Reddi et al.; Flower starts at 0)",
-    )
-    server.add_argument(
-        "--bias-correction",
-        action="store_true",
-        help="fedadam, fedyogi: Adam's bias correction (off by default, as in the paper; "
-        "Flower's FedAdam has it)",
-    )
+    _add_method_arguments(p)
     add_where_arguments(p)
     add_report_argument(p)
+
+
+def _methods_help() -> str:
+    families: dict[str, list[str]] = {}
+    for m in METHOD_TABLE:
+        families.setdefault(m.family, []).append(m.name)
+    listed = "; ".join(f"{family}: {', '.join(names)}" for family, names in families.items())
+    return (
+        f"{listed}. fedavg weights peers by their dumps' num_examples (or --weights); the "
+        "server optimizers record the FedAvg of each step and apply it to the newest snapshot "
+        "of --snapshot. The documentation's aggregation page says what each computes"
+    )
+
+
+def _add_method_arguments(parser: argparse.ArgumentParser) -> None:
+    """The methods' parameters, from the options table (gradpipe.aggregation.options)."""
+    server = parser.add_argument_group(
+        "server optimizers",
+        f"{', '.join(SERVER_METHODS)} (Reddi et al., 'Adaptive Federated Optimization'): "
+        "steps apply in order, each once per snapshot chain",
+    )
+    for param in PARAMS:
+        group = server if param.name in SERVER_PARAMS else parser
+        methods = "every method" if param.methods == METHODS else ", ".join(param.methods)
+        notes = [methods]
+        if param.range_text:
+            notes.append(param.range_text)
+        if param.default is not None and param.type is not bool:
+            notes.append(f"default {param.default}")
+        if param.required_by:
+            notes.append(f"required by {', '.join(param.required_by)}")
+        text = f"{param.help} ({'; '.join(notes)})"
+        if param.type is bool:
+            group.add_argument(param.flag, action="store_true", help=text)
+        else:
+            group.add_argument(param.flag, type=param.type, metavar=param.metavar, help=text)
 
 
 def parse_steps(text: str | None) -> range | None:
@@ -253,25 +172,9 @@ def run_aggregate(args: argparse.Namespace) -> CommandResult:
         "name": args.name,
         "steps": parse_steps(args.steps),
         "weights": parse_weights_arg(args.weights),
-        "clip_norm": args.clip_norm,
-        "clip_aggregate": args.clip_aggregate,
-        "trim": args.trim,
-        "byzantine": args.byzantine,
-        "keep": args.keep,
-        "noise_multiplier": args.noise_multiplier,
-        "seed": args.seed,
-        "adaptive_clip": args.adaptive_clip,
-        "target_quantile": args.target_quantile,
         "split_every": args.split_every,
         "force": args.force,
-        "snapshot": args.snapshot,
-        "server_lr": args.server_lr,
-        "momentum": args.momentum,
-        "beta1": args.beta1,
-        "beta2": args.beta2,
-        "tau": args.tau,
-        "initial_accumulator": args.initial_accumulator,
-        "bias_correction": args.bias_correction,
+        **{param.name: getattr(args, param.name) for param in PARAMS},
     }
     store = open_store_arg(args, "r+")  # never creates: the run must exist
     where = {"scheduler": args.scheduler, "processes": args.processes}

@@ -240,9 +240,14 @@ class Int(Field):
 
 @dataclass(frozen=True)
 class Float(Field):
+    """A finite number in ``[low, high]``, an end excluded when its ``*_open`` is true."""
+
     help: str = ""
     low: float = -math.inf
     positive: bool = False  # > 0 rather than >= low
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
 
     def parse(self, node: Node, ctx: Context) -> float:
         if isinstance(node.value, bool) or not isinstance(node.value, int | float):
@@ -255,8 +260,14 @@ class Float(Field):
             raise node.error(f"{printable(node.value)} must be a finite number")
         if self.positive and value <= 0:
             raise node.error(f"{printable(node.value)} must be > 0")
-        if value < self.low:
-            raise node.error(f"{printable(node.value)} must be >= {self.low}")
+        if value < self.low or (self.low_open and value == self.low):
+            raise node.error(
+                f"{printable(node.value)} must be {'>' if self.low_open else '>='} {self.low}"
+            )
+        if value > self.high or (self.high_open and value == self.high):
+            raise node.error(
+                f"{printable(node.value)} must be {'<' if self.high_open else '<='} {self.high}"
+            )
         return value
 
     def schema(self) -> dict[str, Any]:
@@ -264,7 +275,9 @@ class Float(Field):
         if self.positive:
             out["exclusiveMinimum"] = 0
         elif math.isfinite(self.low):
-            out["minimum"] = self.low
+            out["exclusiveMinimum" if self.low_open else "minimum"] = self.low
+        if math.isfinite(self.high):
+            out["exclusiveMaximum" if self.high_open else "maximum"] = self.high
         return out
 
 

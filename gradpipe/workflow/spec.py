@@ -21,12 +21,14 @@ Schema (:func:`json_schema`) are both made from that table.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from gradpipe.aggregation.options import METHODS, PARAMS
 from gradpipe.core.display import printable
 from gradpipe.workflow._yaml import Node, load_nodes, read_workflow_text
 from gradpipe.workflow.fields import (
@@ -86,10 +88,28 @@ class StageSpec:
     required: tuple[str, ...] = ()
 
 
-def _aggregate_methods() -> tuple[str, ...]:
-    from gradpipe.aggregation.api import METHODS
-
-    return tuple(METHODS)
+def _method_param_fields() -> dict[str, Field]:
+    """The aggregation methods' parameters as keys of the aggregate stage, from the table."""
+    fields: dict[str, Field] = {}
+    for param in PARAMS:
+        methods = "every method" if param.methods == METHODS else ", ".join(param.methods)
+        text = f"{methods}: {param.help}"
+        if param.type is float:
+            fields[param.name] = Float(
+                text,
+                low=param.low,
+                high=param.high,
+                low_open=param.low_open,
+                high_open=param.high_open,
+            )
+        elif param.type is int:
+            high = None if param.high == math.inf else int(param.high)
+            fields[param.name] = Int(text, low=int(param.low), high=high)
+        elif param.type is bool:
+            fields[param.name] = Bool(text)
+        else:  # text: a snapshot chain's name
+            fields[param.name] = Str(text, _NAME)
+    return fields
 
 
 _RUN = Str("the run's name", pattern=_NAME)
@@ -156,29 +176,13 @@ STAGES: Final[dict[str, StageSpec]] = {
         "aggregate the ready steps of a run over its peers (memoised: done steps are not redone)",
         {
             "run": _RUN,
-            "method": Choice(_aggregate_methods(), "the aggregation method"),
+            "method": Choice(METHODS, "the aggregation method"),
             "name": Str("what the run records the aggregates as (default: the method)", _NAME),
             "steps": StepRange('half-open step range, e.g. "0:10" (default: every ready step)'),
             "weights": NumberMap("explicit peer weights"),
-            "clip_norm": Float("clip each peer's update to this L2 norm", positive=True),
-            "clip_aggregate": Float("clip each step's result to this L2 norm", positive=True),
-            "trim": Float("trimmed-mean: the share trimmed at each end", low=0.0),
-            "byzantine": Int("krum, multi-krum, bulyan: faulty peers tolerated"),
-            "keep": Int("multi-krum: peers averaged", low=1),
-            "noise_multiplier": Float("dp-fedavg: noise std over the clip norm", low=0.0),
-            "seed": Int("dp-fedavg: the noise's seed"),
-            "adaptive_clip": Bool("dp-fedavg: adaptive clipping"),
-            "target_quantile": Float("adaptive clipping's target quantile", low=0.0),
             "split_every": Int("partials per combine task, a power of two", low=2),
             "force": Bool("recompute recorded steps and aggregate steps that are not ready"),
-            "snapshot": Str("server optimizers: the chain whose newest params are updated", _NAME),
-            "server_lr": Float("server optimizers: the server learning rate", positive=True),
-            "momentum": Float("fedavgm: momentum", low=0.0),
-            "beta1": Float("fedadam, fedyogi: first-moment decay", low=0.0),
-            "beta2": Float("fedadam, fedyogi: second-moment decay", low=0.0),
-            "tau": Float("fedadagrad, fedadam, fedyogi: adaptivity", positive=True),
-            "initial_accumulator": Float("adaptive optimizers: initial v", low=0.0),
-            "bias_correction": Bool("fedadam, fedyogi: Adam's bias correction"),
+            **_method_param_fields(),
         },
         ("run", "method"),
     ),

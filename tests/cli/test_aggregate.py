@@ -8,15 +8,9 @@ import numpy as np
 import pytest
 
 import gradpipe as gp
-from gradpipe.aggregation.api import METHODS
 from gradpipe.aggregation.server_opt import ServerOptimizerConfig, init_server_state, server_step
-from gradpipe.cli.aggregate import METHODS as CLI_METHODS
 from gradpipe.formats.safetensors import read_safetensors, write_safetensors
 from gradpipe.testing.cli import run_cli, run_cli_json
-
-
-def test_the_cli_offers_the_methods_aggregate_computes() -> None:
-    assert CLI_METHODS == METHODS
 
 
 def test_aggregate_then_ls_and_export(ingested: str, tmp_path: Path) -> None:
@@ -100,6 +94,9 @@ def test_weights_and_force(ingested: str) -> None:
         (["--method", "median", "--byzantine", "1"], "median takes no byzantine"),
         (["--method", "dp-fedavg"], "--clip-norm"),
         (["--method", "dp-fedavg", "--clip-norm", "1", "--target-quantile", "0.5"], "--adaptive"),
+        (["--method", "dp-fedavg", "--clip-norm", "1", "--clip-lr", "0.5"], "--adaptive"),
+        (["--method", "dp-fedavg", "--clip-norm", "1", "--adaptive-clip", "--clip-lr", "0"], "> 0"),
+        (["--method", "fedadam", "--snapshot", "s", "--server-lr", "0.1", "--tau", "0"], "tau"),
     ],
 )
 def test_bad_arguments_exit_2_and_write_nothing(
@@ -135,7 +132,12 @@ def test_a_missing_run_is_named(ingested: str) -> None:
         (
             ["--method", "dp-fedavg", "--clip-norm", "0.1", "--noise-multiplier", "0.1",
              "--adaptive-clip", "--target-quantile", "0.7"],
-            {"adaptive_clip": True, "target_quantile": 0.7, "clip_norm_used": 0.1},
+            {"adaptive_clip": True, "target_quantile": 0.7, "clip_lr": 0.2, "clip_norm_used": 0.1},
+        ),
+        (
+            ["--method", "dp-fedavg", "--clip-norm", "0.1", "--noise-multiplier", "0.1",
+             "--adaptive-clip", "--clip-lr", "0.5"],
+            {"adaptive_clip": True, "target_quantile": 0.5, "clip_lr": 0.5},
         ),
     ],
 )  # fmt: skip
