@@ -12,23 +12,9 @@ from gradpipe.cli._common import (
     positive_int,
     report_result,
 )
+from gradpipe.core.codec_names import CODEC_NAMES, DEFAULT_CANDIDATES
 
-__all__ = ["DEFAULT_CODECS", "register"]
-
-#: ``gradpipe.codecs.candidate.DEFAULT_CANDIDATES`` (a test checks), not imported from
-#: there so that ``--help`` loads no numpy.
-DEFAULT_CODECS = (
-    "default",
-    "zstd",
-    "blosc",
-    "bf16",
-    "fp16",
-    "bitround-7+zstd",
-    "topk-0.01",
-    "qsgd-16",
-    "powersgd-4",
-    "projection-0.1",
-)
+__all__ = ["register"]
 
 
 def register(commands: Commands) -> None:
@@ -43,9 +29,9 @@ def register(commands: Commands) -> None:
     p.add_argument(
         "--codecs",
         metavar="NAME,...",
-        help="comma-separated candidates: default, zstd, blosc, bf16, fp16, bitround-K, "
-        "topk-F, qsgd-S, powersgd-R, projection-R, or a lossy one then lossless ones joined "
-        f"by '+', e.g. bitround-7+zstd (default: {','.join(DEFAULT_CODECS)})",
+        help=f"comma-separated candidates: {', '.join(CODEC_NAMES)}, or a lossy one then "
+        f"lossless ones joined by '+', e.g. bitround-7+zstd (default: "
+        f"{', '.join(DEFAULT_CANDIDATES)})",
     )
     p.add_argument(
         "--sample",

@@ -21,6 +21,7 @@ from gradpipe.cli._common import (
     report_result,
     with_performance_report,
 )
+from gradpipe.core.codec_names import CODEC_FAMILIES
 from gradpipe.core.display import printable
 from gradpipe.errors import InvalidInputError
 
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
 #: (a test checks), not imported from there so that ``--help`` loads no numpy.
 DELTA_KINDS = ("int", "xor")
 DEFAULT_KEYFRAME_INTERVAL = 8
+
+#: The lossy codec names ``--codec`` takes first, from the codec table.
+_LOSSY = tuple(f.shown(name) for name, f in CODEC_FAMILIES.items() if f.lossy)
 
 __all__ = ["DELTA_KINDS", "add_arguments", "ingest_options", "parse_codecs", "register"]
 
@@ -62,10 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--codec",
         metavar="SPEC",
         help="fixed codec chain: codec names or numcodecs ids joined by '+', e.g. "
-        "'zstd:level=5', or a lossy codec first: 'bf16', 'fp16', 'bitround-K', 'topk-F', "
-        "'qsgd-S', 'powersgd-R' or 'projection-R', e.g. 'bf16+zstd' (lossy tensors are "
-        "marked lossy with their error; integer tensors stay exact; default: auto, "
-        "lossless per chunk)",
+        f"'zstd:level=5', or a lossy codec first: {', '.join(_LOSSY)}, e.g. 'bf16+zstd' "
+        "(lossy tensors are marked lossy with their error; integer tensors stay exact; "
+        "default: auto, lossless per chunk)",
     )
     p.add_argument(
         "--dashboard",

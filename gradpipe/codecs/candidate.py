@@ -32,6 +32,7 @@ from gradpipe.codecs.registry import (
     make_codec,
     parse_codec_name,
 )
+from gradpipe.core.codec_names import DEFAULT_CANDIDATES
 from gradpipe.core.display import printable
 from gradpipe.core.dtypes import dtype_name
 from gradpipe.core.lossy import ErrorBound
@@ -46,20 +47,6 @@ __all__ = [
     "parse_candidates",
 ]
 
-#: What an evaluation compares when not told: the lossless default and numcodecs'
-#: own codecs, then one setting of each lossy family.
-DEFAULT_CANDIDATES: Final = (
-    "default",
-    "zstd",
-    "blosc",
-    "bf16",
-    "fp16",
-    "bitround-7+zstd",
-    "topk-0.01",
-    "qsgd-16",
-    "powersgd-4",
-    "projection-0.1",
-)
 #: Families simulated with error feedback across steps (GRACE gives them a memory).
 FEEDBACK_FAMILIES: Final = frozenset({"topk", "powersgd"})
 #: Families that approximate matrices: evaluated on tensors of two or more dimensions.

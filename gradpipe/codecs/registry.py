@@ -1,12 +1,8 @@
-"""Codecs by name: the one table of what ``gradpipe evaluate`` and ``--codec`` call them.
+"""Codecs by name: what ``gradpipe evaluate`` and ``--codec`` names stand for.
 
-A name is a family, with a parameter for some: ``default``, ``zstd``,
-``blosc``, ``bf16``, ``fp16``, ``bitround-K`` (K mantissa bits kept),
-``topk-F`` (fraction F kept), ``qsgd-S`` (S levels), ``powersgd-R`` (rank R)
-and ``projection-R`` (the seed's ratio R of the dimension). The families are
-listed in :data:`CODEC_FAMILIES` as ``"module:Class"`` and imported on first
-use, like numcodecs' own registry: a codec is never known because some module
-happened to be imported first.
+The names and their families are the table of :mod:`gradpipe.core.codec_names`; each
+family's class is imported on first use, like numcodecs' own registry: a codec is never known
+because some module happened to be imported first.
 
 >>> make_codec("topk-0.1", dtype="float32")
 TopKCodec(dtype='float32', fraction=0.1)
@@ -19,11 +15,12 @@ from __future__ import annotations
 import importlib
 import math
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 from numcodecs.abc import Codec
 
+from gradpipe.core.codec_names import CODEC_FAMILIES, CODEC_NAMES
 from gradpipe.core.display import printable
 from gradpipe.core.lossy import ErrorBound
 from gradpipe.errors import InvalidInputError
@@ -37,44 +34,6 @@ __all__ = [
     "make_codec",
     "parse_codec_name",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class _Family:
-    target: str | None  # "module:Class"; None for the store's own lossless policy
-    keyword: str | None  # the constructor argument the name's parameter sets
-    kind: type | None  # int or float
-    lossy: bool
-    takes_dtype: bool = True
-
-
-#: Every codec family by name: where its class is, and what its parameter means.
-CODEC_FAMILIES: Final[dict[str, _Family]] = {
-    "default": _Family(None, None, None, lossy=False),
-    "zstd": _Family("numcodecs:Zstd", None, None, lossy=False, takes_dtype=False),
-    "blosc": _Family("numcodecs:Blosc", None, None, lossy=False, takes_dtype=False),
-    "bf16": _Family("gradpipe.codecs.bf16:BF16Codec", None, None, lossy=True),
-    "fp16": _Family("gradpipe.codecs.fp16:FP16Codec", None, None, lossy=True),
-    "bitround": _Family("gradpipe.codecs.bitround:BitRoundCodec", "keepbits", int, lossy=True),
-    "topk": _Family("gradpipe.codecs.topk:TopKCodec", "fraction", float, lossy=True),
-    "qsgd": _Family("gradpipe.codecs.qsgd:QSGDCodec", "levels", int, lossy=True),
-    "powersgd": _Family("gradpipe.codecs.powersgd:PowerSGDCodec", "rank", int, lossy=True),
-    "projection": _Family("gradpipe.codecs.projection:ProjectionCodec", "ratio", float, lossy=True),
-}
-
-#: The names, as help texts show them.
-CODEC_NAMES: Final = (
-    "default",
-    "zstd",
-    "blosc",
-    "bf16",
-    "fp16",
-    "bitround-K",
-    "topk-F",
-    "qsgd-S",
-    "powersgd-R",
-    "projection-R",
-)
 
 
 @dataclass(frozen=True, slots=True)

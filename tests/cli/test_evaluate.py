@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gradpipe.cli.evaluate import DEFAULT_CODECS
+from gradpipe.core.codec_names import DEFAULT_CANDIDATES as DEFAULT_CODECS
 from gradpipe.testing.cli import run_cli
 
 FIGURES = (

@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from gradpipe.cli.evaluate import DEFAULT_CODECS
+from gradpipe.cli._app import build_parser
 from gradpipe.codecs.candidate import DEFAULT_CANDIDATES, Candidate, parse_candidates
+from gradpipe.core.codec_names import CODEC_NAMES
 from gradpipe.errors import InvalidInputError
 from gradpipe.evaluation.fidelity import bound_usage
 
@@ -26,9 +27,23 @@ LOSSY = [
 ]
 
 
-def test_the_command_line_lists_the_same_defaults() -> None:
-    assert DEFAULT_CODECS == DEFAULT_CANDIDATES
+def test_the_command_line_lists_the_codec_table() -> None:
     assert [c.name for c in parse_candidates(None)] == list(DEFAULT_CANDIDATES)
+    for command, option in (("evaluate", "--codecs"), ("ingest", "--codec")):
+        text = _option_help(command, option)
+        lossless = ("default", "zstd", "blosc")
+        names = [n for n in CODEC_NAMES if command == "evaluate" or n not in lossless]
+        for name in names:
+            assert name in text, (command, name)
+    assert ", ".join(DEFAULT_CANDIDATES) in _option_help("evaluate", "--codecs")
+
+
+def _option_help(command: str, option: str) -> str:
+    import argparse
+
+    [sub] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    [action] = [a for a in sub.choices[command]._actions if option in a.option_strings]
+    return " ".join((action.help or "").split())
 
 
 def test_names_and_chains() -> None:
