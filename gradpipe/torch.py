@@ -48,7 +48,8 @@ from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
 from gradpipe.core.display import printable
 from gradpipe.errors import InvalidInputError
 from gradpipe.formats.state_file import check_torch, from_torch, to_torch
-from gradpipe.snapshots.api import SnapshotInfo, find_snapshot, restore_manifest, snapshot
+from gradpipe.snapshots.api import SnapshotInfo, find_snapshot, snapshot
+from gradpipe.snapshots.restore import restore_manifest
 
 if TYPE_CHECKING:
     import torch

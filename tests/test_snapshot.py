@@ -206,7 +206,7 @@ def test_two_writers_of_one_name_both_land(
     """Each snapshot is one compare-and-swap; the loser rebuilds against the winner."""
     import sys
 
-    module = sys.modules["gradpipe.snapshot"]
+    module = sys.modules["gradpipe.snapshots.save"]
     url = f"file://{tmp_path}/store"
     gp.open_store(url, mode="w")
     states = drifting(8, seed=2)
@@ -325,7 +325,7 @@ def test_a_snapshot_over_lost_parent_blocks_stores_them_again(
     states = drifting(3, seed=5)
     gp.snapshot(store, "run", states[0], step=0)
     if cache == "cold":
-        sys.modules["gradpipe.snapshot"]._KEYFRAMES.clear()
+        sys.modules["gradpipe.snapshots.save"]._KEYFRAMES.clear()
     _, first = find_snapshot(store, "run")
     for block in first.data_children():
         store.backend.delete(block_key(block))
@@ -344,7 +344,7 @@ def test_keyframes_changed_after_hashing_are_not_remembered(
     """A training thread changing the arrays while a snapshot is written cannot poison the next."""
     import sys
 
-    module = sys.modules["gradpipe.snapshot"]
+    module = sys.modules["gradpipe.snapshots.save"]
     real = module.write_version
 
     def then_changed(store: gp.Store, array: np.ndarray, *args: Any, **kwargs: Any) -> Any:
@@ -540,7 +540,7 @@ def test_identical_writers_in_threads_record_the_step_once(
 ) -> None:
     import sys
 
-    module = sys.modules["gradpipe.snapshot"]
+    module = sys.modules["gradpipe.snapshots.save"]
     url = f"file://{tmp_path}/store"
     gp.open_store(url, mode="w")
     states = drifting(4, seed=12)

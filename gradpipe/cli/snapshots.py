@@ -154,7 +154,8 @@ def run_restore(args: argparse.Namespace) -> CommandResult:
     from gradpipe.formats.dump import dump_format
     from gradpipe.formats.state_file import STATE_FILE_KEY, StateFileInfo, check_state_path
     from gradpipe.output import parse_output_path
-    from gradpipe.snapshots.api import find_snapshot, restore_file
+    from gradpipe.snapshots.api import find_snapshot
+    from gradpipe.snapshots.restore import restore_file
 
     parse_output_path(args.output, what="-o")  # before opening anything
     store = open_store_arg(args, "r")

@@ -1,0 +1,420 @@
+"""Saving a snapshot: the state's arrays written as the next versions of the chain's, one CAS.
+
+A snapshot splits the state into its skeleton and its arrays
+(:mod:`gradpipe.core.state`) and writes every array as the next version of
+the same array in the previous snapshot of that name
+(:func:`~gradpipe.storage.chains.write_version`): parameters are stored as
+deltas about half their size, with a full keyframe every K versions. The
+whole snapshot is one manifest, published by one compare-and-swap of the ref
+``snapshots/<name>``: a crash at any point leaves the previous snapshot as it
+was, and a second writer that lost the race rebuilds against the winner.
+A snapshot whose step's newest version already holds the same state (a job
+killed after its commit landed, run again) writes nothing
+(:mod:`gradpipe.snapshots.content`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+import numpy as np
+
+from gradpipe.config import get_bytes
+from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
+from gradpipe.core.display import PATH_LIMIT, printable
+from gradpipe.core.ids import hash_bytes
+from gradpipe.core.manifest import manifest_id
+from gradpipe.core.names import parse_name
+from gradpipe.core.snapshot_manifest import SnapshotManifest
+from gradpipe.core.state import (
+    FlatState,
+    flatten_state,
+)
+from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.errors import ConflictError, IntegrityError, InvalidInputError
+from gradpipe.snapshots.chain import chain_head, read_version, snapshot_ref, snapshot_tensor
+from gradpipe.snapshots.content import holds_state, written_content
+from gradpipe.storage._pools import read_threads
+from gradpipe.storage.chains import ChainParent, write_version
+
+if TYPE_CHECKING:
+    from gradpipe.storage.store import Store
+
+__all__ = ["SnapshotWrite", "commit_snapshot", "snapshot", "write_snapshot"]
+
+#: Rebuilds after losing the race for the ref to another writer of the same name.
+_MAX_ATTEMPTS: Final = 8
+
+
+# Every delta is taken against its chunk's keyframe. A process keeps a private
+# copy of the keyframe chunks of the last snapshot it wrote of each name (the
+# caller's arrays may be changed in place by the next optimizer step), so the
+# next snapshot reads nothing back; another process, or keyframes that would
+# take more than gradpipe.snapshot-cache-bytes, reads the keyframes it needs
+# from the store (one block per chunk).
+_KEYFRAMES: dict[tuple[str, str], tuple[str, dict[str, np.ndarray]]] = {}
+
+
+_KEYFRAMES_LOCK = threading.Lock()
+
+
+def _after_fork_in_child() -> None:  # a lock held by a parent's thread would never be released
+    global _KEYFRAMES_LOCK  # noqa: PLW0603 - replacing the lock is the point
+    _KEYFRAMES_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _remember(
+    store: Store,
+    name: str,
+    snapshot_id: str,
+    *,
+    written: _Tensors,
+    arrays: Mapping[str, np.ndarray],
+    known: Mapping[str, np.ndarray],
+) -> None:
+    """Keep the keyframe chunks snapshot ``snapshot_id`` uses (copies of its own, or ``known``)."""
+    key = (store.url, name)
+    with _KEYFRAMES_LOCK:  # free the old copy first, and stay within one budget per process
+        _KEYFRAMES.pop(key, None)
+        limit = get_bytes("snapshot-cache-bytes") - sum(
+            a.nbytes for _, held in _KEYFRAMES.values() for a in held.values()
+        )
+    kept: dict[str, np.ndarray] = {}
+    for keyframe, values in _keyframes(written, arrays, known):
+        if keyframe not in kept:
+            kept[keyframe] = values
+            limit -= values.nbytes
+            if limit < 0:
+                kept = {}  # too large to keep: the next snapshot reads its keyframes
+                break
+    with _KEYFRAMES_LOCK:
+        _KEYFRAMES[key] = (snapshot_id, kept)
+
+
+def _keyframes(
+    written: _Tensors, arrays: Mapping[str, np.ndarray], known: Mapping[str, np.ndarray]
+) -> Iterator[tuple[str, np.ndarray]]:
+    """``(block id, values)`` of every keyframe chunk the written tensors use, where at hand."""
+    for key, tensor_id in written.tensors.items():
+        manifest = written.embedded[tensor_id]
+        flat = arrays[key].reshape(-1)
+        for i, (start, stop) in enumerate(manifest.chunk_ranges()):
+            block, links = manifest.blocks[i], manifest.deltas.get(i)
+            if block is None or i in manifest.inline:
+                continue
+            if not links:
+                copy = np.array(flat[start:stop], copy=True)
+                # The caller's arrays may have changed since they were hashed (a
+                # training thread): a copy that is not the keyframe is not kept.
+                if hash_bytes(copy.view(np.uint8)) == block:
+                    yield block, copy
+            elif links[-1].base in known:
+                yield links[-1].base, known[links[-1].base]
+
+
+def _recalled(store: Store, name: str, snapshot_id: str | None) -> dict[str, np.ndarray]:
+    with _KEYFRAMES_LOCK:
+        found = _KEYFRAMES.get((store.url, name))
+    return found[1] if found is not None and found[0] == snapshot_id else {}
+
+
+@dataclass(frozen=True)
+class SnapshotWrite:
+    """What :func:`write_snapshot` did: the version that holds the state, and whether it is new.
+
+    ``written`` is False when the step's newest version already held the same
+    state, loss and metadata (``found == "recorded"``), or, with
+    ``newer_only``, when the chain was at that step or later already
+    (``found == "not newer"``); ``id`` is then that version's.
+    """
+
+    id: str
+    written: bool
+    found: Literal["", "recorded", "not newer"] = ""
+
+
+def snapshot(
+    store: Store,
+    name: str,
+    state: Mapping[Any, Any],
+    *,
+    step: int,
+    loss: float | None = None,
+    metadata: Mapping[str, str] | None = None,
+    delta: str = "int",
+    threshold: float = 0.0,
+    keyframe_interval: int = DEFAULT_KEYFRAME_INTERVAL,
+    newer_only: bool = False,
+) -> str:
+    """Save ``state`` as the next snapshot of ``name``; returns its id.
+
+    Saving a step again with the state, loss and metadata its newest version
+    holds writes nothing and returns that version's id (a job killed after its
+    commit landed may run again); another state at the same step is a new
+    version of the step, which :func:`restore` then returns. The step's newest
+    version is looked for back from the head while the steps are not below it:
+    after the chain went back to an earlier step (training resumed from an
+    older snapshot), its steps are retaken and recorded anew.
+    :func:`write_snapshot` also says whether it wrote.
+
+    Parameters
+    ----------
+    store : Store
+        A writable store.
+    name : str
+        The chain: each snapshot is written against the previous one of the
+        same name.
+    state : dict
+        Nested dicts, lists and tuples of numpy arrays, numpy scalars, str,
+        bytes, int, float, bool and None (parameters, optimizer state, RNG
+        state, a config...). :func:`restore` gives back exactly this.
+    step : int
+        The training step (>= 0); ``restore(step=...)`` finds it.
+    loss : float, optional
+        Kept for ``gradpipe log``.
+    metadata : mapping of str to str, optional
+        Free-form string fields.
+    delta : {"int", "xor", "sparse"}
+        How a changed chunk is stored against its previous version (int and
+        xor are bit-exact; sparse with ``threshold > 0`` is lossy and says so).
+    keyframe_interval : int
+        A full copy of each chunk every this many snapshots.
+    newer_only : bool
+        Write nothing if the newest snapshot of ``name`` is already at ``step``
+        or later, and return its id: a job that runs again, or two copies of
+        it racing, write each step once. Checked against the head every
+        compare-and-swap is made from, so the loser of a race sees the winner's.
+
+    Raises
+    ------
+    InvalidInputError
+        For a state gradpipe cannot keep exactly (naming the entry).
+    ConflictError
+        When other writers of the same name kept winning the race.
+    """
+    return write_snapshot(
+        store,
+        name,
+        state,
+        step=step,
+        loss=loss,
+        metadata=metadata,
+        delta=delta,
+        threshold=threshold,
+        keyframe_interval=keyframe_interval,
+        newer_only=newer_only,
+    ).id
+
+
+def write_snapshot(
+    store: Store,
+    name: str,
+    state: Mapping[Any, Any],
+    *,
+    step: int,
+    loss: float | None = None,
+    metadata: Mapping[str, str] | None = None,
+    delta: str = "int",
+    threshold: float = 0.0,
+    keyframe_interval: int = DEFAULT_KEYFRAME_INTERVAL,
+    newer_only: bool = False,
+) -> SnapshotWrite:
+    """:func:`snapshot`, saying whether it wrote a version or found the state recorded.
+
+    Both checks are made against the head every compare-and-swap is made
+    from, so of writers of the same state and step racing, one writes it and
+    the others find it.
+    """
+    parse_name(name, what="snapshot name")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise InvalidInputError(f"snapshot step must be an integer >= 0, not {printable(step)}")
+    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+    flat = flatten_state(state)
+    ref = snapshot_ref(name)
+    options = {"delta": delta, "threshold": threshold, "keyframe_interval": keyframe_interval}
+    with store.writing(f"snapshot {name}"):
+        for _ in range(_MAX_ATTEMPTS):
+            # Read the previous snapshot inside the lease: gc cannot run until
+            # the lease ends, so the blocks the new version links to stay.
+            head_id = chain_head(store, name)
+            head = None if head_id is None else read_version(store, head_id, name)
+            if newer_only and head_id is not None and head is not None and head.step >= step:
+                return SnapshotWrite(head_id, written=False, found="not newer")
+            recorded = _recorded(store, name, (head_id, head), step, (flat, loss, meta))
+            if recorded is not None:
+                return SnapshotWrite(recorded, written=False, found="recorded")
+            written = _write(store, name, flat, head, head_id=head_id, options=options)
+            known = _recalled(store, name, head_id)
+            by_key = {k: written.embedded[t] for k, t in written.tensors.items()}
+            try:
+                snapshot_id = commit_snapshot(
+                    store,
+                    name,
+                    previous=head_id,
+                    step=step,
+                    tree=flat.to_dict(),
+                    tensors=written.tensors,
+                    embedded=written.embedded,
+                    loss=loss,
+                    metadata=meta,
+                    content=written_content(flat, loss, meta, by_key),
+                )
+            except ConflictError:
+                continue  # another snapshot of this name landed first: chain on it (or find it)
+            if delta != "sparse":  # a lossy version stores other values than it was given
+                _remember(
+                    store, name, snapshot_id, written=written, arrays=flat.arrays, known=known
+                )
+            return SnapshotWrite(snapshot_id, written=True)
+    raise ConflictError(
+        f"snapshot {printable(name)}: other writers moved {printable(ref, limit=PATH_LIMIT)} "
+        f"{_MAX_ATTEMPTS} times in a row; retry"
+    )
+
+
+def commit_snapshot(
+    store: Store,
+    name: str,
+    *,
+    previous: str | None,
+    step: int,
+    tree: dict[str, Any],
+    tensors: Mapping[str, str],
+    embedded: Mapping[str, TensorManifest],
+    loss: float | None = None,
+    metadata: Mapping[str, str] | None = None,
+    content: str | None = None,
+) -> str:
+    """Store a snapshot manifest over written tensors and move ``snapshots/<name>`` to it.
+
+    ``previous`` is the head the tensors were written against; the ref moves
+    only if it still points there (one compare-and-swap), else
+    :class:`ConflictError` and nothing is visible. The caller holds the
+    store's writing lease from its first block write to here. ``content`` is
+    the state's content id (:mod:`gradpipe.snapshots.content`), if known.
+    """
+    manifest = SnapshotManifest(
+        name=name,
+        step=step,
+        time=datetime.now(UTC).isoformat(timespec="microseconds"),
+        previous=previous,
+        state=tree,
+        tensors=dict(tensors),
+        embedded=dict(embedded),
+        loss=None if loss is None else float(loss),
+        metadata=dict(metadata or {}),
+        content=content,
+    )
+    snapshot_id = store.put_manifest(manifest)
+    store.refs.set(
+        snapshot_ref(name), snapshot_id, expected=previous, message=f"snapshot step {step}"
+    )
+    return snapshot_id
+
+
+def _recorded(
+    store: Store,
+    name: str,
+    head: tuple[str | None, SnapshotManifest | None],
+    step: int,
+    given: tuple[FlatState, float | None, Mapping[str, str]],
+) -> str | None:
+    """The id of the newest version at ``step`` if it holds the ``given`` state, else None.
+
+    Looked for back from ``head`` while the steps are not below ``step``, so a
+    snapshot of a new step reads no other manifest; a chain that went back to
+    an earlier step since (a resumed run) retakes its later steps.
+    """
+    snapshot_id, manifest = head
+    seen: set[str] = set()
+    while snapshot_id is not None and manifest is not None and manifest.step >= step:
+        if manifest.step == step:
+            tensors = {k: snapshot_tensor(store, manifest, k) for k in manifest.tensors}
+            return snapshot_id if holds_state(manifest, tensors, *given) else None
+        if snapshot_id in seen:
+            raise IntegrityError(f"snapshot {printable(name)}: its history loops at {snapshot_id}")
+        seen.add(snapshot_id)
+        snapshot_id = manifest.previous
+        manifest = None if snapshot_id is None else read_version(store, snapshot_id, name)
+    return None
+
+
+@dataclass(frozen=True)
+class _Tensors:
+    tensors: dict[str, str]
+    embedded: dict[str, TensorManifest]
+
+
+#: Tensors of several chunks written at once by one snapshot (each fans out over every core).
+_LARGE_IN_FLIGHT: Final = 2
+
+
+def _write(
+    store: Store,
+    name: str,
+    flat: FlatState,
+    head: SnapshotManifest | None,
+    *,
+    head_id: str | None,
+    options: Mapping[str, Any],
+) -> _Tensors:
+    """Every array of ``flat`` written against the same array of ``head``."""
+    parents = {}
+    if head is not None:
+        parents = {k: head.embedded[t] for k, t in head.tensors.items() if k in flat.arrays}
+    keyframes = _recalled(store, name, head_id)
+    shown = printable(name)
+
+    def write(key: str, *, parallel: bool) -> TensorManifest:
+        parent = None
+        if key in parents and head is not None:
+            parent = ChainParent(parents[key], head.tensors[key], keyframes=keyframes)
+        where = f"snapshot {shown}, {printable(key)}"
+        array = flat.arrays[key]
+        return write_version(store, array, parent, where=where, parallel=parallel, **options)
+
+    # Every tensor is written side by side with the others, one thread each; a
+    # tensor of several chunks also encodes its chunks side by side (on the
+    # process's encode pool), so no tensor waits at a barrier of another. Small
+    # tensors are queued first, so threads waiting for a turn at a large one
+    # (at most two at a time: each holds a few windows of frames, whatever the
+    # number of cores) never hold them up. The first error stops what has not
+    # started. The encoders release the GIL.
+    one_chunk = get_bytes("chunk-bytes")
+    large = threading.BoundedSemaphore(_LARGE_IN_FLIGHT)
+
+    def is_large(key: str) -> bool:
+        return bool(flat.arrays[key].nbytes > one_chunk)
+
+    def write_one(key: str) -> TensorManifest:
+        if not is_large(key):
+            return write(key, parallel=False)
+        with large:
+            return write(key, parallel=True)
+
+    pool = ThreadPoolExecutor(read_threads(), thread_name_prefix="gradpipe-snapshot")
+    try:
+        futures = {k: pool.submit(write_one, k) for k in sorted(flat.arrays, key=is_large)}
+        done, _ = wait(futures.values(), return_when=FIRST_EXCEPTION)
+        for key in flat.arrays:  # the first error in the state's order, if any
+            if futures[key] in done and (error := futures[key].exception()) is not None:
+                raise error  # the finally cancels what has not started
+        manifests = [futures[k].result() for k in flat.arrays]
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    tensors: dict[str, str] = {}
+    embedded: dict[str, TensorManifest] = {}
+    for key, manifest in zip(flat.arrays, manifests, strict=True):
+        tensor_id = manifest_id(manifest)
+        tensors[key] = tensor_id
+        embedded[tensor_id] = manifest
+    return _Tensors(tensors, embedded)
