@@ -245,3 +245,13 @@ def test_a_broken_example_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     page.write_text("```console\n$ gradpipe ls ./no-such-store\n```\n", encoding="utf-8")
     with pytest.raises(AssertionError, match=r"page\.md:1: `gradpipe ls ./no-such-store` exited 2"):
         run_page(page, tmp_path, monkeypatch)
+
+
+def test_the_api_reference_lists_every_public_name() -> None:
+    """docs/api.md documents each name of ``gradpipe.__all__`` as ``gradpipe.X``."""
+    import gradpipe
+
+    listed = set(re.findall(r"^ {3}gradpipe\.(\w+)$", (DOCS / "api.md").read_text("utf-8"), re.M))
+    public = set(gradpipe.__all__) - {"__version__"}
+    assert public - listed == set(), "public names missing from docs/api.md"
+    assert listed - public <= {"xarray", "torch", "dashboard", "testing"}, "not public"
