@@ -18,6 +18,7 @@ from gradpipe.aggregation.options import (
     PARAMS,
     Param,
     check_value,
+    markdown_tables,
     params_of,
 )
 from gradpipe.cli._app import build_parser
@@ -159,3 +160,14 @@ def test_the_table_names_its_methods_once() -> None:
         assert set(p.methods) <= set(METHODS), p.name
         assert set(p.required_by) <= set(p.methods), p.name
         assert re.fullmatch(r"[a-z][a-z0-9_]*", p.name)
+
+
+def test_the_docs_show_the_generated_table() -> None:
+    pages = [
+        p for p in (REPO / "docs").rglob("*.md") if "| parameter | command line" in p.read_text()
+    ]
+    assert pages, "no documentation page shows the aggregation options table"
+    for page in pages:
+        assert markdown_tables() in page.read_text(), (
+            f"{page}: regenerate with python -m gradpipe.aggregation.options"
+        )

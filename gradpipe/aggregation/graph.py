@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from dask.base import tokenize
@@ -120,20 +121,72 @@ def build_aggregate_graph(
     step_keys: list[Hashable] = []
     previous_round: Hashable | None = None  # adaptive clipping: the previous step's round
     for s, plan in enumerate(plans):
-        spec = plan.spec
-        n = len(spec.inputs)
-        if spec.method in ROBUST_METHODS:
+        if plan.spec.method in ROBUST_METHODS:
             robust_tensors, decided = add_robust_step(graph, token, store, s, plan, fan)
             step_keys.append(
                 _add_step_manifest(graph, token, store, s, plan, robust_tensors, decided, fan)
             )
             continue
+        step = _ReducibleStep.build(graph, token, store, s, plan, fan, clip_norm, previous_round)
+        previous_round = step.round if step.private else previous_round
+        tensor_keys = []
+        for t, tensor in enumerate(plan.tensors):
+            sources = [sources_of(m) for m in tensor.peers]
+            chunk_keys = [
+                _add_chunk(graph, token, step, t, sources, c, span)
+                for c, span in enumerate(chunk_ranges(tensor.shape, tensor.chunk_shape))
+            ]
+            tensor_keys.append(add_tensor_task(graph, token, (s, t), plan.spec, tensor, chunk_keys))
+        step_keys.append(
+            _add_step_manifest(graph, token, store, s, plan, tensor_keys, step.outcome, fan)
+        )
+    commit_key = f"gradpipe-aggregate-commit-{tokenize(token, uuid.uuid4().hex)}"
+    run = plans[0].spec.run if plans else ""
+    graph[commit_key] = (commit_aggregates, store, run, step_keys, message, lease, guard)
+    return graph, commit_key
+
+
+@dataclass(frozen=True)
+class _ReducibleStep:
+    """What every chunk task of one step of a reducible method shares."""
+
+    store: Store
+    s: int
+    plan: StepPlan
+    fan: int
+    names: list[str]
+    weights: list[float]
+    scales: list[Any]  # per peer: 1.0, or the key of its clip scale
+    shift: int  # one power of two for every partial of the step
+    groups: list[tuple[int, int]]  # the peers each read task reduces
+    outcome: list[Any]  # what the step's manifest records beside its tensors
+    private: bool
+    clip: Any  # dp-fedavg: the clip norm, or the key of the adaptive round
+    round: Hashable | None
+    shown_peers: list[str]  # names escaped once per step, not per chunk
+    shown_aggregate: str
+
+    @classmethod
+    def build(
+        cls,
+        graph: dict[Hashable, Any],
+        token: str,
+        store: Store,
+        s: int,
+        plan: StepPlan,
+        fan: int,
+        clip_norm: float | None,
+        previous_round: Hashable | None,
+    ) -> _ReducibleStep:
+        spec = plan.spec
+        n = len(spec.inputs)
         scales: list[Any] = [1.0] * n
         outcome: list[Any] = [plan.decided] if plan.decided else []
         private = spec.method == "dp-fedavg"
         clip: Any = None
+        round_key = previous_round
         if private:
-            clip, previous_round = _clip_graph(graph, token, store, s, plan, fan, previous_round)
+            clip, round_key = _clip_graph(graph, token, store, s, plan, fan, previous_round)
             if isinstance(clip, tuple):
                 params_key = (f"gradpipe-aggregate-clipparams-{token}", s)
                 graph[params_key] = (clip_round_params, spec.step, clip)
@@ -145,108 +198,116 @@ def build_aggregate_graph(
             ]
         names = [i.peer for i in spec.inputs]
         weights = [i.weight for i in spec.inputs]
-        shift = weight_shift(weights)  # one power of two for every partial of the step
-        groups = [(lo, min(n, lo + fan)) for lo in range(0, n, fan)]
-        tensor_keys = []
-        # Names escaped once per step and tensor, not per chunk: contexts only add the chunk.
-        shown_peers = [printable(name) for name in names]
-        shown_aggregate = printable(spec.name)
-        for t, tensor in enumerate(plan.tensors):
-            sources = [sources_of(m) for m in tensor.peers]
-            chunk_keys = []
-            shown_tensor = printable(tensor.name)
-            for c, (start, stop) in enumerate(chunk_ranges(tensor.shape, tensor.chunk_shape)):
-                where = f"tensor {shown_tensor} of step {spec.step}, chunk {c}"
-                peer_sources = [overlapping(sources[p], start, stop) for p in range(n)]
-                contexts = [
-                    f"tensor {shown_tensor} of step {spec.step}, peer {peer}, chunk {c}"
-                    for peer in shown_peers
-                ]
-                write_key = (f"gradpipe-aggregate-write-{token}", s, t, c)
-                context = f"aggregate {shown_aggregate} of {where}"
-                if len(groups) == 1 and not private:
-                    # Every peer fits one task: read, reduce and write it there.
-                    write_key = (f"gradpipe-aggregate-reduce-{token}", s, t, c)
-                    graph[write_key] = (
-                        reduce_chunk,
-                        spec.step,
-                        store,
-                        peer_sources,
-                        start,
-                        stop,
-                        tensor.dtype,
-                        contexts,
-                        context,
-                        names,
-                        weights,
-                        scales,
-                        spec.method,
-                    )
-                    chunk_keys.append(write_key)
-                    continue
-                leaves: list[Hashable] = []
-                for g, (lo, hi) in enumerate(groups):
-                    key = (f"gradpipe-aggregate-read-{token}", s, t, c, g)
-                    graph[key] = (
-                        read_partial,
-                        spec.step,
-                        store,
-                        peer_sources[lo:hi],
-                        start,
-                        stop,
-                        tensor.dtype,
-                        contexts[lo:hi],
-                        where,
-                        names[lo:hi],
-                        lo,
-                        weights[lo:hi],
-                        scales[lo:hi],
-                        shift,
-                    )
-                    leaves.append(key)
-                # The last level of the tree is the write task's: finish takes the partials.
-                roots = tree_levels(
-                    graph,
-                    f"gradpipe-aggregate-combine-{token}",
-                    (s, t, c),
-                    leaves,
-                    combine_partials,
-                    spec.step,
-                    fan,
-                )
-                if private:
-                    graph[write_key] = (
-                        write_noised_chunk,
-                        spec.step,
-                        store,
-                        roots,
-                        n,
-                        context,
-                        int(plan.decided.get("seed", spec.params.get("seed", 0))),
-                        noise_tensor(spec.step, tensor.name),
-                        start,
-                        clip,
-                        float(plan.decided["update_noise_multiplier"]),
-                    )
-                else:
-                    graph[write_key] = (
-                        write_chunk,
-                        spec.step,
-                        store,
-                        roots,
-                        spec.method,
-                        n,
-                        context,
-                    )
-                chunk_keys.append(write_key)
-            tensor_keys.append(add_tensor_task(graph, token, (s, t), spec, tensor, chunk_keys))
-        step_keys.append(
-            _add_step_manifest(graph, token, store, s, plan, tensor_keys, outcome, fan)
+        return cls(
+            store,
+            s,
+            plan,
+            fan,
+            names,
+            weights,
+            scales,
+            weight_shift(weights),
+            [(lo, min(n, lo + fan)) for lo in range(0, n, fan)],
+            outcome,
+            private,
+            clip,
+            round_key,
+            [printable(name) for name in names],
+            printable(spec.name),
         )
-    commit_key = f"gradpipe-aggregate-commit-{tokenize(token, uuid.uuid4().hex)}"
-    run = plans[0].spec.run if plans else ""
-    graph[commit_key] = (commit_aggregates, store, run, step_keys, message, lease, guard)
-    return graph, commit_key
+
+
+def _add_chunk(
+    graph: dict[Hashable, Any],
+    token: str,
+    step: _ReducibleStep,
+    t: int,
+    sources: list[Any],
+    c: int,
+    span: tuple[int, int],
+) -> Hashable:
+    """The tasks of chunk ``c`` of tensor ``t``: read and reduce the peers, then write; its key.
+
+    ``sources`` are each peer's stored chunks of the tensor (:func:`sources_of`).
+    """
+    spec, tensor, s = step.plan.spec, step.plan.tensors[t], step.s
+    start, stop = span
+    n = len(step.names)
+    shown_tensor = printable(tensor.name)
+    where = f"tensor {shown_tensor} of step {spec.step}, chunk {c}"
+    peer_sources = [overlapping(peer, start, stop) for peer in sources]
+    contexts = [
+        f"tensor {shown_tensor} of step {spec.step}, peer {peer}, chunk {c}"
+        for peer in step.shown_peers
+    ]
+    context = f"aggregate {step.shown_aggregate} of {where}"
+    if len(step.groups) == 1 and not step.private:
+        # Every peer fits one task: read, reduce and write it there.
+        reduce_key = (f"gradpipe-aggregate-reduce-{token}", s, t, c)
+        graph[reduce_key] = (
+            reduce_chunk,
+            spec.step,
+            step.store,
+            peer_sources,
+            start,
+            stop,
+            tensor.dtype,
+            contexts,
+            context,
+            step.names,
+            step.weights,
+            step.scales,
+            spec.method,
+        )
+        return reduce_key
+    leaves: list[Hashable] = []
+    for g, (lo, hi) in enumerate(step.groups):
+        key = (f"gradpipe-aggregate-read-{token}", s, t, c, g)
+        graph[key] = (
+            read_partial,
+            spec.step,
+            step.store,
+            peer_sources[lo:hi],
+            start,
+            stop,
+            tensor.dtype,
+            contexts[lo:hi],
+            where,
+            step.names[lo:hi],
+            lo,
+            step.weights[lo:hi],
+            step.scales[lo:hi],
+            step.shift,
+        )
+        leaves.append(key)
+    # The last level of the tree is the write task's: finish takes the partials.
+    roots = tree_levels(
+        graph,
+        f"gradpipe-aggregate-combine-{token}",
+        (s, t, c),
+        leaves,
+        combine_partials,
+        spec.step,
+        step.fan,
+    )
+    write_key = (f"gradpipe-aggregate-write-{token}", s, t, c)
+    if step.private:
+        graph[write_key] = (
+            write_noised_chunk,
+            spec.step,
+            step.store,
+            roots,
+            n,
+            context,
+            int(step.plan.decided.get("seed", spec.params.get("seed", 0))),
+            noise_tensor(spec.step, tensor.name),
+            start,
+            step.clip,
+            float(step.plan.decided["update_noise_multiplier"]),
+        )
+    else:
+        graph[write_key] = (write_chunk, spec.step, step.store, roots, spec.method, n, context)
+    return write_key
 
 
 def _add_step_manifest(

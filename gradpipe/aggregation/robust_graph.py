@@ -72,46 +72,10 @@ def add_robust_step(
     """
     spec = plan.spec
     method = AggregationMethod(spec.method)
-    names = [i.peer for i in spec.inputs]
     weights = [i.weight for i in spec.inputs]
-    selection: Hashable | None = None
-    if method in SELECTION_METHODS:
-        leaves: list[Hashable] = []
-        for t, tensor in enumerate(plan.tensors):
-            sources = [sources_of(m) for m in tensor.peers]
-            heads = _peer_heads(spec, tensor.name)
-            for c, (start, stop) in enumerate(chunk_ranges(tensor.shape, tensor.chunk_shape)):
-                key = (f"gradpipe-aggregate-distance-{token}", s, t, c)
-                graph[key] = (
-                    read_distances,
-                    spec.step,
-                    store,
-                    [overlapping(src, start, stop) for src in sources],
-                    start,
-                    stop,
-                    tensor.dtype,
-                    [f"{h}, chunk {c}" for h in heads],
-                )
-                leaves.append(key)
-        total = tree(
-            graph,
-            f"gradpipe-aggregate-distsum-{token}",
-            (s,),
-            leaves,
-            combine_norms,
-            spec.step,
-            fan,
-        )
-        selection = (f"gradpipe-aggregate-select-{token}", s)
-        graph[selection] = (
-            select_peers,
-            spec.step,
-            total,
-            spec.method,
-            int(spec.params["byzantine"]),
-            int(spec.params.get("keep", 1)),
-            names,
-        )
+    selection = (
+        _add_selection(graph, token, store, s, plan, fan) if method in SELECTION_METHODS else None
+    )
     tensor_keys = []
     for t, tensor in enumerate(plan.tensors):
         sources = [sources_of(m) for m in tensor.peers]
@@ -162,6 +126,44 @@ def add_robust_step(
         graph[params_key] = (selection_params, spec.step, selection)
         outcome.append(params_key)
     return tensor_keys, outcome
+
+
+def _add_selection(
+    graph: dict[Hashable, Any], token: str, store: Store, s: int, plan: StepPlan, fan: int
+) -> Hashable:
+    """Krum's selection: every peer pair's distance summed over all chunks, then the choice."""
+    spec = plan.spec
+    leaves: list[Hashable] = []
+    for t, tensor in enumerate(plan.tensors):
+        sources = [sources_of(m) for m in tensor.peers]
+        heads = _peer_heads(spec, tensor.name)
+        for c, (start, stop) in enumerate(chunk_ranges(tensor.shape, tensor.chunk_shape)):
+            key = (f"gradpipe-aggregate-distance-{token}", s, t, c)
+            graph[key] = (
+                read_distances,
+                spec.step,
+                store,
+                [overlapping(src, start, stop) for src in sources],
+                start,
+                stop,
+                tensor.dtype,
+                [f"{h}, chunk {c}" for h in heads],
+            )
+            leaves.append(key)
+    total = tree(
+        graph, f"gradpipe-aggregate-distsum-{token}", (s,), leaves, combine_norms, spec.step, fan
+    )
+    selection = (f"gradpipe-aggregate-select-{token}", s)
+    graph[selection] = (
+        select_peers,
+        spec.step,
+        total,
+        spec.method,
+        int(spec.params["byzantine"]),
+        int(spec.params.get("keep", 1)),
+        [i.peer for i in spec.inputs],
+    )
+    return selection
 
 
 def _peer_heads(spec: StepSpec, tensor: str) -> list[str]:

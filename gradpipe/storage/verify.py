@@ -97,62 +97,13 @@ def verify(store: Store, *, all_blocks: bool = False, delete_corrupt: bool = Fal
     ``ingest(..., repair=True)`` rewrites from the dump files (a block cannot
     be replaced in place: writes are create-if-absent).
     """
-    inside: list[Problem] = []
-    counts = {"blocks": 0, "bytes": 0}
-    chained: list[tuple[str, TensorManifest, str]] = []  # tensors with delta chunks
-    # What each run shard must be, as its parent links it: (link, kind, level or None).
-    links: dict[str, tuple[ShardLink, str, int | None]] = {}
-
-    def check_shard(manifest_id: str, manifest: Manifest, where: str) -> None:
-        """A run's shards agree with the links that name them (the walk reads parents first)."""
-        if isinstance(manifest, RunManifest):
-            tops = [(manifest.dump_shards, "dumps"), (manifest.aggregate_shards, "aggregates")]
-            for top, kind in tops:
-                if top is not None:
-                    links[top.id] = (top, kind, None)
-        if not isinstance(manifest, RunShard):
-            return
-        expected = links.get(manifest_id)
-        if expected is not None:
-            link, kind, level = expected
-            why = link_mismatch(link, manifest, kind, level)
-            if why is not None:
-                inside.append(Problem("bad shard", manifest_id, where, why))
-        for child in manifest.children:
-            links[child.id] = (child, manifest.kind, manifest.level - 1)
-
-    def check_inside(manifest_id: str, manifest: Manifest, where: str) -> None:
-        """What a manifest keeps inside itself: inline chunks and embedded manifests.
-
-        A problem there is the containing manifest's, reported under its id:
-        the same content may be stored elsewhere as a good object of its own,
-        which ``delete_corrupt`` must never touch.
-        """
-        for block_id, frame, part in manifest.inline_frames():
-            counts["blocks"] += 1
-            context = f"{where}, {part}, inline block {block_id}"
-            try:
-                counts["bytes"] += decode_block(frame, block_id, context=part).nbytes
-            except UnsupportedFormatError as exc:
-                inside.append(Problem("unreadable", manifest_id, context, str(exc)))
-            except IntegrityError as exc:
-                inside.append(Problem("corrupt inline", manifest_id, context, str(exc)))
-        for embedded_id, embedded in manifest.embedded_manifests():
-            if hash_bytes(encode_manifest(embedded)) != embedded_id:
-                detail = f"the embedded manifest of tensor {embedded_id} does not hash to its id"
-                inside.append(Problem("corrupt inline", manifest_id, where, detail))
-            elif isinstance(embedded, TensorManifest) and embedded.deltas:
-                chained.append((manifest_id, embedded, f"{where}, tensor {embedded_id}"))
-        if isinstance(manifest, TensorManifest) and manifest.deltas:
-            chained.append((manifest_id, manifest, where))
-        check_shard(manifest_id, manifest, where)
-
-    reachable = walk_reachable(store, visit=check_inside)
+    inside = _InsideChecker()
+    reachable = walk_reachable(store, visit=inside.check)
     report = VerifyReport(
         manifests=len(reachable.manifests),
-        blocks=counts["blocks"],
-        bytes=counts["bytes"],
-        problems=[*reachable.problems, *inside],
+        blocks=inside.blocks,
+        bytes=inside.bytes,
+        problems=[*reachable.problems, *inside.problems],
     )
     todo = list(reachable.data.items())
     for info in store.backend.list("blocks"):
@@ -163,6 +114,72 @@ def verify(store: Store, *, all_blocks: bool = False, delete_corrupt: bool = Fal
                 todo.append((block_id, "unreferenced"))
             else:
                 report.unchecked += 1
+    _check_blocks(store, todo, report)
+    bad = {p.id for p in report.problems if p.kind in ("missing", "corrupt", "unreadable")}
+    report.problems += _check_deltas(store, inside.chained, bad)
+    if delete_corrupt:
+        _delete_corrupt(store, report)
+    return report
+
+
+@dataclass
+class _InsideChecker:
+    """What each manifest keeps inside itself, checked as the walk visits it."""
+
+    problems: list[Problem] = field(default_factory=list)
+    blocks: int = 0
+    bytes: int = 0
+    chained: list[tuple[str, TensorManifest, str]] = field(default_factory=list)  # with deltas
+    # What each run shard must be, as its parent links it: (link, kind, level or None).
+    links: dict[str, tuple[ShardLink, str, int | None]] = field(default_factory=dict)
+
+    def check(self, manifest_id: str, manifest: Manifest, where: str) -> None:
+        """Inline chunks and embedded manifests, and a run shard against its link.
+
+        A problem there is the containing manifest's, reported under its id:
+        the same content may be stored elsewhere as a good object of its own,
+        which ``delete_corrupt`` must never touch.
+        """
+        for block_id, frame, part in manifest.inline_frames():
+            self.blocks += 1
+            context = f"{where}, {part}, inline block {block_id}"
+            try:
+                self.bytes += decode_block(frame, block_id, context=part).nbytes
+            except UnsupportedFormatError as exc:
+                self.problems.append(Problem("unreadable", manifest_id, context, str(exc)))
+            except IntegrityError as exc:
+                self.problems.append(Problem("corrupt inline", manifest_id, context, str(exc)))
+        for embedded_id, embedded in manifest.embedded_manifests():
+            if hash_bytes(encode_manifest(embedded)) != embedded_id:
+                detail = f"the embedded manifest of tensor {embedded_id} does not hash to its id"
+                self.problems.append(Problem("corrupt inline", manifest_id, where, detail))
+            elif isinstance(embedded, TensorManifest) and embedded.deltas:
+                self.chained.append((manifest_id, embedded, f"{where}, tensor {embedded_id}"))
+        if isinstance(manifest, TensorManifest) and manifest.deltas:
+            self.chained.append((manifest_id, manifest, where))
+        self._check_shard(manifest_id, manifest, where)
+
+    def _check_shard(self, manifest_id: str, manifest: Manifest, where: str) -> None:
+        """A run's shards agree with the links that name them (the walk reads parents first)."""
+        if isinstance(manifest, RunManifest):
+            tops = [(manifest.dump_shards, "dumps"), (manifest.aggregate_shards, "aggregates")]
+            for top, kind in tops:
+                if top is not None:
+                    self.links[top.id] = (top, kind, None)
+        if not isinstance(manifest, RunShard):
+            return
+        expected = self.links.get(manifest_id)
+        if expected is not None:
+            link, kind, level = expected
+            why = link_mismatch(link, manifest, kind, level)
+            if why is not None:
+                self.problems.append(Problem("bad shard", manifest_id, where, why))
+        for child in manifest.children:
+            self.links[child.id] = (child, manifest.kind, manifest.level - 1)
+
+
+def _check_blocks(store: Store, todo: list[tuple[str, str]], report: VerifyReport) -> None:
+    """Read, decode and hash each block of ``todo`` (id, context), in batches; record problems."""
     for lo in range(0, len(todo), _BATCH):
         batch = todo[lo : lo + _BATCH]
         frames = store.backend.read_many([block_key(block_id) for block_id, _ in batch])
@@ -180,11 +197,6 @@ def verify(store: Store, *, all_blocks: bool = False, delete_corrupt: bool = Fal
                 report.problems.append(Problem("unreadable", block_id, context, str(exc)))
             except IntegrityError as exc:
                 report.problems.append(Problem("corrupt", block_id, context, str(exc)))
-    bad = {p.id for p in report.problems if p.kind in ("missing", "corrupt", "unreadable")}
-    report.problems += _check_deltas(store, chained, bad)
-    if delete_corrupt:
-        _delete_corrupt(store, report)
-    return report
 
 
 def _check_deltas(

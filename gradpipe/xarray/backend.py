@@ -116,7 +116,10 @@ class GradpipeBackendEntrypoint(BackendEntrypoint):
         drop_variables: str | Iterable[str] | None = None,
         storage_options: dict[str, Any] | None = None,
     ) -> dict[str, xr.Dataset]:
-        """Every run, aggregate and snapshot chain of the store, by path (:func:`tree_groups`)."""
+        """Every run, aggregate and snapshot chain of the store, by path.
+
+        See :func:`~gradpipe.xarray.backend.tree_groups`.
+        """
         store = _open_store(filename_or_obj, storage_options)
         return tree_groups(store, drop=_drop_set(drop_variables))
 
