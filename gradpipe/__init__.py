@@ -53,8 +53,9 @@ if TYPE_CHECKING:
     from gradpipe.core.tensor_manifest import TensorManifest
     from gradpipe.evaluation.api import EvaluationReport, evaluate_codecs
     from gradpipe.graph.runner import Runner, runner
-    from gradpipe.ingestion.api import IngestReport, ingest
+    from gradpipe.ingestion.api import ingest
     from gradpipe.ingestion.discover import Failure
+    from gradpipe.ingestion.report import IngestReport
     from gradpipe.runs import (
         Aggregate,
         Dump,
@@ -89,7 +90,7 @@ _LAZY: Final[dict[str, str]] = {
     "DumpManifest": "gradpipe.core.run_manifest",
     "Failure": "gradpipe.ingestion.discover",
     "GcReport": "gradpipe.storage.gc",
-    "IngestReport": "gradpipe.ingestion.api",
+    "IngestReport": "gradpipe.ingestion.report",
     "Lease": "gradpipe.storage.locks",
     "Problem": "gradpipe.storage.walk",
     "PruneReport": "gradpipe.snapshots.prune",

@@ -37,8 +37,9 @@ from gradpipe.aggregation.server_opt_tasks import (
 from gradpipe.core.display import printable
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.graph.chains import add_chunk_read, chunk_key
-from gradpipe.storage.chains import ChunkVersioner, ParentChunk, parent_chunks
+from gradpipe.storage.chains import parent_chunks
 from gradpipe.storage.store import Store
+from gradpipe.storage.versioner import ChunkVersioner, ParentChunk
 
 __all__ = ["NewArray", "ServerPlan", "TensorStep", "build_server_graph"]
 

@@ -26,14 +26,8 @@ from gradpipe.aggregation.tasks import ChunkSource, TensorOut, _read
 from gradpipe.core.dtypes import is_float, parse_dtype
 from gradpipe.errors import InvalidInputError
 from gradpipe.storage.blocks import WriteStats
-from gradpipe.storage.chains import (
-    ChunkVersioner,
-    KeyframeValues,
-    ParentChunk,
-    VersionChunk,
-    version_manifest,
-    write_chunk_version,
-)
+from gradpipe.storage.chains import version_manifest, write_chunk_version
+from gradpipe.storage.versioner import ChunkVersioner, KeyframeValues, ParentChunk, VersionChunk
 
 __all__ = [
     "ChunkJob",
