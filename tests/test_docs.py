@@ -50,7 +50,7 @@ NOT_RUN: list[tuple[str, str]] = [
     (r"\bpython -m pytest\b", "runs the test suite, which this test is part of"),
     (r"^sphinx-build\b", "builds the site: .ci/run builds it strictly"),
     (r"^python -m http\.server\b", "serves the site until stopped"),
-    (r"^(ruff|mypy|bash \.ci/run)\b", "development tools, run by .ci/run"),
+    (r"^(ruff|mypy|lint-imports|bash \.ci/run)\b", "development tools, run by .ci/run"),
     (r"^python benchmarks/", "benchmarks take minutes and print figures, not pass/fail"),
     (r"^dask (scheduler|worker)\b", "a long-running Dask server (the dashboard tests start one)"),
     (r"s3://|^export AWS_", "needs a remote S3 store and its credentials"),
