@@ -1,19 +1,19 @@
-"""The seed's training utilities, numpy in and numpy out.
+"""The Rust prototype's training utilities, numpy in and numpy out.
 
 - :class:`GradientAccumulator`: the mean of gradients accumulated over batches.
-- :class:`LossScaler`: dynamic loss scaling for mixed precision, the seed's
+- :class:`LossScaler`: dynamic loss scaling for mixed precision, the Rust prototype's
   schedule (start at 2^16, halve on overflow, double after 2000 clean steps).
 - :func:`to_bf16` / :func:`from_bf16` / :func:`to_fp16`: conversions that
-  round to nearest even. The seed truncated to bfloat16; measured on
+  round to nearest even. The Rust prototype truncated to bfloat16; measured on
   ``gradpipe.testing`` gradients (``python benchmarks/bench_rounding.py``),
   truncation's mean relative error is twice rounding's and biased toward zero
-  (the README has the table).
+  (the training page of the documentation has the table).
 - :func:`has_nan_or_inf` and :func:`safe_clip`.
-- :class:`GradientCompressor`: the seed's random projection plus ternary
+- :class:`GradientCompressor`: the Rust prototype's random projection plus ternary
   quantisation, on :mod:`gradpipe.codecs.ops.projection` (the same math as the
   ``projection-R`` codec). It does not reconstruct gradients; see that module.
 
-Errors are :class:`~gradpipe.errors.InvalidInputError` (the seed's
+Errors are :class:`~gradpipe.errors.InvalidInputError` (the Rust prototype's
 ``InvalidRatio``, ``DimensionMismatch`` and ``SeedMismatch``).
 """
 
@@ -59,7 +59,7 @@ SEGMENT: Final = 4096
 def to_bf16(values: npt.ArrayLike) -> np.ndarray:
     """bfloat16 bit patterns (uint16) of float32/float64 values, rounded to nearest even.
 
-    The seed kept the top 16 bits (truncation toward zero); see the module docstring.
+    The Rust prototype kept the top 16 bits (truncation toward zero); see the module docstring.
 
     >>> to_bf16(np.float32([3.14159])).tolist(), from_bf16(to_bf16(np.float32([3.14159])))
     ([16457], array([3.140625], dtype=float32))
@@ -92,7 +92,7 @@ def has_nan_or_inf(values: npt.ArrayLike) -> bool:
 def safe_clip(values: npt.ArrayLike, low: float, high: float) -> np.ndarray:
     """Values clamped to ``[low, high]``, NaNs replaced by 0 (a new array, same dtype).
 
-    Infinities clamp to the bounds, as the seed's ``f32::clamp`` does.
+    Infinities clamp to the bounds, as the Rust prototype's ``f32::clamp`` does.
 
     >>> safe_clip(np.float32([np.nan, -np.inf, 0.5, 7.0]), -1.0, 1.0).tolist()
     [0.0, -1.0, 0.5, 1.0]
@@ -107,7 +107,7 @@ def safe_clip(values: npt.ArrayLike, low: float, high: float) -> np.ndarray:
 class LossScaler:
     """Dynamic loss scaling: halve the scale on overflow, double it after a clean interval.
 
-    The seed's schedule: start at 2^16; :meth:`update` with ``overflow=True``
+    The Rust prototype's schedule: start at 2^16; :meth:`update` with ``overflow=True``
     multiplies the scale by ``backoff_factor`` and restarts the count; each
     clean step counts, and after ``growth_interval`` of them in a row the
     scale is multiplied by ``growth_factor`` and the count restarts.
@@ -173,7 +173,7 @@ class GradientAccumulator:
     """The mean of gradients accumulated over batches.
 
     Sums in float64 and rounds once to the gradients' dtype when read, where
-    the seed summed in float32 (rounding at every batch).
+    the Rust prototype summed in float32 (rounding at every batch).
 
     >>> acc = GradientAccumulator(2)
     >>> acc.accumulate(np.float32([1.0, 2.0]))
@@ -209,7 +209,7 @@ class GradientAccumulator:
     def get_and_reset(self) -> np.ndarray:
         """The mean of the accumulated gradients; the accumulator starts again.
 
-        With nothing accumulated, zeros (the seed's behaviour).
+        With nothing accumulated, zeros (the Rust prototype's behaviour).
         """
         mean = self._sum / self.count if self.count else self._sum.copy()
         self._sum[:] = 0
@@ -220,7 +220,7 @@ class GradientAccumulator:
 # --- compression ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TrainingConfig:
-    """The seed's configuration: default ratio, projection seed, optional norm clipping."""
+    """The prototype's configuration: default ratio, projection seed, optional norm clipping."""
 
     default_compression_ratio: float = 0.1
     seed: int = 42
@@ -249,7 +249,7 @@ class TernaryCompressedGradient:
     ratio: float
 
     def compression_ratio(self) -> float:
-        """The seed's figure: 32 bits per original value over 2 bits per code plus a scale.
+        """The prototype's figure: 32 bits per original value over 2 bits per code plus a scale.
 
         >>> c = GradientCompressor().compress_ternary(np.ones(1000, dtype="float32"), 0.1)
         >>> round(c.compression_ratio(), 2)
@@ -259,11 +259,11 @@ class TernaryCompressedGradient:
 
 
 class GradientCompressor:
-    """The seed's gradient compressor: sparse random projection, optionally ternary.
+    """The Rust prototype's gradient compressor: sparse random projection, optionally ternary.
 
     Each segment of up to 4096 values is projected to ``max(⌈L·ratio⌉, 64)``
-    values (the seed projected the whole vector at once, at ``n²·ratio`` cost);
-    for gradients of up to 4096 values the sizes are the seed's exactly.
+    values (the Rust prototype projected the whole vector at once, at ``n²·ratio`` cost);
+    for gradients of up to 4096 values the sizes are the Rust prototype's exactly.
     :meth:`decompress` returns the transpose estimate, not the gradient.
     """
 
@@ -307,7 +307,7 @@ class GradientCompressor:
     def compress_ternary(
         self, gradients: npt.ArrayLike, ratio: float | None = None
     ) -> TernaryCompressedGradient:
-        """The sketch quantised to ternary codes with the seed's mean-magnitude scale."""
+        """The sketch quantised to ternary codes with the Rust prototype's mean-magnitude scale."""
         compressed = self.compress(gradients, ratio)
         t, scale = quantize_ternary(compressed.data)
         return TernaryCompressedGradient(

@@ -1,6 +1,6 @@
 """Clipping an aggregate to an L2 norm (``clip_aggregate``), chunk by chunk.
 
-The seed's coordinator clips the aggregated gradient (``clip_gradient_norm``).
+The Rust prototype's coordinator clips the aggregated gradient (``clip_gradient_norm``).
 The norm is over every tensor of the step's result, so it is known only once
 every chunk is written; holding the chunks until then would not be out of
 core. The result is therefore written first, then::

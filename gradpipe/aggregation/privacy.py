@@ -3,7 +3,7 @@
 Clipping a peer's update needs its L2 norm over every chunk of every tensor:
 each chunk gives :func:`sq_norm_partial` (an :class:`~gradpipe.aggregation.exact.ExactSum`,
 summed exactly by a tree of any shape), :func:`clip_scale` turns the total into
-the factor ``min(1, C / norm)`` (the seed's ``clip_gradient_norm``), and the
+the factor ``min(1, C / norm)`` (the Rust prototype's ``clip_gradient_norm``), and the
 factor enters the peer's leaf as ``partial(chunk, scale=...)``. Clipping the
 aggregate is the same over the aggregate's chunks, then :func:`apply_scale`.
 

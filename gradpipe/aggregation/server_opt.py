@@ -7,7 +7,7 @@ runs it chunk by chunk; the state is a dict of arrays of the chunk's shape
 parameters, plus the round counter ``t`` the caller keeps.
 
 Sign convention: ``grad`` is a *pseudo-gradient*, the direction to descend.
-For gradient dumps it is the aggregate of the peers' gradients (the seed's
+For gradient dumps it is the aggregate of the peers' gradients (the Rust prototype's
 ``apply_gradient``: ``params -= lr * aggregate``). For peers that send model
 updates ``Δ_i = x_i - x`` (Flower's FedOpt strategies, Reddi et al.'s
 ``Δ_t``), pass ``grad = -aggregate(Δ)``, i.e. ``params - aggregate(x_i)``.

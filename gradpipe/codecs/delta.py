@@ -14,7 +14,7 @@ Kinds (the math is in :mod:`gradpipe.codecs.ops.delta`):
 - ``int``: wrapping difference of the bit patterns, bit-exact for every dtype.
   The default: measured ~10% smaller than XOR on parameters (design note 008).
 - ``xor``: XOR of the bit patterns, bit-exact for every dtype.
-- ``sparse``: the seed's index + value delta where ``|target - base| >
+- ``sparse``: the Rust prototype's index + value delta where ``|target - base| >
   threshold``, in float64; lossy when values are dropped or round, so a chain
   using it records that and its largest error. Never the default.
 """

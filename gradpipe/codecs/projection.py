@@ -1,8 +1,8 @@
-"""Lossy codec: the seed's sparse random projection plus ternary quantisation.
+"""Lossy codec: the Rust prototype's sparse random projection plus ternary quantisation.
 
 **Not a reconstructing codec.** A random projection to ``k < n`` dimensions
 cannot give the vector back; :meth:`ProjectionCodec.decode` returns the
-transpose estimate ``Aᵀ·ŷ`` (the seed's ``decompress_ternary``), unbiased
+transpose estimate ``Aᵀ·ŷ`` (the Rust prototype's ``decompress_ternary``), unbiased
 before quantisation but with a relative L2 error near ``sqrt(n/k)``. What the
 sketch keeps is norms and inner products: the frame stores the sketch's exact
 norm ``‖Ax‖₂`` (:meth:`ProjectionCodec.norm`, within the Johnson–Lindenstrauss
@@ -69,12 +69,12 @@ class ProjectionCodec(LossyCodec):
     Parameters
     ----------
     ratio : float
-        The seed's ratio in (0, 1]: each segment of L values is projected to
+        The Rust prototype's ratio in (0, 1]: each segment of L values is projected to
         ``max(⌈L·ratio⌉, 64)`` values.
     dtype : str
         A float dtype.
     seed : int
-        Seed of the projection matrix (the seed's default, 42).
+        Seed of the projection matrix (the Rust prototype's default, 42).
     segment : int
         L, values per projected segment.
 
@@ -168,7 +168,7 @@ class ProjectionCodec(LossyCodec):
         return self._parse(body, count)
 
     def sketch(self, frame: bytes | memoryview) -> np.ndarray:
-        """The dequantised sketch ``scale·t`` of a frame (float64, the seed's ``data``)."""
+        """The dequantised sketch ``scale·t`` of a frame (float64, the prototype's ``data``)."""
         t, scale, _ = self._frame_body(frame)
         return t.astype(np.float64) * scale
 

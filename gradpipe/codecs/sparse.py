@@ -6,7 +6,7 @@ elements whose *bit pattern* is not all zero, compressed with Zstandard, and
 only those elements, encoded with :class:`~gradpipe.codecs.bytegroup.ByteGroupCodec`.
 ``-0.0`` and NaNs are not zero bit patterns, so they are kept like any value.
 
-The seed this project grew from stored (index, value) pairs, which doubles the
+The Rust prototype this project grew from stored (index, value) pairs, which doubles the
 size of a dense update. Here the overhead over dense is bounded by the bitmap,
 at most one bit per element (3% for float32) before compression, and it
 compresses to almost nothing when the chunk is nearly full or nearly empty.

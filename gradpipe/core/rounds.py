@@ -1,6 +1,6 @@
 """Rounds: who is expected at each step of a run, who delivered, and when a step is ready.
 
-The seed's backward-pass coordinator, for batch work. A run's rounds are kept in
+The Rust prototype's backward-pass coordinator, for batch work. A run's rounds are kept in
 a :class:`RoundsManifest` behind the ref ``rounds/<run>``: the roster (the
 expected peers; empty means "the peers seen in any step of the run"), the
 quorum policy, peers marked failed, and the claims of aggregations in flight.
@@ -414,7 +414,7 @@ def evaluate_step(
             statuses.append(PeerStatus(peer, "pending", "", on_roster))
     usable = [p for p in statuses if p.status in ("received", "aggregated")]
     # A mark by hand drops the peer from an "all" quorum; a failed ingest does not
-    # (as the seed's coordinator: the file may be fixed and ingested again).
+    # (as the Rust prototype's coordinator: the file may be fixed and ingested again).
     marked = sum(1 for p, f in failed.items() if p in expected and f.source == "marked")
     broken = [p for p, f in failed.items() if f.source == "ingest"]
     needed = manifest.quorum.needed(len(expected), marked)

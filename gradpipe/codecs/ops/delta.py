@@ -9,9 +9,9 @@ Three encodings, the first two bit-exact for every dtype and every value:
 - **Integer difference of the bit patterns**: ``delta = target - base`` in
   wrapping unsigned arithmetic on the words. Also exact; smaller than XOR when
   values drift by a few units in the last place across a binade boundary.
-- **Sparse arithmetic delta** (the seed's ``index + value where |Δ| > threshold``):
+- **Sparse arithmetic delta** (the Rust prototype's ``index + value where |Δ| > threshold``):
   float subtraction, kept only where the change is larger than ``threshold``.
-  The seed subtracts in the tensor's own precision, where float32
+  The Rust prototype subtracts in the tensor's own precision, where float32
   ``(2**-26 - 1) + 1 == 0``; here differences are taken in float64, which is
   exact for float32, float16 and bfloat16 chunks, but float64 chunks can still
   round and any ``threshold > 0`` drops changes. So its result says whether it
@@ -88,7 +88,7 @@ def apply_int_delta(delta: np.ndarray, base: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class SparseDelta:
-    """The seed's sparse arithmetic delta: positions and float64 changes above a threshold.
+    """The prototype's sparse arithmetic delta: positions and float64 changes above a threshold.
 
     ``exact`` is True only when applying it gives back every bit of the
     target; ``max_abs_error`` is the largest ``|target - reconstruction|``

@@ -7,10 +7,10 @@ run into the exponent (that is the correct rounding up to the next binade, and
 to infinity above bfloat16's largest value). NaNs are kept NaN (a quiet NaN
 with the payload's top bits) instead of being carried into infinity.
 
-The seed truncated (dropped the low 16 bits): always toward zero, so its
+The Rust prototype truncated (dropped the low 16 bits): always toward zero, so its
 error is up to 2^-7 relative and biased, where rounding to nearest is at most
-2^-8 and unbiased on average. :func:`bf16_truncate_bits` is the seed's rule,
-kept for comparison (see ``benchmarks/bench_rounding.py`` and the README).
+2^-8 and unbiased on average. :func:`bf16_truncate_bits` is the Rust prototype's rule,
+kept for comparison (see ``benchmarks/bench_rounding.py``).
 
 float16 comes from numpy's conversion, which rounds to nearest even from
 float32 and float64 directly; values of magnitude at least 65520 become
@@ -70,7 +70,7 @@ def bf16_bits(values: npt.ArrayLike) -> np.ndarray:
 
 
 def bf16_truncate_bits(values: npt.ArrayLike) -> np.ndarray:
-    """The seed's bfloat16 conversion: the top 16 bits of each float32, toward zero."""
+    """The Rust prototype's bfloat16 conversion: the top 16 bits of each float32, toward zero."""
     words = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
     return (words >> np.uint32(16)).astype(np.uint16)
 

@@ -1,7 +1,7 @@
-"""The seed's sparse random projection and ternary quantisation, done so it keeps norms.
+"""The Rust prototype's sparse random projection and ternary quantisation, done so it keeps norms.
 
 The projection is Achlioptas' (2003): ``A = sqrt(3/k)·S`` with ``S`` of
-entries ``+1`` and ``−1`` with probability 1/6 each and 0 otherwise (the seed
+entries ``+1`` and ``−1`` with probability 1/6 each and 0 otherwise (the Rust prototype
 drew 0.16, 0.16 and 0.68 but scaled by ``1/sqrt(n)``, so its sketch of a
 vector had about ``sqrt(0.32·k/n)`` of its norm: 0.18 of it at ratio 0.1).
 With this scale ``E‖Ax‖² = ‖x‖²`` and ``E[AᵀA] = I``, and Achlioptas'
@@ -11,7 +11,7 @@ for a fixed ``x``, ``P(|‖Ax‖² − ‖x‖²| > ε‖x‖²) ≤ 2·exp(−k
 
 A chunk of ``n`` values is cut into segments of ``L`` values (the last one
 zero-padded), each projected with the same ``k × L`` matrix, ``k =
-max(⌈L·ratio⌉, 64)`` (the seed's rule): the work is ``n·k`` instead of
+max(⌈L·ratio⌉, 64)`` (the Rust prototype's rule): the work is ``n·k`` instead of
 ``n²·ratio``, and the matrix, generated from the seed by a counter-based hash
 (the same on every machine and numpy version), is ``k·L`` bytes. If every
 segment's norm is kept within ``1 ± ε`` so is the chunk's (a sum of terms each
@@ -21,7 +21,7 @@ segments: ``points = ⌈n/L⌉``.
 A random projection does not reconstruct the vector. ``Aᵀ·Ax`` is an
 unbiased but very noisy estimate of ``x`` (relative L2 error about
 ``sqrt(L/k)``, 3.2 at ratio 0.1); what the sketch keeps are norms and inner
-products. The ternary step (the seed's: scale = mean ``|y|``, ``t = ±1`` beyond
+products. The ternary step (the Rust prototype's: scale = mean ``|y|``, ``t = ±1`` beyond
 half the scale) then keeps mostly the signs of the sketch.
 """
 
@@ -46,7 +46,7 @@ __all__ = [
     "transpose_project",
 ]
 
-#: The seed's smallest sketch, whatever the ratio.
+#: The Rust prototype's smallest sketch, whatever the ratio.
 MIN_SKETCH_DIM: Final = 64
 
 _GOLDEN: Final = np.uint64(0x9E3779B97F4A7C15)
@@ -119,7 +119,7 @@ def transpose_project(
 
 
 def quantize_ternary(values: np.ndarray) -> tuple[np.ndarray, float]:
-    """The seed's ternary quantisation: ``t ∈ {−1, 0, 1}`` (int8) and scale = mean ``|v|``.
+    """The prototype's ternary quantisation: ``t ∈ {−1, 0, 1}`` (int8) and scale = mean ``|v|``.
 
     ``tᵢ = sign(vᵢ)`` where ``|vᵢ| > scale/2``; a scale of 1e-10 or less becomes 1.
 
