@@ -63,6 +63,7 @@ MOVED: Final[dict[str, str]] = {
     "gradpipe.graph.evaluate": "gradpipe.evaluation.graph",
     "gradpipe.graph.evaluate_result": "gradpipe.evaluation.result",
     "gradpipe.graph.evaluate_tasks": "gradpipe.evaluation.tasks",
+    "gradpipe.testing.cli": "gradpipe.cli.testing",
 }
 
 

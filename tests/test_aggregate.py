@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import gradpipe as gp
+from gradpipe.cli.testing import run_cli
 from gradpipe.core.ids import block_key
 from gradpipe.formats.safetensors import read_safetensors, write_safetensors
-from gradpipe.testing.cli import run_cli
 from gradpipe.testing.training import SampleRun, TrainingConfig, write_sample_run
 
 #: 3 peers x 3 steps; the embedding spans several chunks at the chunk size below.

@@ -18,8 +18,8 @@ import pytest
 
 import gradpipe as gp
 from gradpipe.aggregation.reduce import reduce_peers
+from gradpipe.cli.testing import run_cli, run_cli_json
 from gradpipe.formats.safetensors import write_safetensors
-from gradpipe.testing.cli import run_cli, run_cli_json
 
 PEERS = ("a", "b", "c")
 

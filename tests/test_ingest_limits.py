@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 import gradpipe as gp
+from gradpipe.cli.testing import run_cli_json
 from gradpipe.formats import read_safetensors
 from gradpipe.ingestion.api import ingest
 from gradpipe.runs import export_dump, open_run
-from gradpipe.testing.cli import run_cli_json
 
 ROOT = Path(__file__).resolve().parents[1]
 

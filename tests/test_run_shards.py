@@ -19,6 +19,7 @@ import pytest
 import gradpipe as gp
 import gradpipe.core.run_shards as run_shards
 import gradpipe.ingestion.tasks as ingest_tasks
+from gradpipe.cli.testing import run_cli_json
 from gradpipe.core.ids import id_from_block_key
 from gradpipe.core.manifest import decode_manifest
 from gradpipe.core.run_manifest import RunManifest
@@ -26,7 +27,6 @@ from gradpipe.core.run_shards import RunShard, ShardLink, TreeShape
 from gradpipe.storage.blocks import decode_block
 from gradpipe.storage.catalog import read_run, read_run_at
 from gradpipe.storage.walk import walk_reachable
-from gradpipe.testing.cli import run_cli_json
 from gradpipe.testing.faults import Fault, FaultyBackend, faulty_store
 from gradpipe.testing.run_commits import commit_tiny_dumps, write_tiny_dumps
 

@@ -9,8 +9,8 @@ import pytest
 
 import gradpipe as gp
 from gradpipe.aggregation.server_opt import ServerOptimizerConfig, init_server_state, server_step
+from gradpipe.cli.testing import run_cli, run_cli_json
 from gradpipe.formats.safetensors import read_safetensors, write_safetensors
-from gradpipe.testing.cli import run_cli, run_cli_json
 
 
 def test_aggregate_then_ls_and_export(ingested: str, tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 import gradpipe as gp
+from gradpipe.cli.testing import run_cli, run_cli_json
 from gradpipe.demo import DEMO_CONFIG, run_demo
-from gradpipe.testing.cli import run_cli, run_cli_json
 from gradpipe.testing.training import TrainingConfig
 
 SMALL = TrainingConfig(vocab_size=300, embed_dim=4, hidden=8, peers=2, steps=2)

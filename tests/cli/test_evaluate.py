@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
+from gradpipe.cli.testing import run_cli
 from gradpipe.core.codec_names import DEFAULT_CANDIDATES as DEFAULT_CODECS
-from gradpipe.testing.cli import run_cli
 
 FIGURES = (
     "ratio",

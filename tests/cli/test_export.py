@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import gradpipe as gp
+from gradpipe.cli.testing import CliOutcome, run_cli, run_cli_json
 from gradpipe.core.ids import block_key
-from gradpipe.testing.cli import CliOutcome, run_cli, run_cli_json
 from gradpipe.testing.training import SampleRun
 
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 import gradpipe as gp
+from gradpipe.cli.testing import run_cli, run_cli_json
 from gradpipe.core.ids import block_key
 from gradpipe.formats.safetensors import read_safetensors
 from gradpipe.runs import open_run
 from gradpipe.storage.tensors import chunk_frames
-from gradpipe.testing.cli import run_cli, run_cli_json
 from gradpipe.testing.training import SampleRun
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 import gradpipe as gp
+from gradpipe.cli.testing import run_cli, run_cli_json
 from gradpipe.runs import open_run
-from gradpipe.testing.cli import run_cli, run_cli_json
 from gradpipe.testing.training import SampleRun
 
 

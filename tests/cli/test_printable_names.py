@@ -14,9 +14,9 @@ import pytest
 from safetensors.numpy import save_file
 
 import gradpipe as gp
+from gradpipe.cli.testing import run_cli, run_cli_json
 from gradpipe.core.display import printable
 from gradpipe.errors import GradpipeError
-from gradpipe.testing.cli import run_cli, run_cli_json
 
 LONG = "r" * 10_000
 #: A newline that would forge a report line, and a right-to-left override that

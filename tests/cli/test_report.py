@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gradpipe.testing.cli import run_cli, run_cli_json
+from gradpipe.cli.testing import run_cli, run_cli_json
 from gradpipe.testing.training import SampleRun
 
 pytest.importorskip("bokeh")  # distributed draws the report with it

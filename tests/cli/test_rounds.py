@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import gradpipe as gp
-from gradpipe.testing.cli import run_cli, run_cli_json
+from gradpipe.cli.testing import run_cli, run_cli_json
 
 
 def test_rounds_json_table_and_settings(ingested: str, tmp_path: Path) -> None:

@@ -10,8 +10,8 @@ import pytest
 from safetensors.numpy import save_file
 
 import gradpipe as gp
+from gradpipe.cli.testing import run_cli, run_cli_json
 from gradpipe.formats.state_file import read_state_file
-from gradpipe.testing.cli import run_cli, run_cli_json
 
 SMALL = {"gradpipe.chunk-bytes": 4096, "gradpipe.inline-bytes": 0}
 

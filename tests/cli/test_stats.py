@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 import gradpipe as gp
+from gradpipe.cli.testing import run_cli, run_cli_json
 from gradpipe.core.ids import block_key
 from gradpipe.runs import open_run
 from gradpipe.statistics.api import stats_records
 from gradpipe.statistics.tensor_stats import RECORD_FIELDS
-from gradpipe.testing.cli import run_cli, run_cli_json
 
 TENSORS = 7
 DUMPS = 9  # the sample run: 3 steps x 3 peers

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import gradpipe as gp
+from gradpipe.cli.testing import run_cli, run_cli_json
 from gradpipe.core.ids import block_key
 from gradpipe.testing import TrainingConfig, write_sample_run
-from gradpipe.testing.cli import run_cli, run_cli_json
 
 # These tests damage and count data blocks: every chunk is a block of its own.
 pytestmark = pytest.mark.usefixtures("no_inline")

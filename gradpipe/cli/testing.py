@@ -1,4 +1,4 @@
-"""Running the ``gradpipe`` command in-process, for tests of its commands.
+"""Running the ``gradpipe`` command in-process, for tests of its commands (yours and ours).
 
 >>> outcome = run_cli("--version")
 >>> outcome.status, outcome.out.startswith("gradpipe ")
