@@ -171,3 +171,92 @@ def test_the_docs_show_the_generated_table() -> None:
         assert markdown_tables() in page.read_text(), (
             f"{page}: regenerate with python -m gradpipe.aggregation.options"
         )
+
+
+#: Requests and the memo keys gradpipe 0.1.0's first releases recorded for them (two peers of
+#: fixed dumps): an unchanged request must find its aggregate again after an upgrade. Integers
+#: stay integers (``server_lr=1`` records ``"lr": 1``).
+PINNED_KEYS = [
+    ("fedavg", {}, "b3:bf290c6544a11937166831013ebd08c0ac61c1f8cb0310bb9d16bc4446a4ca6e"),
+    (
+        "fedavg",
+        {"clip_norm": 1},
+        "b3:28f454fc0d332e68905ca295990952294f7353ce213a3c3dbf038808212dc675",
+    ),
+    (
+        "sum",
+        {"clip_aggregate": 2.5},
+        "b3:237c3d6cf10066c27c5bad0997934cfba590b7607ab1109418a3b584b4a3711f",
+    ),
+    ("trimmed-mean", {}, "b3:d1e01347737b3c20abefed5ad5163e1b50b2bf5f7ad6fad93f6137c53306315a"),
+    (
+        "trimmed-mean",
+        {"trim": 0.2},
+        "b3:4921110ef72cdd4d36e413a6335498b557d505bf9b0bb496b37aa1ea93bb0115",
+    ),
+    (
+        "krum",
+        {"byzantine": 1},
+        "b3:a12cd4211e16d3f1933159e8f67dcc2f6a731e487346f5ee8f16198002d52353",
+    ),
+    (
+        "multi-krum",
+        {"byzantine": 1, "keep": 3},
+        "b3:01f03b22e4e19d10cc48a92f8eefc4ec8b0888ddfb0b65d8f334fc2b553ba523",
+    ),
+    ("bulyan", {}, "b3:e7449885f7efdabb5630cf56fcbefaafb5fb20ae9f3b3dc2fdf9c75ec9ff16fd"),
+    (
+        "median",
+        {"clip_aggregate": 1},
+        "b3:a9b2eed68fcd9a5400205c7d56bbafe9e5d340ee781eaa7cf4c7ea4ffa6774fe",
+    ),
+    (
+        "dp-fedavg",
+        {"clip_norm": 1, "seed": 7},
+        "b3:5ab0f04e97ca3d136af4677474f55f29e4d22a3796ad9c196d48c0bbfb55dce8",
+    ),
+    (
+        "dp-fedavg",
+        {"clip_norm": 0.5, "adaptive_clip": True, "noise_multiplier": 0.3},
+        "b3:d2502f2e867c86de68d61e557e1f6e64fd0cfa39110a91c5cf6c84f72d77c457",
+    ),
+    (
+        "dp-fedavg",
+        {"clip_norm": 0.5, "adaptive_clip": True, "target_quantile": 0.7, "clip_lr": 0.5},
+        "b3:8b2dc1b994a17adcf4280525f51833757a3572c755032808c020c7ee1b278e82",
+    ),
+    (
+        "sgd",
+        {"snapshot": "g", "server_lr": 1},
+        "b3:69c6397af95bae938c20488b33cac76f0b4a31f82d4acf8f31578fb00559626a",
+    ),
+    (
+        "fedavgm",
+        {"snapshot": "g", "server_lr": 0.1, "momentum": 0},
+        "b3:32f414e1a68d79b2e533078d3667185197c6f582c69856c63f3e760a470b0c64",
+    ),
+    (
+        "fedadam",
+        {"snapshot": "g", "server_lr": 1, "beta1": 0, "tau": 1, "bias_correction": True},
+        "b3:483139e44b3d45c7b334bf4f7653d7a3df45d4f57c0d4004d71314c9298d9c32",
+    ),
+    (
+        "fedyogi",
+        {"snapshot": "g", "server_lr": 0.01, "initial_accumulator": 0, "clip_norm": 2},
+        "b3:a38213cfadb383c8c759d93104c6d0154a46b73c78b6b7f5365f742fa5000fc0",
+    ),
+]
+
+
+@pytest.mark.parametrize(("method", "given", "key"), PINNED_KEYS)
+def test_memo_keys_of_unchanged_requests_do_not_change(
+    method: str, given: dict[str, object], key: str
+) -> None:
+    from gradpipe.core.aggregate_manifest import AggregateInput, aggregate_key
+
+    inputs = (
+        AggregateInput("p0", "b3:" + "0" * 64, 1.0),
+        AggregateInput("p1", "b3:" + "1" * 64, 3.0),
+    )
+    request = _parse_request(method, None, None, given)
+    assert aggregate_key(request.method.value, request.params, inputs) == key

@@ -255,3 +255,20 @@ def test_the_api_reference_lists_every_public_name() -> None:
     public = set(gradpipe.__all__) - {"__version__"}
     assert public - listed == set(), "public names missing from docs/api.md"
     assert listed - public <= {"xarray", "torch", "dashboard", "testing"}, "not public"
+
+
+def test_workflow_files_in_the_docs_are_valid(tmp_path: Path) -> None:
+    """YAML blocks that are workflow files parse and check as gradpipe run would load them."""
+    from gradpipe.workflow import load_workflow
+
+    found = [b for page in PAGES for b in blocks(page) if b.language in ("yaml", "yml")]
+    workflows = [b for b in found if b.text.lstrip().startswith("version:")]
+    assert workflows, "no workflow file in the docs any more: drop this test"
+    for block in workflows:
+        names = set(re.findall(r"\$\{(\w+)", block.text))
+        path = tmp_path / f"{block.line}.yaml"
+        path.write_text(block.text, encoding="utf-8")
+        try:
+            load_workflow(path, env={name: f"placeholder-{name.lower()}" for name in names})
+        except Exception as exc:
+            raise AssertionError(f"{block.where}: {exc}") from None

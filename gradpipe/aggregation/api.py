@@ -46,7 +46,7 @@ from gradpipe.snapshots.api import snapshot_head
 from gradpipe.storage.catalog import read_rounds, read_run
 from gradpipe.storage.store import Store
 
-__all__ = ["METHODS", "AggregateReport", "StepOutcome", "aggregate"]
+__all__ = ["METHODS", "AggregateReport", "StepOutcome", "aggregate", "check_request"]
 
 
 def _failure_lines(report: AggregateReport) -> list[str]:
@@ -149,6 +149,24 @@ def aggregate(
         apply_server_steps(store, report, request.server, runner)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def check_request(
+    *,
+    method: str = "fedavg",
+    name: str | None = None,
+    split_every: int | None = None,
+    **params: Any,
+) -> None:
+    """Refuse what :func:`aggregate` would refuse from its arguments alone, reading nothing.
+
+    For checks ahead of a job (``gradpipe run --dry-run``); ``params`` are the method
+    parameters of :mod:`gradpipe.aggregation.options`. Raises :class:`InvalidInputError`.
+    """
+    unknown = sorted(set(params) - {p.name for p in PARAMS})
+    if unknown:
+        raise InvalidInputError(f"aggregate takes no {', '.join(unknown)}")
+    _parse_request(method, name, split_every, params)
 
 
 # --- stage 1: the request, checked against the options table ------------------------

@@ -18,6 +18,7 @@ from gradpipe.core.display import printable
 from gradpipe.errors import InvalidInputError
 
 __all__ = [
+    "DEFAULT_SPLIT_EVERY",
     "METHODS",
     "METHOD_TABLE",
     "PARAMS",
@@ -28,6 +29,7 @@ __all__ = [
     "check_value",
     "markdown_tables",
     "params_of",
+    "parse_split_every",
 ]
 
 
@@ -353,6 +355,22 @@ def _inside(param: Param, value: float) -> bool:
     above = value > param.low if param.low_open else value >= param.low
     below = value < param.high if param.high_open else value <= param.high
     return above and below
+
+
+#: Partials per combine task when not told (``split_every``); the result does not depend on it.
+DEFAULT_SPLIT_EVERY: Final = 8
+
+
+def parse_split_every(value: int | None) -> int:
+    """``split_every``: a power of two >= 2 (None: the default, 8)."""
+    if value is None:
+        return DEFAULT_SPLIT_EVERY
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2 or value & (value - 1):
+        raise InvalidInputError(
+            f"split_every {printable(value)} must be a power of two >= 2 (2, 4, 8, ...): "
+            "then every partial holds one array per chunk"
+        )
+    return value
 
 
 def markdown_tables() -> str:

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
+from gradpipe.aggregation.options import DEFAULT_SPLIT_EVERY, parse_split_every
 from gradpipe.aggregation.tasks import ChunkSource, StepSpec, tensor_manifest
-from gradpipe.core.display import printable
 from gradpipe.core.tensor_manifest import TensorManifest
-from gradpipe.errors import InvalidInputError
 
 __all__ = [
     "DEFAULT_SPLIT_EVERY",
@@ -29,9 +28,6 @@ __all__ = [
     "tree",
     "tree_levels",
 ]
-
-#: Partials one combine task merges by default.
-DEFAULT_SPLIT_EVERY: Final = 8
 
 
 def add_tensor_task(
@@ -53,18 +49,6 @@ def add_tensor_task(
         chunk_keys,
     )
     return key
-
-
-def parse_split_every(value: int | None) -> int:
-    """``split_every``: a power of two >= 2 (None: the default, 8)."""
-    if value is None:
-        return DEFAULT_SPLIT_EVERY
-    if isinstance(value, bool) or not isinstance(value, int) or value < 2 or value & (value - 1):
-        raise InvalidInputError(
-            f"split_every {printable(value)} must be a power of two >= 2 (2, 4, 8, ...): "
-            "then every partial holds one array per chunk"
-        )
-    return value
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,8 @@ class ServerOptimizerConfig:
     bias_correction: bool = False
 
     def __post_init__(self) -> None:
+        # What a user may ask for is the options table's (gradpipe.aggregation.options, checked
+        # by parse_server_config); these wider checks guard configs read back from the store.
         object.__setattr__(self, "method", ServerOptimizer(self.method))
         _finite("lr", self.lr, 0.0)
         _finite("momentum", self.momentum, 0.0, 1.0)

@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
-from gradpipe.aggregation.options import SERVER_METHODS, SERVER_PARAMS, check_value, params_of
+from gradpipe.aggregation.options import SERVER_METHODS, SERVER_PARAMS, params_of
 from gradpipe.aggregation.report import AggregateReport, ServerStepOutcome, StepOutcome
 from gradpipe.aggregation.server_opt import ServerOptimizerConfig
 from gradpipe.aggregation.server_update import parse_server_config, server_update
@@ -105,14 +105,7 @@ def parse_server_options(
     if server_lr is None:
         raise InvalidInputError(f"{method} needs the server learning rate (--server-lr ETA)")
     parse_name(snapshot, what="snapshot name")
-    checked: dict[str, float | bool | None] = {}
-    for key, value in given.items():  # numbers and flags, checked by the table
-        number = None if value is None else check_value(key, value)
-        if isinstance(number, str):  # the table's own invariant: no text among them
-            raise TypeError(f"{key} is text")
-        checked[key] = number
-    lr = check_value("server_lr", server_lr)
-    return ServerOptions(snapshot, parse_server_config(method, float(lr), checked))
+    return ServerOptions(snapshot, parse_server_config(method, server_lr, given))
 
 
 def apply_server_steps(

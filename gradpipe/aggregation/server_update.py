@@ -48,6 +48,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
+from gradpipe.aggregation.options import SERVER_PARAMS, check_value
 from gradpipe.aggregation.server_opt import ServerOptimizer, ServerOptimizerConfig
 from gradpipe.aggregation.server_opt_plan import plan_server_step
 from gradpipe.core.display import printable
@@ -162,7 +163,11 @@ def apply_server_update(
 def parse_server_config(
     optimizer: str, lr: float, hyperparams: Mapping[str, float | bool | None]
 ) -> ServerOptimizerConfig:
-    """The server optimizer's config, checked (``hyperparams`` left None are the defaults)."""
+    """The server optimizer's config, checked against the options table.
+
+    ``hyperparams`` left None are the defaults. The values are kept as given (an integer
+    stays one): the config is recorded in the aggregate's params, and so in its memo key.
+    """
     try:
         method = ServerOptimizer(optimizer)
     except ValueError:
@@ -171,6 +176,10 @@ def parse_server_config(
             f"server update: unknown optimizer {printable(optimizer)} (one of {known})"
         ) from None
     given = {k: v for k, v in hyperparams.items() if v is not None}
+    check_value("server_lr", lr)
+    for key, value in given.items():
+        if key in SERVER_PARAMS:
+            check_value(key, value)
     return ServerOptimizerConfig.from_dict({"method": method, "lr": lr, **given})
 
 

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
 from gradpipe.aggregation.options import METHODS, PARAMS
 from gradpipe.core.display import printable
+from gradpipe.errors import GradpipeError
 from gradpipe.workflow._yaml import Node, load_nodes, read_workflow_text
 from gradpipe.workflow.fields import (
     Bool,
@@ -86,6 +87,8 @@ class StageSpec:
     help: str
     fields: Mapping[str, Field]
     required: tuple[str, ...] = ()
+    #: What the keys must satisfy together (raises a GradpipeError), checked on load.
+    check: Callable[[dict[str, Any]], None] | None = None
 
 
 def _method_param_fields() -> dict[str, Field]:
@@ -113,6 +116,14 @@ def _method_param_fields() -> dict[str, Field]:
 
 
 _RUN = Str("the run's name", pattern=_NAME)
+
+
+def _check_aggregate(params: dict[str, Any]) -> None:
+    """The stage's options together, as gp.aggregate checks them (which method takes what)."""
+    from gradpipe.aggregation.api import check_request  # numpy: only for an aggregate stage
+
+    keys = {p.name for p in PARAMS} | {"method", "name", "split_every"}
+    check_request(**{k: v for k, v in params.items() if k in keys})
 
 
 class _Quorum(Field):
@@ -185,6 +196,7 @@ STAGES: Final[dict[str, StageSpec]] = {
             **_method_param_fields(),
         },
         ("run", "method"),
+        _check_aggregate,
     ),
     "stats": StageSpec(
         "compression statistics of a run (or of one of its aggregates), written as CSV, "
@@ -380,6 +392,11 @@ def _stage(index: int, node: Node, ctx: Context, retries: int, backoff: float) -
                 f"stage {printable(kind)} needs {printable(key)}: {spec.fields[key].help}"
             )
     params = {k: fields[k].parse(v, ctx) for k, v in body.value.items() if k not in _COMMON}
+    if spec.check is not None:
+        try:
+            spec.check(params)
+        except GradpipeError as exc:
+            raise body.error(f"stage {printable(kind)}: {exc}") from None
     shown = {
         k: ("<hidden>" if isinstance(fields[k], Options) else v.plain())
         for k, v in body.value.items()

@@ -207,3 +207,27 @@ def test_an_alias_inside_itself_is_an_error() -> None:
         WorkflowError, match=r"3:13: the alias \*a refers to a node that holds it \(&a at 3:9\)"
     ):
         _parse("version: 1\nstore: a\nstages: &a [*a]")
+
+
+@pytest.mark.parametrize(
+    ("stage", "words"),
+    [
+        ({"run": "r", "method": "fedavg", "split_every": 3}, "power of two"),
+        ({"run": "r", "method": "krum", "trim": 0.2}, "krum takes no trim"),
+        ({"run": "r", "method": "dp-fedavg"}, "needs a clip norm"),
+        ({"run": "r", "method": "median", "momentum": 0.0}, "median takes no momentum"),
+        ({"run": "r", "method": "fedadam", "snapshot": "g"}, "server learning rate"),
+        ({"run": "r", "method": "dp-fedavg", "clip_norm": 1.0, "clip_lr": 0.3}, "adaptive"),
+    ],
+)
+def test_an_aggregate_stage_is_checked_as_gp_aggregate_checks_it(
+    stage: dict[str, object], words: str, tmp_path: Path
+) -> None:
+    import yaml
+
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump({"version": 1, "store": "s", "stages": [{"aggregate": stage}]}))
+    with pytest.raises(WorkflowError, match=words) as caught:
+        load_workflow(path)
+    assert "w.yaml:" in str(caught.value)
+    assert "stage 'aggregate'" in str(caught.value)
