@@ -1,0 +1,299 @@
+"""Optimizer replay: the next training state predicted from the previous one and a gradient.
+
+A snapshot taken after an optimizer step is, but for rounding, a function of the snapshot
+before it, the gradient the step applied and the optimizer's hyperparameters at that step.
+:func:`replay` computes that function the way ``torch.optim`` does, element by element, so a
+snapshot can be stored as the (mostly zero) difference between its bits and the prediction
+(issue 21; ``docs/design/016-optimizer-replay.md``).
+
+The arithmetic rule, which makes a prediction the same bits on every platform:
+
+- every element-wise operation of torch's update is one numpy ufunc on arrays of the
+  computation dtype (float32 for float32, bfloat16 and float16 state, float64 for float64),
+  in torch's order: IEEE-754 add, multiply, divide and square root are correctly rounded
+  wherever numpy runs, and numpy never fuses two of them;
+- the scalars (``1 - beta1``, ``lr / (1 - beta1**step)``, ...) are computed in Python floats
+  as torch computes them, then rounded once to the computation dtype. They are recorded with
+  the step (:meth:`OptimizerStep.scalars`), so a reader never recomputes ``beta**step`` with
+  its own ``libm``;
+- the ``fma`` variant computes each multiply-add that a fused kernel would fuse
+  (``lerp``, ``add(alpha=)``, ``addcmul``) as one float64 expression rounded once to the
+  computation dtype: exact but for rare double roundings, and the same bits everywhere
+  (float64 state, which has no wider type on every platform, computes as ``plain``);
+- reduced-precision state (bfloat16, float16) is rounded to its dtype after each operation,
+  as each torch kernel rounds its output;
+- NaN and infinity propagate as IEEE says, with numpy's floating-point errors ignored (the
+  result does not depend on ``np.seterr``).
+
+The prediction need not match torch: the stored residual makes every version bit-exact.
+How often it matches is measured in ``benchmarks/bench_replay.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Final, Literal
+
+import numpy as np
+
+from gradpipe.core.display import printable
+from gradpipe.core.dtypes import dtype_name, parse_dtype
+from gradpipe.errors import InvalidInputError
+
+__all__ = ["KINDS", "VARIANTS", "OptimizerStep", "replay", "roles"]
+
+Kind = Literal["adam", "adamw", "sgd"]
+Variant = Literal["plain", "fma"]
+#: The optimizers replayed: ``torch.optim.Adam``, ``AdamW`` and ``SGD`` (momentum, nesterov).
+KINDS: Final = ("adam", "adamw", "sgd")
+#: ``plain``: every operation rounded on its own (torch's CPU scalar code, numpy);
+#: ``fma``: multiply-adds rounded once (fused and vectorised kernels).
+VARIANTS: Final = ("plain", "fma")
+
+
+@dataclass(frozen=True)
+class OptimizerStep:
+    """One optimizer step as a replay needs it: the kind and its hyperparameters at that step.
+
+    ``step`` is the optimizer's step count after the step (torch's ``state["step"]``), ``lr``
+    the learning rate after the scheduler. Fields of other kinds are left at their defaults.
+    """
+
+    kind: Kind
+    lr: float
+    step: int = 1
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    amsgrad: bool = False
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    maximize: bool = False
+    variant: Variant = "plain"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidInputError(
+                f"optimizer {printable(self.kind)} is not replayed; one of {', '.join(KINDS)}"
+            )
+        if self.variant not in VARIANTS:
+            raise InvalidInputError(
+                f"replay variant {printable(self.variant)} is not one of plain, fma"
+            )
+        for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "momentum", "dampening"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+            ):
+                raise InvalidInputError(
+                    f"optimizer step: {name} {printable(value)} must be a finite number"
+                )
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 1:
+            raise InvalidInputError(
+                f"optimizer step: step {printable(self.step)} must be an integer >= 1"
+            )
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise InvalidInputError(
+                "nesterov needs a momentum > 0 and no dampening (as torch's SGD)"
+            )
+
+    def scalars(self, dtype: np.dtype) -> dict[str, np.generic]:
+        """The scalars the update multiplies and adds, computed as torch computes them (in
+        Python floats), each rounded once to the computation dtype of ``dtype``."""
+        work = _work_dtype(dtype)
+        out: dict[str, float] = {"lr": self.lr, "weight_decay": self.weight_decay}
+        if self.kind == "sgd":
+            out.update(
+                minus_lr=-self.lr,
+                momentum=self.momentum,
+                one_minus_dampening=1 - self.dampening,
+            )
+        else:
+            correction1 = 1 - self.beta1**self.step
+            correction2 = 1 - self.beta2**self.step
+            out.update(
+                one_minus_beta1=1 - self.beta1,
+                beta2=self.beta2,
+                one_minus_beta2=1 - self.beta2,
+                correction2_sqrt=correction2**0.5,
+                eps=self.eps,
+                minus_step_size=-(self.lr / correction1),
+                decay=1 - self.lr * self.weight_decay,
+            )
+        return {name: work.type(value) for name, value in out.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (for a snapshot version's manifest)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> OptimizerStep:
+        """The inverse of :meth:`to_dict`."""
+        try:
+            return cls(**dict(data))
+        except TypeError as exc:
+            raise InvalidInputError(f"bad optimizer step {printable(dict(data))}: {exc}") from None
+
+
+def roles(step: OptimizerStep) -> tuple[str, ...]:
+    """The arrays of one parameter's state that a step of this kind updates, in order."""
+    if step.kind == "sgd":
+        return ("param", "momentum_buffer") if step.momentum != 0 else ("param",)
+    extra = ("max_exp_avg_sq",) if step.amsgrad else ()
+    return ("param", "exp_avg", "exp_avg_sq", *extra)
+
+
+def replay(
+    step: OptimizerStep, previous: Mapping[str, np.ndarray], grad: np.ndarray
+) -> dict[str, np.ndarray]:
+    """The state after ``step`` predicted from the state before it and the gradient applied.
+
+    ``previous`` maps each of :func:`roles` to its values before the step (same shape and
+    dtype as ``previous["param"]``; SGD's ``momentum_buffer`` may be missing at its first step,
+    as torch's is); ``grad`` has the parameter's shape. Returns every role's predicted values,
+    of the parameter's dtype. Pure: the inputs are not changed.
+    """
+    param = np.asarray(previous["param"])
+    dtype = param.dtype
+    if dtype.kind != "f" and dtype_name(dtype) != "bfloat16":
+        raise InvalidInputError(f"replay needs float parameters, not {dtype_name(dtype)}")
+    if np.shape(grad) != param.shape:
+        raise InvalidInputError(
+            f"replay: the gradient's shape {list(np.shape(grad))} is not the parameter's "
+            f"{list(param.shape)}"
+        )
+    ops = _Ops(dtype, step.variant)
+    with np.errstate(all="ignore"):
+        g = ops.load(grad)
+        if step.maximize:
+            g = -g
+        c = step.scalars(dtype)
+        if step.kind == "sgd":
+            return ops.store(_sgd(ops, step, c, ops.load(param), g, previous=previous))
+        return ops.store(_adam(ops, step, c, ops.load(param), g, previous=previous))
+
+
+def _adam(
+    ops: _Ops,
+    step: OptimizerStep,
+    c: Mapping[str, np.generic],
+    p: np.ndarray,
+    g: np.ndarray,
+    *,
+    previous: Mapping[str, np.ndarray],
+) -> dict[str, np.ndarray]:
+    if step.weight_decay != 0:
+        if step.kind == "adamw":
+            p = ops.round(p * c["decay"])  # param.mul_(1 - lr * weight_decay)
+        else:
+            g = ops.add_scaled(g, p, c["weight_decay"])  # grad.add(param, alpha=wd)
+    m, v = ops.load(previous["exp_avg"]), ops.load(previous["exp_avg_sq"])
+    m = ops.lerp(m, g, c["one_minus_beta1"])  # exp_avg.lerp_(grad, 1 - beta1)
+    v = ops.round(v * c["beta2"])  # exp_avg_sq.mul_(beta2)
+    v = ops.addcmul(v, g, g, c["one_minus_beta2"])  # .addcmul_(grad, grad, value=1 - beta2)
+    out = {"exp_avg": m, "exp_avg_sq": v}
+    if step.amsgrad:
+        out["max_exp_avg_sq"] = v = np.maximum(ops.load(previous["max_exp_avg_sq"]), v)
+    denom = ops.round(ops.round(np.sqrt(v)) / c["correction2_sqrt"])  # sqrt() / sqrt(bc2)
+    denom = ops.round(denom + c["eps"])  # .add_(eps)
+    # param.addcdiv_(exp_avg, denom, value=-step_size): self + value * t1 / t2, one kernel
+    out["param"] = ops.round(p + c["minus_step_size"] * m / denom)
+    return out
+
+
+def _sgd(
+    ops: _Ops,
+    step: OptimizerStep,
+    c: Mapping[str, np.generic],
+    p: np.ndarray,
+    g: np.ndarray,
+    *,
+    previous: Mapping[str, np.ndarray],
+) -> dict[str, np.ndarray]:
+    if step.weight_decay != 0:
+        g = ops.add_scaled(g, p, c["weight_decay"])  # grad.add(param, alpha=wd)
+    out: dict[str, np.ndarray] = {}
+    if step.momentum != 0:
+        before = previous.get("momentum_buffer")
+        if before is None:  # the first step: buf = grad.clone()
+            buf = g
+        else:  # buf.mul_(momentum).add_(grad, alpha=1 - dampening)
+            buf = ops.round(ops.load(before) * c["momentum"])
+            buf = ops.add_scaled(buf, g, c["one_minus_dampening"])
+        out["momentum_buffer"] = buf
+        g = ops.add_scaled(g, buf, c["momentum"]) if step.nesterov else buf
+    out["param"] = ops.add_scaled(p, g, c["minus_lr"])  # param.add_(grad, alpha=-lr)
+    return out
+
+
+def _work_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype torch computes a kernel in for state of ``dtype`` (its "opmath" type)."""
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+class _Ops:
+    """The element-wise operations of an update, rounded as the variant and the dtype say."""
+
+    def __init__(self, dtype: np.dtype, variant: str) -> None:
+        self.dtype = dtype
+        self.work = _work_dtype(dtype)
+        # float64 state has no wider type to fuse in everywhere (long double is double on some
+        # platforms): its fma variant computes as the plain one.
+        self.fused = variant == "fma" and self.work == np.float32
+        self.narrow = dtype != self.work  # bfloat16, float16: round after each kernel
+
+    def load(self, values: np.ndarray) -> np.ndarray:
+        return np.asarray(values).astype(self.work)
+
+    def round(self, values: np.ndarray) -> np.ndarray:
+        """A kernel's output: rounded to the state's dtype, computed on in the work dtype."""
+        values = np.asarray(values, dtype=self.work)
+        return values.astype(self.dtype).astype(self.work) if self.narrow else values
+
+    def store(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {role: np.asarray(a).astype(self.dtype) for role, a in arrays.items()}
+
+    def _fma(self, a: Any, b: Any, c: Any) -> np.ndarray:
+        """``a * b + c`` rounded once: the product is exact in float64 (float32 operands)."""
+        exact = np.multiply(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64))
+        return self.round(np.add(exact, np.asarray(c, dtype=np.float64)).astype(self.work))
+
+    def add_scaled(self, x: np.ndarray, y: np.ndarray, alpha: np.generic) -> np.ndarray:
+        """``x.add(y, alpha=alpha)``."""
+        if self.fused:
+            return self._fma(y, alpha, x)
+        return self.round(x + y * alpha)
+
+    def lerp(self, start: np.ndarray, end: np.ndarray, weight: np.generic) -> np.ndarray:
+        """``start.lerp(end, weight)``: ``start + w * (end - start)`` for ``|w| < 0.5``, else
+        ``end - (end - start) * (1 - w)`` (torch's two forms), in one kernel: one rounding to
+        the state's dtype at the end."""
+        diff = end - start
+        if abs(float(weight)) < 0.5:
+            if self.fused:
+                return self._fma(weight, diff, start)
+            return self.round(start + diff * weight)
+        rest = self.work.type(1) - weight
+        if self.fused:
+            return self._fma(-diff, rest, end)
+        return self.round(end - diff * rest)
+
+    def addcmul(self, x: np.ndarray, a: np.ndarray, b: np.ndarray, value: np.generic) -> np.ndarray:
+        """``x.addcmul(a, b, value=value)``: ``x + value * a * b``, in one kernel."""
+        if self.fused:
+            return self._fma(value * a, b, x)
+        return self.round(x + value * a * b)
+
+
+def parse_state_dtype(name: str) -> np.dtype:
+    """A state dtype a replay computes on (float16, bfloat16, float32, float64)."""
+    dtype = parse_dtype(name)
+    if dtype.kind != "f" and dtype_name(dtype) != "bfloat16":
+        raise InvalidInputError(f"replay needs float state, not {printable(name)}")
+    return dtype

@@ -1,0 +1,224 @@
+"""Optimizer replay (gradpipe.snapshots.replay): deterministic, pure, and close to torch.optim."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradpipe.core.dtypes import parse_dtype
+from gradpipe.errors import InvalidInputError
+from gradpipe.snapshots.replay import KINDS, VARIANTS, OptimizerStep, replay, roles
+
+DTYPES = ["float32", "bfloat16", "float16", "float64"]
+
+_special = st.sampled_from([0.0, -0.0, np.nan, np.inf, -np.inf, 1e-45, 3e38, -1e-30])
+_value = st.one_of(st.floats(-10, 10, width=32), _special)
+
+
+@st.composite
+def steps(draw: st.DrawFn) -> OptimizerStep:
+    kind = draw(st.sampled_from(KINDS))
+    momentum = draw(st.sampled_from([0.0, 0.5, 0.9])) if kind == "sgd" else 0.0
+    return OptimizerStep(
+        kind,
+        lr=draw(st.floats(1e-6, 1.0)),
+        step=draw(st.integers(1, 10_000)),
+        beta1=draw(st.floats(0.0, 0.999)),
+        beta2=draw(st.floats(0.0, 0.9999)),
+        eps=draw(st.sampled_from([1e-8, 1e-6, 0.0])),
+        weight_decay=draw(st.sampled_from([0.0, 0.01, 0.1])),
+        amsgrad=kind != "sgd" and draw(st.booleans()),
+        momentum=momentum,
+        nesterov=momentum > 0 and draw(st.booleans()),
+        maximize=draw(st.booleans()),
+        variant=draw(st.sampled_from(VARIANTS)),
+    )
+
+
+@st.composite
+def states(draw: st.DrawFn) -> tuple[OptimizerStep, dict[str, np.ndarray], np.ndarray]:
+    step = draw(steps())
+    dtype = parse_dtype(draw(st.sampled_from(DTYPES)))
+    n = draw(st.integers(1, 40))
+
+    def array() -> np.ndarray:
+        values = np.array(draw(st.lists(_value, min_size=n, max_size=n)), dtype=np.float64)
+        with np.errstate(over="ignore"):  # 3e38 is infinite in float16: that is a case too
+            return values.astype(dtype)
+
+    previous = {role: array() for role in roles(step)}
+    if step.kind == "sgd" and step.momentum and draw(st.booleans()):
+        del previous["momentum_buffer"]  # torch's first step has none
+    return step, previous, array()
+
+
+def _bits(arrays: dict[str, np.ndarray]) -> dict[str, bytes]:
+    return {role: a.tobytes() for role, a in arrays.items()}
+
+
+@settings(max_examples=300, deadline=None)
+@given(states())
+def test_the_same_bits_whatever_numpys_error_mode(
+    case: tuple[OptimizerStep, dict[str, np.ndarray], np.ndarray],
+) -> None:
+    step, previous, grad = case
+    kept = {role: a.copy() for role, a in previous.items()}
+    with np.errstate(all="raise"):
+        strict = replay(step, previous, grad)
+    with np.errstate(all="ignore"):
+        lenient = replay(step, previous, grad)
+    default = replay(step, previous, grad)
+    assert _bits(strict) == _bits(lenient) == _bits(default)
+    assert set(strict) == set(roles(step))
+    for role, values in strict.items():
+        assert values.dtype == previous["param"].dtype, role
+        assert values.shape == previous["param"].shape
+    assert _bits(previous) == _bits(kept)  # pure: nothing changed in place
+
+
+def test_zero_gradients_leave_sgd_parameters_and_decay_adam_moments() -> None:
+    p = np.linspace(-1, 1, 11, dtype=np.float32)
+    zero = np.zeros_like(p)
+    out = replay(OptimizerStep("sgd", lr=0.1), {"param": p}, zero)
+    assert out["param"].tobytes() == p.tobytes()
+    m, v = np.full_like(p, 0.5), np.full_like(p, 0.25)
+    out = replay(
+        OptimizerStep("adam", lr=0.1, step=3, beta1=0.5, beta2=0.5),
+        {"param": p, "exp_avg": m, "exp_avg_sq": v},
+        zero,
+    )
+    np.testing.assert_array_equal(out["exp_avg"], np.float32(0.25))  # 0.5 * 0.5, exact
+    np.testing.assert_array_equal(out["exp_avg_sq"], np.float32(0.125))
+
+
+def test_nan_and_inf_gradients_propagate_as_ieee_says() -> None:
+    p = np.ones(3, dtype=np.float32)
+    g = np.array([np.nan, np.inf, 1.0], dtype=np.float32)
+    state = {"param": p, "exp_avg": np.zeros_like(p), "exp_avg_sq": np.zeros_like(p)}
+    out = replay(OptimizerStep("adam", lr=0.1), state, g)
+    assert np.isnan(out["exp_avg"][0])
+    assert np.isinf(out["exp_avg"][1])
+    assert np.isnan(out["param"][:2]).all()  # inf / inf
+    assert np.isfinite(out["param"][2])
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+def test_adam_is_close_to_its_float64_formula(kind: str) -> None:
+    rng = np.random.default_rng(1)
+    p, g = rng.normal(size=(2, 4096)).astype(np.float32)
+    m = (rng.normal(size=4096) * 1e-3).astype(np.float32)
+    v = (rng.random(4096) * 1e-5).astype(np.float32)
+    step = OptimizerStep(kind, lr=1e-3, step=7, weight_decay=0.01)
+    out = replay(step, {"param": p, "exp_avg": m, "exp_avg_sq": v}, g)
+    p64, g64, m64, v64 = (a.astype(np.float64) for a in (p, g, m, v))
+    if kind == "adamw":
+        p64 = p64 * (1 - 1e-3 * 0.01)
+    else:
+        g64 = g64 + 0.01 * p64
+    m64 = 0.9 * m64 + 0.1 * g64
+    v64 = 0.999 * v64 + 0.001 * g64 * g64
+    denom = np.sqrt(v64) / np.sqrt(1 - 0.999**7) + 1e-8
+    p64 = p64 - 1e-3 / (1 - 0.9**7) * m64 / denom
+    np.testing.assert_allclose(out["exp_avg"], m64, rtol=1e-5, atol=1e-12)
+    np.testing.assert_allclose(out["exp_avg_sq"], v64, rtol=1e-5, atol=1e-15)
+    np.testing.assert_allclose(out["param"], p64, rtol=1e-5, atol=1e-7)
+
+
+def test_the_step_round_trips_and_its_scalars_are_rounded_once() -> None:
+    step = OptimizerStep("adamw", lr=3e-4, step=12, weight_decay=0.1, variant="fma")
+    assert OptimizerStep.from_dict(step.to_dict()) == step
+    scalars = step.scalars(np.dtype(np.float32))
+    assert scalars["minus_step_size"] == np.float32(-(3e-4 / (1 - 0.9**12)))
+    assert all(isinstance(s, np.float32) for s in scalars.values())
+    assert step.scalars(parse_dtype("bfloat16"))["eps"].dtype == np.float32  # torch's opmath
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"kind": "lamb", "lr": 0.1}, "not replayed"),
+        ({"kind": "adam", "lr": float("nan")}, "lr"),
+        ({"kind": "adam", "lr": 0.1, "step": 0}, "step"),
+        ({"kind": "sgd", "lr": 0.1, "nesterov": True}, "nesterov"),
+        ({"kind": "adam", "lr": 0.1, "variant": "x87"}, "variant"),
+        ({"kind": "adam", "lr": 0.1, "betas": (0.9, 0.99)}, "bad optimizer step"),
+    ],
+)
+def test_bad_steps_are_refused(fields: dict[str, object], words: str) -> None:
+    with pytest.raises(InvalidInputError, match=words):
+        OptimizerStep.from_dict(fields)
+
+
+def test_bad_inputs_are_refused() -> None:
+    p = np.ones(4, dtype=np.float32)
+    with pytest.raises(InvalidInputError, match="shape"):
+        replay(OptimizerStep("sgd", lr=0.1), {"param": p}, np.ones(3, dtype=np.float32))
+    with pytest.raises(InvalidInputError, match="float"):
+        replay(OptimizerStep("sgd", lr=0.1), {"param": p.astype(np.int32)}, p)
+
+
+# --- against torch.optim on this machine's CPU ------------------------------------------
+OPTIMIZERS = [
+    ("adam", "Adam", {"lr": 1e-3}, 0.95),
+    ("adam", "Adam", {"lr": 1e-3, "weight_decay": 0.01, "amsgrad": True}, 0.95),
+    ("adamw", "AdamW", {"lr": 1e-3, "weight_decay": 0.01}, 0.95),
+    ("sgd", "SGD", {"lr": 0.01, "momentum": 0.9}, 0.99),
+    ("sgd", "SGD", {"lr": 0.01, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-4}, 0.99),
+]
+
+
+@pytest.mark.parametrize(("kind", "name", "options", "floor"), OPTIMIZERS)
+def test_the_fma_variant_matches_torch_on_the_cpu(
+    kind: str, name: str, options: dict[str, object], floor: float
+) -> None:
+    """Torch's fused CPU kernels (lerp, add with alpha, addcmul) round once; its sqrt of
+    large tensors is not always correctly rounded, so Adam's parameters miss a few elements
+    (the residual stores them: replay stays bit-exact). The rates are in bench_replay.py."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+    optimizer = getattr(torch.optim, name)(model.parameters(), **options)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    matched = total = 0
+    for count in range(1, 6):
+        x = torch.randn(32, 64)
+        optimizer.zero_grad()
+        (model(x) - x).pow(2).mean().backward()
+        group = dict(optimizer.param_groups[0])
+        before = {}
+        for p in model.parameters():
+            held = optimizer.state.get(p, {})
+            before[p] = {"param": p.detach().numpy().copy()}
+            before[p].update(
+                {k: v.numpy().copy() for k, v in held.items() if k != "step" and v is not None}
+            )
+        grads = {p: p.grad.numpy().copy() for p in model.parameters()}
+        optimizer.step()
+        schedule.step()
+        step = OptimizerStep(
+            kind,  # type: ignore[arg-type]
+            lr=group["lr"],
+            step=count,
+            beta1=group.get("betas", (0.9, 0.999))[0],
+            beta2=group.get("betas", (0.9, 0.999))[1],
+            eps=group.get("eps", 1e-8),
+            weight_decay=group["weight_decay"],
+            amsgrad=group.get("amsgrad", False),
+            momentum=group.get("momentum", 0.0),
+            nesterov=group.get("nesterov", False),
+            variant="fma",
+        )
+        for p in model.parameters():
+            previous = before[p]
+            for role in roles(step):
+                if role != "momentum_buffer":
+                    previous.setdefault(role, np.zeros_like(previous["param"]))
+            predicted = replay(step, previous, grads[p])
+            after = {k: v.numpy() for k, v in optimizer.state[p].items() if k != "step"}
+            after["param"] = p.detach().numpy()
+            for role, values in predicted.items():
+                matched += int((values.view(np.uint32) == after[role].view(np.uint32)).sum())
+                total += values.size
+    assert matched / total >= floor, matched / total
