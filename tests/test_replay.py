@@ -222,3 +222,19 @@ def test_the_fma_variant_matches_torch_on_the_cpu(
                 matched += int((values.view(np.uint32) == after[role].view(np.uint32)).sum())
                 total += values.size
     assert matched / total >= floor, matched / total
+
+
+def test_known_roles_of_the_new_state_are_used_as_given() -> None:
+    rng = np.random.default_rng(3)
+    p, g = rng.normal(size=(2, 64)).astype(np.float32)
+    state = {"param": p, "exp_avg": np.zeros_like(p), "exp_avg_sq": np.zeros_like(p)}
+    step = OptimizerStep("adam", lr=1e-2, step=2)
+    predicted = replay(step, state, g)
+    same = replay(step, state, g, known={"exp_avg": predicted["exp_avg"]})
+    assert _bits(same) == _bits(predicted)
+    other = (predicted["exp_avg"] * np.float32(2)).astype(np.float32)
+    moved = replay(step, state, g, known={"exp_avg": other})
+    assert moved["exp_avg"].tobytes() == other.tobytes()
+    changed = predicted["exp_avg"] != 0
+    assert (moved["param"][changed] != predicted["param"][changed]).all()
+    assert moved["exp_avg_sq"].tobytes() == predicted["exp_avg_sq"].tobytes()

@@ -150,7 +150,11 @@ def roles(step: OptimizerStep) -> tuple[str, ...]:
 
 
 def replay(
-    step: OptimizerStep, previous: Mapping[str, np.ndarray], grad: np.ndarray
+    step: OptimizerStep,
+    previous: Mapping[str, np.ndarray],
+    grad: np.ndarray,
+    *,
+    known: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """The state after ``step`` predicted from the state before it and the gradient applied.
 
@@ -158,6 +162,11 @@ def replay(
     dtype as ``previous["param"]``; SGD's ``momentum_buffer`` may be missing at its first step,
     as torch's is); ``grad`` has the parameter's shape. Returns every role's predicted values,
     of the parameter's dtype. Pure: the inputs are not changed.
+
+    ``known`` holds roles of the state after the step that are known exactly already (a
+    reader decodes the moments before the parameters): the update goes on from them rather
+    than from their predictions, as torch's did, so one mispredicted moment does not spoil the
+    parameter's prediction too. Roles are computed in the order moments, then parameters.
     """
     param = np.asarray(previous["param"])
     dtype = param.dtype
@@ -174,6 +183,7 @@ def replay(
         if step.maximize:
             g = -g
         c = step.scalars(dtype)
+        ops.known = {role: ops.load(values) for role, values in (known or {}).items()}
         if step.kind == "sgd":
             return ops.store(_sgd(ops, step, c, ops.load(param), g, previous=previous))
         return ops.store(_adam(ops, step, c, ops.load(param), g, previous=previous))
@@ -197,9 +207,11 @@ def _adam(
     m = ops.lerp(m, g, c["one_minus_beta1"])  # exp_avg.lerp_(grad, 1 - beta1)
     v = ops.round(v * c["beta2"])  # exp_avg_sq.mul_(beta2)
     v = ops.addcmul(v, g, g, c["one_minus_beta2"])  # .addcmul_(grad, grad, value=1 - beta2)
+    m, v = ops.known.get("exp_avg", m), ops.known.get("exp_avg_sq", v)
     out = {"exp_avg": m, "exp_avg_sq": v}
     if step.amsgrad:
-        out["max_exp_avg_sq"] = v = np.maximum(ops.load(previous["max_exp_avg_sq"]), v)
+        v = np.maximum(ops.load(previous["max_exp_avg_sq"]), v)
+        out["max_exp_avg_sq"] = v = ops.known.get("max_exp_avg_sq", v)
     denom = ops.round(ops.round(np.sqrt(v)) / c["correction2_sqrt"])  # sqrt() / sqrt(bc2)
     denom = ops.round(denom + c["eps"])  # .add_(eps)
     # param.addcdiv_(exp_avg, denom, value=-step_size): self + value * t1 / t2, one kernel
@@ -226,7 +238,7 @@ def _sgd(
         else:  # buf.mul_(momentum).add_(grad, alpha=1 - dampening)
             buf = ops.round(ops.load(before) * c["momentum"])
             buf = ops.add_scaled(buf, g, c["one_minus_dampening"])
-        out["momentum_buffer"] = buf
+        out["momentum_buffer"] = buf = ops.known.get("momentum_buffer", buf)
         g = ops.add_scaled(g, buf, c["momentum"]) if step.nesterov else buf
     out["param"] = ops.add_scaled(p, g, c["minus_lr"])  # param.add_(grad, alpha=-lr)
     return out
@@ -247,6 +259,7 @@ class _Ops:
         # platforms): its fma variant computes as the plain one.
         self.fused = variant == "fma" and self.work == np.float32
         self.narrow = dtype != self.work  # bfloat16, float16: round after each kernel
+        self.known: dict[str, np.ndarray] = {}  # roles of the new state known exactly
 
     def load(self, values: np.ndarray) -> np.ndarray:
         return np.asarray(values).astype(self.work)
