@@ -17,7 +17,8 @@ moments, as a reader that decodes the moments first has them. Columns:
 - ``delta``: the integer delta of its bits against the previous step's array (what snapshot
   chains store today, the smaller of delta and full per slice);
 - ``replay``: the integer delta against the prediction (the residual; the smaller of
-  residual, delta and full per slice);
+  residual, delta and full per slice; an exact slice is charged its encoded residual of zeros,
+  ~90 bytes, not nothing);
 - ``decay``: moments only, the delta against ``beta * previous`` (issue 21's prediction
   without the gradient);
 - ``zipnn``: ZipNN's compression of the same arrays (``pip install zipnn``), the anchor.
@@ -52,8 +53,11 @@ def _full(values: np.ndarray) -> int:
     return len(bytes(choose_codec(values).encode(values)))
 
 
-def _delta(values: np.ndarray, base: np.ndarray) -> int:
-    if np.array_equal(values.view(np.uint32), base.view(np.uint32)):
+def _delta(values: np.ndarray, base: np.ndarray, *, equal_is_free: bool = False) -> int:
+    """The compressed int delta's bytes. An unchanged chunk costs nothing in today's chains
+    (the version keeps its parent's block): ``equal_is_free``. A residual of zeros is charged
+    its encoded size (~90 bytes a chunk), what storing it as a block would take."""
+    if equal_is_free and np.array_equal(values.view(np.uint32), base.view(np.uint32)):
         return 0
     words = DeltaCodec("int", "float32").bind(base).encode(values).view(np.uint32)
     return len(bytes(choose_codec(words).encode(words)))  # compressed as the store does
@@ -143,7 +147,7 @@ def main() -> None:
                 )
                 for piece, prior, guess, decay in pieces:
                     full = _full(piece)
-                    delta = min(full, _delta(piece, prior))
+                    delta = min(full, _delta(piece, prior, equal_is_free=True))
                     totals["full"] += full
                     totals["delta"] += delta
                     totals["replay"] += min(delta, _delta(piece, guess))

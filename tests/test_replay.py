@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradpipe.core.dtypes import parse_dtype
-from gradpipe.errors import InvalidInputError
+from gradpipe.errors import GradpipeError, InvalidInputError
 from gradpipe.snapshots.replay import KINDS, VARIANTS, OptimizerStep, replay, roles
 
 DTYPES = ["float32", "bfloat16", "float16", "float64"]
@@ -76,6 +76,17 @@ def test_the_same_bits_whatever_numpys_error_mode(
         assert values.dtype == previous["param"].dtype, role
         assert values.shape == previous["param"].shape
     assert _bits(previous) == _bits(kept)  # pure: nothing changed in place
+    for values in strict.values():  # one NaN whatever the platform made
+        nans = np.isnan(values.astype(np.float64))
+        assert (
+            len(
+                {
+                    bytes(v)
+                    for v in values[nans].reshape(-1).view(np.uint8).reshape(-1, values.itemsize)
+                }
+            )
+            <= 1
+        )
 
 
 def test_zero_gradients_leave_sgd_parameters_and_decay_adam_moments() -> None:
@@ -144,6 +155,12 @@ def test_the_step_round_trips_and_its_scalars_are_rounded_once() -> None:
         ({"kind": "sgd", "lr": 0.1, "nesterov": True}, "nesterov"),
         ({"kind": "adam", "lr": 0.1, "variant": "x87"}, "variant"),
         ({"kind": "adam", "lr": 0.1, "betas": (0.9, 0.99)}, "bad optimizer step"),
+        ({"kind": "adam", "lr": 0.1, "beta1": 1.0}, "beta1"),
+        ({"kind": "adam", "lr": -0.1}, "lr"),
+        ({"kind": "adam", "lr": 0.1, "beta2": 1.5}, "beta2"),
+        ({"kind": "adam", "lr": 0.1, "eps": -1e-8}, "eps"),
+        ({"kind": "adam", "lr": 0.1, "amsgrad": "no"}, "amsgrad"),
+        ({"kind": "adam", "lr": 0.1, "step": 1.5}, "step"),
     ],
 )
 def test_bad_steps_are_refused(fields: dict[str, object], words: str) -> None:
@@ -151,90 +168,133 @@ def test_bad_steps_are_refused(fields: dict[str, object], words: str) -> None:
         OptimizerStep.from_dict(fields)
 
 
+def test_numpy_scalars_from_torch_state_are_taken() -> None:
+    step = OptimizerStep("adam", lr=np.float32(0.5), step=np.int64(3), amsgrad=np.bool_(False))
+    assert (step.lr, step.step, step.amsgrad) == (0.5, 3, False)
+    assert OptimizerStep.from_dict(step.to_dict()) == step
+
+
 def test_bad_inputs_are_refused() -> None:
     p = np.ones(4, dtype=np.float32)
+    adam = OptimizerStep("adam", lr=0.1)
+    state = {"param": p, "exp_avg": p, "exp_avg_sq": p}
     with pytest.raises(InvalidInputError, match="shape"):
         replay(OptimizerStep("sgd", lr=0.1), {"param": p}, np.ones(3, dtype=np.float32))
-    with pytest.raises(InvalidInputError, match="float"):
+    with pytest.raises(InvalidInputError, match="float16, bfloat16, float32, float64"):
         replay(OptimizerStep("sgd", lr=0.1), {"param": p.astype(np.int32)}, p)
+    with pytest.raises(InvalidInputError, match="lacks exp_avg_sq"):
+        replay(adam, {"param": p, "exp_avg": p}, p)
+    with pytest.raises(InvalidInputError, match=r"exp_avg \(before\) is float32\[4, 1\]"):
+        replay(adam, {**state, "exp_avg": p.reshape(4, 1)}, p)
+    with pytest.raises(InvalidInputError, match=r"known\) is float64"):
+        replay(adam, state, p, known={"exp_avg": p.astype(np.float64)})
+    with pytest.raises(InvalidInputError, match="known holds exp_avgs, param"):
+        replay(adam, state, p, known={"exp_avgs": p, "param": p})
+
+
+def test_a_process_that_flushes_subnormals_is_refused() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals")
+    try:
+        with pytest.raises(GradpipeError, match="flushes subnormal"):
+            replay(
+                OptimizerStep("sgd", lr=0.1),
+                {"param": np.ones(2, np.float32)},
+                np.ones(2, np.float32),
+            )
+    finally:
+        torch.set_flush_denormal(False)
 
 
 # --- against torch.optim on this machine's CPU ------------------------------------------
+#: (kind, torch optimizer, options, state dtype, floor): the better variant must match torch
+#: in at least ``floor`` of the elements. Which variant matches depends on the CPU: torch's
+#: vectorised kernels (AVX2, AVX-512) fuse multiply-adds, its default ones do not; and a torch
+#: built with MKL takes square roots that are not always correctly rounded (Adam's parameters).
 OPTIMIZERS = [
-    ("adam", "Adam", {"lr": 1e-3}, 0.95),
-    ("adam", "Adam", {"lr": 1e-3, "weight_decay": 0.01, "amsgrad": True}, 0.95),
-    ("adamw", "AdamW", {"lr": 1e-3, "weight_decay": 0.01}, 0.95),
-    ("sgd", "SGD", {"lr": 0.01, "momentum": 0.9}, 0.99),
-    ("sgd", "SGD", {"lr": 0.01, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-4}, 0.99),
+    ("adam", "Adam", {"lr": 1e-3}, "float32", 0.95),
+    ("adam", "Adam", {"lr": 1e-3, "weight_decay": 0.01, "maximize": True}, "float32", 0.95),
+    ("adam", "Adam", {"lr": 1e-3, "amsgrad": True, "betas": (0.3, 0.99)}, "float32", 0.95),
+    ("adamw", "AdamW", {"lr": 1e-3, "weight_decay": 0.01}, "float32", 0.95),
+    ("adamw", "AdamW", {"lr": 1e-3, "weight_decay": 0.01}, "bfloat16", 0.95),
+    ("adamw", "AdamW", {"lr": 1e-3, "weight_decay": 0.01}, "float16", 0.95),
+    ("adam", "Adam", {"lr": 1e-3, "weight_decay": 0.1}, "float64", 0.7),
+    ("sgd", "SGD", {"lr": 0.01, "momentum": 0.9}, "float32", 0.99),
+    ("sgd", "SGD", {"lr": 0.01, "momentum": 0.9, "dampening": 0.1}, "bfloat16", 0.95),
+    (
+        "sgd",
+        "SGD",
+        {"lr": 0.01, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-4},
+        "float32",
+        0.99,
+    ),
+    ("sgd", "SGD", {"lr": 0.01, "maximize": True}, "float16", 0.95),
 ]
 
 
-@pytest.mark.parametrize(("kind", "name", "options", "floor"), OPTIMIZERS)
-def test_the_fma_variant_matches_torch_on_the_cpu(
-    kind: str, name: str, options: dict[str, object], floor: float
+@pytest.mark.parametrize(("kind", "name", "options", "dtype", "floor"), OPTIMIZERS)
+def test_a_variant_matches_torch_on_this_cpu(
+    kind: str, name: str, options: dict[str, object], dtype: str, floor: float
 ) -> None:
-    """Torch's fused CPU kernels (lerp, add with alpha, addcmul) round once; its sqrt of
-    large tensors is not always correctly rounded, so Adam's parameters miss a few elements
-    (the residual stores them: replay stays bit-exact). The rates are in bench_replay.py."""
     torch = pytest.importorskip("torch")
+    import ml_dtypes
+
+    to_numpy = {"bfloat16": ml_dtypes.bfloat16}.get(dtype, np.dtype(dtype))
+    tdtype = getattr(torch, dtype)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
-    optimizer = getattr(torch.optim, name)(model.parameters(), **options)
+    params = [torch.nn.Parameter(torch.randn(shape).to(tdtype)) for shape in ((3000,), (40, 70))]
+    optimizer = getattr(torch.optim, name)(params, foreach=False, **options)
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-    matched = total = 0
+
+    def numpy(x: torch.Tensor) -> np.ndarray:
+        return x.detach().to(torch.float64).numpy().astype(to_numpy)
+
+    matched = dict.fromkeys(VARIANTS, 0)
+    total = 0
     for count in range(1, 6):
-        x = torch.randn(32, 64)
-        optimizer.zero_grad()
-        (model(x) - x).pow(2).mean().backward()
-        group = dict(optimizer.param_groups[0])
-        before = {}
-        for p in model.parameters():
+        for p in params:
+            p.grad = (torch.randn(p.shape) * 0.1).to(tdtype)
             held = optimizer.state.get(p, {})
-            before[p] = {"param": p.detach().numpy().copy()}
-            before[p].update(
-                {k: v.numpy().copy() for k, v in held.items() if k != "step" and v is not None}
-            )
-        grads = {p: p.grad.numpy().copy() for p in model.parameters()}
+            if "max_exp_avg_sq" in held:  # some maxima above the moment, so the max matters
+                held["max_exp_avg_sq"][..., ::2] *= 4
+        group = dict(optimizer.param_groups[0])
+        before = {
+            p: {k: numpy(v) for k, v in optimizer.state.get(p, {}).items() if k != "step"}
+            for p in params
+        }
+        for p in params:
+            before[p]["param"] = numpy(p)
+        grads = {p: numpy(p.grad) for p in params}
         optimizer.step()
         schedule.step()
-        step = OptimizerStep(
-            kind,  # type: ignore[arg-type]
-            lr=group["lr"],
-            step=count,
-            beta1=group.get("betas", (0.9, 0.999))[0],
-            beta2=group.get("betas", (0.9, 0.999))[1],
-            eps=group.get("eps", 1e-8),
-            weight_decay=group["weight_decay"],
-            amsgrad=group.get("amsgrad", False),
-            momentum=group.get("momentum", 0.0),
-            nesterov=group.get("nesterov", False),
-            variant="fma",
-        )
-        for p in model.parameters():
-            previous = before[p]
-            for role in roles(step):
-                if role != "momentum_buffer":
-                    previous.setdefault(role, np.zeros_like(previous["param"]))
-            predicted = replay(step, previous, grads[p])
-            after = {k: v.numpy() for k, v in optimizer.state[p].items() if k != "step"}
-            after["param"] = p.detach().numpy()
-            for role, values in predicted.items():
-                matched += int((values.view(np.uint32) == after[role].view(np.uint32)).sum())
-                total += values.size
-    assert matched / total >= floor, matched / total
-
-
-def test_known_roles_of_the_new_state_are_used_as_given() -> None:
-    rng = np.random.default_rng(3)
-    p, g = rng.normal(size=(2, 64)).astype(np.float32)
-    state = {"param": p, "exp_avg": np.zeros_like(p), "exp_avg_sq": np.zeros_like(p)}
-    step = OptimizerStep("adam", lr=1e-2, step=2)
-    predicted = replay(step, state, g)
-    same = replay(step, state, g, known={"exp_avg": predicted["exp_avg"]})
-    assert _bits(same) == _bits(predicted)
-    other = (predicted["exp_avg"] * np.float32(2)).astype(np.float32)
-    moved = replay(step, state, g, known={"exp_avg": other})
-    assert moved["exp_avg"].tobytes() == other.tobytes()
-    changed = predicted["exp_avg"] != 0
-    assert (moved["param"][changed] != predicted["param"][changed]).all()
-    assert moved["exp_avg_sq"].tobytes() == predicted["exp_avg_sq"].tobytes()
+        for p in params:
+            after = {k: numpy(v) for k, v in optimizer.state[p].items() if k != "step"}
+            after["param"] = numpy(p)
+            for variant in VARIANTS:
+                step = OptimizerStep(
+                    kind,  # type: ignore[arg-type]
+                    lr=group["lr"],
+                    step=count,
+                    beta1=group.get("betas", (0.9, 0.999))[0],
+                    beta2=group.get("betas", (0.9, 0.999))[1],
+                    eps=group.get("eps", 1e-8),
+                    weight_decay=group["weight_decay"],
+                    amsgrad=group.get("amsgrad", False),
+                    momentum=group.get("momentum", 0.0),
+                    dampening=group.get("dampening", 0.0),
+                    nesterov=group.get("nesterov", False),
+                    maximize=group.get("maximize", False),
+                    variant=variant,  # type: ignore[arg-type]
+                )
+                previous = dict(before[p])
+                for role in roles(step):
+                    if role != "momentum_buffer":
+                        previous.setdefault(role, np.zeros_like(previous["param"]))
+                predicted = replay(step, previous, grads[p])
+                for role, values in predicted.items():
+                    same = values.view(np.uint8) == after[role].view(np.uint8)
+                    matched[variant] += int(same.reshape(values.size, -1).all(axis=1).sum())
+            total += sum(a.size for role, a in after.items() if role in predicted)
+    best = max(matched.values()) / total
+    assert best >= floor, {v: round(m / total, 4) for v, m in matched.items()}

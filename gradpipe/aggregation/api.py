@@ -165,7 +165,7 @@ def check_request(
     """
     unknown = sorted(set(params) - {p.name for p in PARAMS})
     if unknown:
-        raise InvalidInputError(f"aggregate takes no {', '.join(unknown)}")
+        raise InvalidInputError(f"{', '.join(unknown)}: not a parameter of any aggregation method")
     _parse_request(method, name, split_every, params)
 
 

@@ -32,6 +32,7 @@ How often it matches is measured in ``benchmarks/bench_replay.py``.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Final, Literal
@@ -39,17 +40,31 @@ from typing import Any, Final, Literal
 import numpy as np
 
 from gradpipe.core.display import printable
-from gradpipe.core.dtypes import dtype_name, parse_dtype
-from gradpipe.errors import InvalidInputError
+from gradpipe.core.dtypes import dtype_name
+from gradpipe.errors import GradpipeError, InvalidInputError
 
 __all__ = ["KINDS", "VARIANTS", "OptimizerStep", "replay", "roles"]
 
+#: The state dtypes a replay computes on.
+_STATE_DTYPES: Final = ("float16", "bfloat16", "float32", "float64")
+
 Kind = Literal["adam", "adamw", "sgd"]
+
+#: The hyperparameters' ranges, as torch's optimizers check them: ``[low, high)``.
+_RANGES: Final = {
+    "lr": (0.0, math.inf),
+    "beta1": (0.0, 1.0),
+    "beta2": (0.0, 1.0),
+    "eps": (0.0, math.inf),
+    "weight_decay": (0.0, math.inf),
+    "momentum": (0.0, math.inf),
+    "dampening": (0.0, math.inf),
+}
 Variant = Literal["plain", "fma"]
 #: The optimizers replayed: ``torch.optim.Adam``, ``AdamW`` and ``SGD`` (momentum, nesterov).
 KINDS: Final = ("adam", "adamw", "sgd")
-#: ``plain``: every operation rounded on its own (torch's CPU scalar code, numpy);
-#: ``fma``: multiply-adds rounded once (fused and vectorised kernels).
+#: ``plain``: every operation rounded on its own (torch's CPU kernels without AVX2, numpy);
+#: ``fma``: multiply-adds rounded once (vectorised and fused kernels; float64 state: as plain).
 VARIANTS: Final = ("plain", "fma")
 
 
@@ -84,20 +99,32 @@ class OptimizerStep:
             raise InvalidInputError(
                 f"replay variant {printable(self.variant)} is not one of plain, fma"
             )
-        for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "momentum", "dampening"):
+        for name, (low, high) in _RANGES.items():
             value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not math.isfinite(value)
-            ):
+            if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
                 raise InvalidInputError(
-                    f"optimizer step: {name} {printable(value)} must be a finite number"
+                    f"optimizer step: {name} {printable(value)} is not a number"
                 )
-        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 1:
+            number = float(value)  # a numpy scalar from torch's state is welcome
+            if not (
+                math.isfinite(number) and low <= number and (number < high or high == math.inf)
+            ):
+                span = f">= {low}" if high == math.inf else f"in [{low}, {high})"
+                raise InvalidInputError(
+                    f"optimizer step: {name} {printable(value)} must be a finite number {span}"
+                )
+            object.__setattr__(self, name, number)
+        if isinstance(self.step, bool | np.bool_) or not isinstance(self.step, numbers.Integral):
             raise InvalidInputError(
-                f"optimizer step: step {printable(self.step)} must be an integer >= 1"
+                f"optimizer step: step {printable(self.step)} is not an integer"
             )
+        if int(self.step) < 1:
+            raise InvalidInputError(f"optimizer step: step {self.step} must be >= 1")
+        object.__setattr__(self, "step", int(self.step))
+        for name in ("amsgrad", "nesterov", "maximize"):
+            if not isinstance(getattr(self, name), bool | np.bool_):
+                raise InvalidInputError(f"optimizer step: {name} must be true or false")
+            object.__setattr__(self, name, bool(getattr(self, name)))
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise InvalidInputError(
                 "nesterov needs a momentum > 0 and no dampening (as torch's SGD)"
@@ -105,7 +132,11 @@ class OptimizerStep:
 
     def scalars(self, dtype: np.dtype) -> dict[str, np.generic]:
         """The scalars the update multiplies and adds, computed as torch computes them (in
-        Python floats), each rounded once to the computation dtype of ``dtype``."""
+        Python floats), each rounded once to the computation dtype of ``dtype``.
+
+        For bfloat16 and float16 state, torch rounds the scalar of ``add(alpha=)`` and of
+        ``add(scalar)`` to the state's dtype first: :class:`_Ops` does that where it adds.
+        """
         work = _work_dtype(dtype)
         out: dict[str, float] = {"lr": self.lr, "weight_decay": self.weight_decay}
         if self.kind == "sgd":
@@ -168,15 +199,39 @@ def replay(
     than from their predictions, as torch's did, so one mispredicted moment does not spoil the
     parameter's prediction too. Roles are computed in the order moments, then parameters.
     """
+    needed = roles(step)
+    missing = [r for r in needed if r not in previous and r != "momentum_buffer"]
+    if missing:
+        raise InvalidInputError(
+            f"replay of {step.kind}: the state before lacks {', '.join(missing)}"
+        )
     param = np.asarray(previous["param"])
     dtype = param.dtype
-    if dtype.kind != "f" and dtype_name(dtype) != "bfloat16":
-        raise InvalidInputError(f"replay needs float parameters, not {dtype_name(dtype)}")
+    if dtype_name(dtype) not in _STATE_DTYPES:
+        raise InvalidInputError(
+            f"replay computes on {', '.join(_STATE_DTYPES)} state, not {dtype_name(dtype)}"
+        )
     if np.shape(grad) != param.shape:
         raise InvalidInputError(
             f"replay: the gradient's shape {list(np.shape(grad))} is not the parameter's "
             f"{list(param.shape)}"
         )
+    unknown = sorted(set(known or {}) - set(needed) | ({"param"} & set(known or {})))
+    if unknown:
+        raise InvalidInputError(
+            f"replay: known holds {', '.join(unknown)}, not a moment of {step.kind}"
+        )
+    for where, arrays in (("before", previous), ("known", known or {})):
+        for role, values in arrays.items():
+            if role in needed and (
+                np.shape(values) != param.shape or np.asarray(values).dtype != dtype
+            ):
+                shown = f"{dtype_name(np.asarray(values).dtype)}{list(np.shape(values))}"
+                raise InvalidInputError(
+                    f"replay: {role} ({where}) is {shown}, not the parameter's "
+                    f"{dtype_name(dtype)}{list(param.shape)}"
+                )
+    _check_subnormals()
     ops = _Ops(dtype, step.variant)
     with np.errstate(all="ignore"):
         g = ops.load(grad)
@@ -213,7 +268,7 @@ def _adam(
         v = np.maximum(ops.load(previous["max_exp_avg_sq"]), v)
         out["max_exp_avg_sq"] = v = ops.known.get("max_exp_avg_sq", v)
     denom = ops.round(ops.round(np.sqrt(v)) / c["correction2_sqrt"])  # sqrt() / sqrt(bc2)
-    denom = ops.round(denom + c["eps"])  # .add_(eps)
+    denom = ops.add_scalar(denom, c["eps"])  # .add_(eps)
     # param.addcdiv_(exp_avg, denom, value=-step_size): self + value * t1 / t2, one kernel
     out["param"] = ops.round(p + c["minus_step_size"] * m / denom)
     return out
@@ -249,6 +304,33 @@ def _work_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
 
+#: The canonical quiet NaN of each state dtype (sign clear, top fraction bit set).
+_CANONICAL_NAN: Final = {
+    "float16": 0x7E00,
+    "bfloat16": 0x7FC0,
+    "float32": 0x7FC00000,
+    "float64": 0x7FF8000000000000,
+}
+_UINT: Final[dict[int, np.dtype]] = {
+    2: np.dtype(np.uint16),
+    4: np.dtype(np.uint32),
+    8: np.dtype(np.uint64),
+}
+
+
+def _check_subnormals() -> None:
+    """Refuse to predict in a process that flushes subnormals to zero (FTZ/DAZ: set by a
+    library built with -ffast-math, or ``torch.set_flush_denormal(True)``): its bits would
+    not be another platform's."""
+    tiny = np.array([1e-39], dtype=np.float32)
+    if (tiny * np.float32(1.0))[0] == 0:
+        raise GradpipeError(
+            "this process flushes subnormal floats to zero (a library built with -ffast-math, "
+            "or torch.set_flush_denormal(True)): optimizer replay would not give the bits "
+            "another process gives; turn it off (torch.set_flush_denormal(False))"
+        )
+
+
 class _Ops:
     """The element-wise operations of an update, rounded as the variant and the dtype say."""
 
@@ -270,15 +352,34 @@ class _Ops:
         return values.astype(self.dtype).astype(self.work) if self.narrow else values
 
     def store(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return {role: np.asarray(a).astype(self.dtype) for role, a in arrays.items()}
+        """The predictions in the state's dtype, every NaN the one canonical quiet NaN: IEEE
+        leaves the sign and payload of a NaN made by an invalid operation to the platform."""
+        out = {}
+        for role, values in arrays.items():
+            result = np.asarray(values).astype(self.dtype)
+            nan = np.isnan(result.astype(self.work))
+            if nan.any():
+                bits = _CANONICAL_NAN[dtype_name(self.dtype)]
+                result.view(_UINT[self.dtype.itemsize])[nan] = bits
+            out[role] = result
+        return out
 
     def _fma(self, a: Any, b: Any, c: Any) -> np.ndarray:
         """``a * b + c`` rounded once: the product is exact in float64 (float32 operands)."""
         exact = np.multiply(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64))
         return self.round(np.add(exact, np.asarray(c, dtype=np.float64)).astype(self.work))
 
+    def _narrow_scalar(self, value: np.generic) -> np.generic:
+        """A scalar as torch's ``add`` takes it: rounded to the state's dtype first."""
+        return self.work.type(self.dtype.type(value)) if self.narrow else value
+
+    def add_scalar(self, x: np.ndarray, value: np.generic) -> np.ndarray:
+        """``x.add(value)``, one kernel."""
+        return self.round(x + self._narrow_scalar(value))
+
     def add_scaled(self, x: np.ndarray, y: np.ndarray, alpha: np.generic) -> np.ndarray:
         """``x.add(y, alpha=alpha)``."""
+        alpha = self._narrow_scalar(alpha)
         if self.fused:
             return self._fma(y, alpha, x)
         return self.round(x + y * alpha)
@@ -302,11 +403,3 @@ class _Ops:
         if self.fused:
             return self._fma(value * a, b, x)
         return self.round(x + value * a * b)
-
-
-def parse_state_dtype(name: str) -> np.dtype:
-    """A state dtype a replay computes on (float16, bfloat16, float32, float64)."""
-    dtype = parse_dtype(name)
-    if dtype.kind != "f" and dtype_name(dtype) != "bfloat16":
-        raise InvalidInputError(f"replay needs float state, not {printable(name)}")
-    return dtype
