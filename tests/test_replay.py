@@ -230,6 +230,10 @@ OPTIMIZERS = [
         0.99,
     ),
     ("sgd", "SGD", {"lr": 0.01, "maximize": True}, "float16", 0.95),
+    # torch's foreach and fused CPU implementations (the fused one takes exact square roots)
+    ("adam", "Adam", {"lr": 1e-3, "foreach": True}, "float32", 0.95),
+    ("adamw", "AdamW", {"lr": 1e-3, "weight_decay": 0.01, "fused": True}, "float32", 0.99),
+    ("sgd", "SGD", {"lr": 0.01, "momentum": 0.9, "fused": True}, "float32", 0.99),
 ]
 
 
@@ -244,7 +248,8 @@ def test_a_variant_matches_torch_on_this_cpu(
     tdtype = getattr(torch, dtype)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape).to(tdtype)) for shape in ((3000,), (40, 70))]
-    optimizer = getattr(torch.optim, name)(params, foreach=False, **options)
+    implementation = {} if {"foreach", "fused"} & set(options) else {"foreach": False}
+    optimizer = getattr(torch.optim, name)(params, **implementation, **options)
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
 
     def numpy(x: torch.Tensor) -> np.ndarray:
