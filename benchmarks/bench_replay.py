@@ -7,7 +7,7 @@ kernels; weight decay 0.01). The gradient each step applied is the peers' mean a
 took it (float32, fixed peer order).
 
 For every step after the first, each state array (``param``, ``exp_avg``, ``exp_avg_sq``) is
-predicted by :func:`gradpipe.snapshots.replay.replay` from the state before the step and the
+predicted by :func:`gradpipe.core.replay.replay` from the state before the step and the
 applied gradient, in both variants (``plain``, ``fma``); the parameters from the exact new
 moments, as a reader that decodes the moments first has them. Columns:
 
@@ -37,7 +37,7 @@ import numpy as np
 
 from gradpipe.codecs.delta import DeltaCodec
 from gradpipe.codecs.policy import choose_codec
-from gradpipe.snapshots.replay import OptimizerStep, replay
+from gradpipe.core.replay import OptimizerStep, replay
 from gradpipe.testing.transformer import TransformerConfig, train_transformer
 
 SLICE = 1 << 18  # float32 values per slice: 1 MiB, the store's chunk size

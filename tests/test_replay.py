@@ -1,4 +1,4 @@
-"""Optimizer replay (gradpipe.snapshots.replay): deterministic, pure, and close to torch.optim."""
+"""Optimizer replay (gradpipe.core.replay): deterministic, pure, and close to torch.optim."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradpipe.core.dtypes import parse_dtype
+from gradpipe.core.replay import KINDS, VARIANTS, OptimizerStep, replay, roles
 from gradpipe.errors import GradpipeError, InvalidInputError
-from gradpipe.snapshots.replay import KINDS, VARIANTS, OptimizerStep, replay, roles
 
 DTYPES = ["float32", "bfloat16", "float16", "float64"]
 
@@ -303,3 +303,58 @@ def test_a_variant_matches_torch_on_this_cpu(
             total += sum(a.size for role, a in after.items() if role in predicted)
     best = max(matched.values()) / total
     assert best >= floor, {v: round(m / total, 4) for v, m in matched.items()}
+
+
+def test_recorded_scalars_give_the_same_bits_without_the_readers_pow(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gradpipe.core.replay import scalars_from_json, scalars_to_json
+
+    rng = np.random.default_rng(5)
+    p, g = rng.normal(size=(2, 256)).astype(np.float32)
+    state = {"param": p, "exp_avg": g * np.float32(0.1), "exp_avg_sq": g * g}
+    for step in (
+        OptimizerStep("adamw", lr=3e-4, step=1234, weight_decay=0.01, variant="fma"),
+        OptimizerStep("sgd", lr=1e-2, momentum=0.9, dampening=0.1),
+    ):
+        written = replay(step, state, g)
+        recorded = scalars_to_json(step.scalars(p.dtype))
+        assert all(v.startswith("0x") for v in recorded.values())
+        scalars = scalars_from_json(recorded, p.dtype)
+
+        def no_pow(self: OptimizerStep, dtype: np.dtype) -> dict[str, np.generic]:
+            raise AssertionError("the reader computed the scalars again")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(OptimizerStep, "scalars", no_pow)
+            assert _bits(replay(step, state, g, scalars=scalars)) == _bits(written)
+            bent = {k: v * np.float32(1.5) for k, v in scalars.items()}
+            assert _bits(replay(step, state, g, scalars=bent)) != _bits(written)  # used
+            with pytest.raises(InvalidInputError, match="recorded scalars"):
+                replay(step, state, g, scalars={"lr": np.float32(1)})
+    with pytest.raises(InvalidInputError, match="bit pattern"):
+        scalars_from_json({"lr": "0xzz"}, p.dtype)
+    with pytest.raises(InvalidInputError, match="not float32"):
+        replay(step, state, g, scalars={k: np.float64(v) for k, v in scalars.items()})
+
+
+def test_only_the_moments_are_the_same_moments() -> None:
+    rng = np.random.default_rng(6)
+    p, g = rng.normal(size=(2, 128)).astype(np.float32)
+    for step, state in (
+        (
+            OptimizerStep("adam", lr=1e-3, step=3, amsgrad=True),
+            {"param": p, "exp_avg": p, "exp_avg_sq": p * p, "max_exp_avg_sq": p * p},
+        ),
+        (
+            OptimizerStep("sgd", lr=1e-2, momentum=0.9, nesterov=True),
+            {"param": p, "momentum_buffer": g},
+        ),
+    ):
+        every = replay(step, state, g)
+        moments = [r for r in roles(step) if r != "param"]
+        some = replay(step, state, g, only=moments)
+        assert set(some) == set(moments)
+        assert _bits(some) == {r: every[r].tobytes() for r in moments}
+    with pytest.raises(InvalidInputError, match="only"):
+        replay(step, state, g, only=["exp_avg"])

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Final, Literal
 
@@ -43,7 +43,33 @@ from gradpipe.core.display import printable
 from gradpipe.core.dtypes import dtype_name
 from gradpipe.errors import GradpipeError, InvalidInputError
 
-__all__ = ["KINDS", "VARIANTS", "OptimizerStep", "replay", "roles"]
+__all__ = [
+    "KINDS",
+    "VARIANTS",
+    "OptimizerStep",
+    "replay",
+    "roles",
+    "scalars_from_json",
+    "scalars_to_json",
+]
+
+#: The scalars of each kind's update (:meth:`OptimizerStep.scalars`).
+_SCALAR_NAMES: Final = {
+    "sgd": frozenset({"lr", "weight_decay", "minus_lr", "momentum", "one_minus_dampening"}),
+    "adam": frozenset(
+        {
+            "lr",
+            "weight_decay",
+            "one_minus_beta1",
+            "beta2",
+            "one_minus_beta2",
+            "correction2_sqrt",
+            "eps",
+            "minus_step_size",
+            "decay",
+        }
+    ),
+}
 
 #: The state dtypes a replay computes on.
 _STATE_DTYPES: Final = ("float16", "bfloat16", "float32", "float64")
@@ -186,6 +212,8 @@ def replay(
     grad: np.ndarray,
     *,
     known: Mapping[str, np.ndarray] | None = None,
+    scalars: Mapping[str, np.generic] | None = None,
+    only: Collection[str] | None = None,
 ) -> dict[str, np.ndarray]:
     """The state after ``step`` predicted from the state before it and the gradient applied.
 
@@ -198,8 +226,18 @@ def replay(
     reader decodes the moments before the parameters): the update goes on from them rather
     than from their predictions, as torch's did, so one mispredicted moment does not spoil the
     parameter's prediction too. Roles are computed in the order moments, then parameters.
+
+    ``scalars`` are the step's scalars as a writer recorded them (:meth:`OptimizerStep.scalars`,
+    stored with :func:`scalars_to_json`): a reader passes them so that it never computes
+    ``beta**step`` with its own ``pow``. ``only`` names the roles wanted (the moments alone
+    skip the parameters' square roots and divisions).
     """
     needed = roles(step)
+    wanted = set(needed if only is None else only)
+    if not wanted or not wanted <= set(needed):
+        raise InvalidInputError(
+            f"replay: only {printable(sorted(wanted))} is not among {', '.join(needed)}"
+        )
     missing = [r for r in needed if r not in previous and r != "momentum_buffer"]
     if missing:
         raise InvalidInputError(
@@ -237,11 +275,57 @@ def replay(
         g = ops.load(grad)
         if step.maximize:
             g = -g
-        c = step.scalars(dtype)
+        c = step.scalars(dtype) if scalars is None else _given_scalars(step, dtype, scalars)
         ops.known = {role: ops.load(values) for role, values in (known or {}).items()}
-        if step.kind == "sgd":
-            return ops.store(_sgd(ops, step, c, ops.load(param), g, previous=previous))
-        return ops.store(_adam(ops, step, c, ops.load(param), g, previous=previous))
+        ops.param_wanted = "param" in wanted
+        update = _sgd if step.kind == "sgd" else _adam
+        out = update(ops, step, c, ops.load(param), g, previous=previous)
+        return ops.store({role: out[role] for role in needed if role in wanted})
+
+
+def _given_scalars(
+    step: OptimizerStep, dtype: np.dtype, scalars: Mapping[str, np.generic]
+) -> dict[str, np.generic]:
+    """Recorded scalars, checked: the names and the computation dtype this step uses (without
+    computing them: that is what recording them avoids)."""
+    expected = _SCALAR_NAMES["sgd" if step.kind == "sgd" else "adam"]
+    work = _work_dtype(dtype)
+    if set(scalars) != set(expected):
+        raise InvalidInputError(
+            f"replay: the recorded scalars are {printable(sorted(scalars))}, not "
+            f"{printable(sorted(expected))}"
+        )
+    out = {}
+    for name, value in scalars.items():
+        if np.asarray(value).dtype != work:
+            raise InvalidInputError(f"replay: scalar {name} is not {dtype_name(work)}")
+        out[name] = work.type(value)
+    return out
+
+
+def scalars_to_json(scalars: Mapping[str, np.generic]) -> dict[str, str]:
+    """Scalars as their bit patterns in hex (``"0x3f800000"``): exact, whatever the reader."""
+    return {
+        name: f"0x{int(np.asarray(value).view(_UINT[np.asarray(value).itemsize])):x}"
+        for name, value in scalars.items()
+    }
+
+
+def scalars_from_json(data: Mapping[str, str], dtype: np.dtype) -> dict[str, np.generic]:
+    """The inverse of :func:`scalars_to_json`, for state of ``dtype``."""
+    work = _work_dtype(dtype)
+    out: dict[str, np.generic] = {}
+    for name, text in data.items():
+        try:
+            bits = int(str(text), 16)
+            word = np.array([bits], dtype=_UINT[work.itemsize])
+            out[name] = work.type(word.view(work)[0])
+        except (ValueError, OverflowError):
+            raise InvalidInputError(
+                f"replay: scalar {printable(name)} {printable(text)} is not a "
+                f"{dtype_name(work)} bit pattern"
+            ) from None
+    return out
 
 
 def _adam(
@@ -267,6 +351,8 @@ def _adam(
     if step.amsgrad:
         v = np.maximum(ops.load(previous["max_exp_avg_sq"]), v)
         out["max_exp_avg_sq"] = v = ops.known.get("max_exp_avg_sq", v)
+    if not ops.param_wanted:  # the moments alone: no square roots
+        return out
     denom = ops.round(ops.round(np.sqrt(v)) / c["correction2_sqrt"])  # sqrt() / sqrt(bc2)
     denom = ops.add_scalar(denom, c["eps"])  # .add_(eps)
     # param.addcdiv_(exp_avg, denom, value=-step_size): self + value * t1 / t2, one kernel
@@ -294,6 +380,8 @@ def _sgd(
             buf = ops.round(ops.load(before) * c["momentum"])
             buf = ops.add_scaled(buf, g, c["one_minus_dampening"])
         out["momentum_buffer"] = buf = ops.known.get("momentum_buffer", buf)
+        if not ops.param_wanted:
+            return out
         g = ops.add_scaled(g, buf, c["momentum"]) if step.nesterov else buf
     out["param"] = ops.add_scaled(p, g, c["minus_lr"])  # param.add_(grad, alpha=-lr)
     return out
@@ -342,6 +430,7 @@ class _Ops:
         self.fused = variant == "fma" and self.work == np.float32
         self.narrow = dtype != self.work  # bfloat16, float16: round after each kernel
         self.known: dict[str, np.ndarray] = {}  # roles of the new state known exactly
+        self.param_wanted = True
 
     def load(self, values: np.ndarray) -> np.ndarray:
         return np.asarray(values).astype(self.work)
