@@ -405,14 +405,7 @@ def _parameter_docs() -> str:
     out = []
     for p in PARAMS:
         kind = {float: "float", int: "int", bool: "bool", str: "str"}[p.type]
-        methods = "every method" if p.methods == METHODS else ", ".join(p.methods)
-        extra = [f"methods: {methods}"]
-        if p.range_text:
-            extra.append(p.range_text)
-        if p.default is not None and p.type is not bool:
-            extra.append(f"default {p.default}")
-        if p.required_by:
-            extra.append(f"required by {', '.join(p.required_by)}")
+        extra = [f"methods: {p.methods_text}", *p.notes()]
         optional = "" if p.type is bool else ", optional"
         out.append(
             f"    {p.name} : {kind}{optional}\n        {p.help[0].upper()}{p.help[1:]} "

@@ -121,6 +121,20 @@ class Param:
         return "--" + self.name.replace("_", "-")
 
     @property
+    def methods_text(self) -> str:
+        """The methods that take it, in words: ``every method`` or their names."""
+        return "every method" if self.methods == METHODS else ", ".join(self.methods)
+
+    def notes(self) -> list[str]:
+        """What help texts say beside the description: range, default, who requires it."""
+        out = [self.range_text] if self.range_text else []
+        if self.default is not None and self.type is not bool:
+            out.append(f"default {self.default}")
+        if self.required_by:
+            out.append(f"required by {', '.join(self.required_by)}")
+        return out
+
+    @property
     def range_text(self) -> str:
         """The allowed values in words: ``> 0``, ``in [0, 0.5)``, ``>= 1``; empty for text."""
         if self.type is bool or self.type is str:
@@ -383,7 +397,7 @@ def markdown_tables() -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for p in PARAMS:
-        methods = "every method" if p.methods == METHODS else ", ".join(p.methods)
+        methods = p.methods_text
         if p.required_by:
             methods += f" (required by {', '.join(p.required_by)})"
             if p.required_by == p.methods:

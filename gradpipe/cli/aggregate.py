@@ -94,15 +94,7 @@ def _add_method_arguments(parser: argparse.ArgumentParser) -> None:
     )
     for param in PARAMS:
         group = server if param.name in SERVER_PARAMS else parser
-        methods = "every method" if param.methods == METHODS else ", ".join(param.methods)
-        notes = [methods]
-        if param.range_text:
-            notes.append(param.range_text)
-        if param.default is not None and param.type is not bool:
-            notes.append(f"default {param.default}")
-        if param.required_by:
-            notes.append(f"required by {', '.join(param.required_by)}")
-        text = f"{param.help} ({'; '.join(notes)})"
+        text = f"{param.help} ({'; '.join([param.methods_text, *param.notes()])})"
         if param.type is bool:
             group.add_argument(param.flag, action="store_true", help=text)
         else:

@@ -445,8 +445,8 @@ class _Ops:
         leaves the sign and payload of a NaN made by an invalid operation to the platform."""
         out = {}
         for role, values in arrays.items():
+            nan = np.isnan(values)  # in the work dtype: casting keeps NaN and makes none
             result = np.asarray(values).astype(self.dtype)
-            nan = np.isnan(result.astype(self.work))
             if nan.any():
                 bits = _CANONICAL_NAN[dtype_name(self.dtype)]
                 result.view(_UINT[self.dtype.itemsize])[nan] = bits

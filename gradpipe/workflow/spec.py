@@ -95,8 +95,7 @@ def _method_param_fields() -> dict[str, Field]:
     """The aggregation methods' parameters as keys of the aggregate stage, from the table."""
     fields: dict[str, Field] = {}
     for param in PARAMS:
-        methods = "every method" if param.methods == METHODS else ", ".join(param.methods)
-        text = f"{methods}: {param.help}"
+        text = f"{param.methods_text}: {param.help}"
         if param.type is float:
             fields[param.name] = Float(
                 text,
