@@ -15,7 +15,7 @@ from typing import Any
 
 from gradpipe.aggregation.options import DEFAULT_SPLIT_EVERY, parse_split_every
 from gradpipe.aggregation.tasks import ChunkSource, StepSpec, tensor_manifest
-from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.core.tensor_manifest import TensorManifest, require_self_contained
 
 __all__ = [
     "DEFAULT_SPLIT_EVERY",
@@ -80,6 +80,7 @@ class StepPlan:
 
 def sources_of(manifest: TensorManifest) -> list[ChunkSource]:
     """The stored chunks of a peer's tensor, as tasks take them."""
+    require_self_contained(manifest, "an aggregate's input")
     return [
         ChunkSource(block, start, stop, manifest.inline.get(i), manifest.deltas.get(i, ()))
         for i, (block, (start, stop)) in enumerate(

@@ -9,6 +9,12 @@ readers follow any number, nearest first, each applying to the next one's
 result. Every id a reader needs is in the manifest, so reads fetch a chunk's
 blocks in one batch and gc keeps them alive from the manifest alone (see
 docs/design/008).
+
+A chunk of a snapshot version written with optimizer replay (format 5, docs/design/016)
+lists its :class:`ReplayLink` instead: the chunk is ``link.block`` (a residual, or nothing
+when the prediction was exact) applied to a *prediction* made from the previous version,
+the step's gradient and the optimizer's hyperparameters. The prediction is no block: only
+the snapshot's reader can make it, so generic tensor readers refuse such a chunk.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ __all__ = [
     "ChainInfo",
     "ChainTotals",
     "DeltaLink",
+    "ReplayLink",
     "parse_keyframe_interval",
 ]
 
@@ -74,16 +81,54 @@ class DeltaLink:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplayLink:
+    """How a chunk of a replay version is stored: a residual against a prediction.
+
+    ``source`` is ``"step"`` (the prediction replays the optimizer step from the previous
+    version's chunks and the gradient) or ``"previous"`` (the prediction is the previous
+    version's same chunk, unchanged: a parameter the step skipped). ``predicted`` is the
+    hash of the prediction's bytes, so a reader whose arithmetic drifted says so instead
+    of rebuilding other values. ``block`` is the residual (``kind``: ``"int"`` or ``"xor"``
+    of the bit patterns), None when the prediction was exact.
+    """
+
+    block: str | None
+    predicted: str
+    kind: str
+    source: str = "step"
+
+    def __post_init__(self) -> None:
+        if self.block is not None:
+            parse_id(self.block)
+        parse_id(self.predicted)
+        if self.kind not in ("int", "xor"):
+            raise InvalidInputError(f"unknown replay residual kind {printable(self.kind)}")
+        if self.source not in ("step", "previous"):
+            raise InvalidInputError(f"unknown replay source {printable(self.source)}")
+
+    def to_list(self) -> list[str | None]:
+        """Compact JSON form: ``[block, predicted, kind, source]``."""
+        return [self.block, self.predicted, self.kind, self.source]
+
+    @classmethod
+    def from_list(cls, data: Sequence[Any]) -> ReplayLink:
+        block, predicted, kind, source = data
+        return cls(None if block is None else str(block), str(predicted), str(kind), str(source))
+
+
+@dataclass(frozen=True, slots=True)
 class ChainInfo:
     """What chaining did for one tensor version (kept in its manifest, for reports).
 
-    ``stored[i]`` is the bytes chunk ``i`` of this version added (its delta or
-    full block; 0 when unchanged from the parent), ``full[i]`` what the chunk
-    takes stored on its own, ``ages[i]`` how many versions ago its keyframe
-    was written (0: stored in full), so ``sum(full) - sum(stored)`` is what the chain
-    saved against independent storage. ``parent`` is the id of the tensor this
-    version was written against (provenance only: reads and gc never follow
-    it, so pruning the parent leaves it dangling by design).
+    ``stored[i]`` is the bytes chunk ``i`` of this version added (its delta,
+    residual or full block; 0 when unchanged from the parent), ``full[i]`` what
+    the chunk takes stored on its own, ``ages[i]`` how many versions ago its keyframe
+    was written (0: stored in full), ``replay_depths[i]`` how many optimizer
+    replays a read of the chunk makes (empty: none anywhere), so
+    ``sum(full) - sum(stored)`` is what the chain saved against independent storage.
+    ``parent`` is the id of the tensor this version was written against
+    (provenance only: reads and gc never follow it, so pruning the parent
+    leaves it dangling by design).
     """
 
     parent: str | None
@@ -93,13 +138,21 @@ class ChainInfo:
     ages: tuple[int, ...] = ()
     lossy: bool = False
     max_abs_error: float = 0.0
+    replay_depths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.parent is not None:
             parse_id(self.parent)
         parse_keyframe_interval(self.keyframe_interval)
-        if len(self.stored) != len(self.full) or len(self.ages) not in (0, len(self.full)):
-            raise InvalidInputError("chain info lists sizes or ages for different chunks")
+        n = len(self.full)
+        if (
+            len(self.stored) != n
+            or len(self.ages) not in (0, n)
+            or len(self.replay_depths) not in (0, n)
+        ):
+            raise InvalidInputError("chain info lists sizes, ages or depths for different chunks")
+        if any(d < 0 for d in self.replay_depths):
+            raise InvalidInputError("chain info lists a negative replay depth")
         if any(n < 0 for n in (*self.stored, *self.full)):
             raise InvalidInputError("chain info lists a negative size")
 
@@ -114,7 +167,7 @@ class ChainInfo:
         return sum(self.full)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "parent": self.parent,
             "keyframe_interval": self.keyframe_interval,
             "stored": list(self.stored),
@@ -123,6 +176,9 @@ class ChainInfo:
             "lossy": self.lossy,
             "max_abs_error": encode_float(self.max_abs_error),
         }
+        if self.replay_depths:  # absent, a version without replay keeps its bytes and its id
+            out["replay_depths"] = list(self.replay_depths)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ChainInfo:
@@ -134,6 +190,7 @@ class ChainInfo:
             ages=tuple(int(n) for n in data.get("ages", ())),
             lossy=bool(data.get("lossy", False)),
             max_abs_error=decode_float(data.get("max_abs_error", 0.0)) or 0.0,
+            replay_depths=tuple(int(n) for n in data.get("replay_depths", ())),
         )
 
 
@@ -145,7 +202,9 @@ class ChainTotals:
     stored as a new delta, ``full_chunks`` as a full block (a keyframe, a
     first version, or a chunk whose delta was no smaller), ``unchanged_chunks``
     were equal to the parent's chunk and added nothing (content addressing
-    would have stored nothing for them without a chain, too). Chunks kept
+    would have stored nothing for them without a chain, too), ``replay_chunks``
+    were stored against an optimizer replay (``exact_chunks`` of them with no
+    residual at all). Chunks kept
     inline or all-zero are not counted: they are never delta-encoded.
     ``stored_bytes`` is what the delta and full chunks took, ``full_bytes``
     what they would have taken all stored in full, so ``saved_bytes`` is what
@@ -157,6 +216,8 @@ class ChainTotals:
     delta_chunks: int = 0
     full_chunks: int = 0
     unchanged_chunks: int = 0
+    replay_chunks: int = 0  # stored as a residual against an optimizer replay
+    exact_chunks: int = 0  # of those, predicted exactly: no block at all
     stored_bytes: int = 0
     full_bytes: int = 0
     max_depth: int = 0
@@ -181,6 +242,12 @@ class ChainTotals:
         self.max_depth = max(self.max_depth, manifest.depth)
         for i, block in enumerate(manifest.blocks):
             if block is None or i in manifest.inline:
+                continue
+            if i in manifest.replays:
+                self.replay_chunks += 1
+                self.exact_chunks += manifest.replays[i].block is None
+                self.stored_bytes += info.stored[i]
+                self.full_bytes += info.full[i]
                 continue
             if info.stored[i] == 0:
                 self.unchanged_chunks += 1

@@ -40,11 +40,12 @@ __all__ = [
 #: 2: small chunks inline in tensor manifests, tensor manifests embedded in
 #: dump manifests. 3: delta chains in tensor manifests, snapshots, aggregates. 4: tensors
 #: stored with a lossy codec (and the runs that list their dumps as lossy), and runs whose
-#: entries live in shards (``run-shard`` manifests). A manifest
+#: entries live in shards (``run-shard`` manifests). 5: snapshot versions written with
+#: optimizer replay (tensors with replay links, docs/design/016). A manifest
 #: is written in the oldest format that can hold it (see
 #: :meth:`Manifest.format_needed`), so an older gradpipe still reads every
 #: manifest that uses nothing new, and an id never changes with a version bump.
-FORMAT_VERSION: Final = 4
+FORMAT_VERSION: Final = 5
 
 #: Every manifest type, by its stored ``type``: ``"module:Class"``, imported on first use.
 MANIFEST_TYPES: Final[dict[str, str]] = {

@@ -9,6 +9,11 @@ points at the newest, and everything older stays reachable from it until
 ``prune`` writes a shorter chain. ``content`` is the id of what the caller
 gave, without time or history (see :mod:`gradpipe.snapshots.content`): the
 same state saved at the same step again is found by it, not written twice.
+
+A version written with optimizer replay (format 5) keeps a ``replay`` record:
+the gradient its step applied (an aggregate, a child of the snapshot so gc
+keeps it; or recorded tensors, embedded beside the state's) and the optimizer
+steps its chunks are predicted with (:mod:`gradpipe.core.replay_record`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from gradpipe.core.encoding import decode_float, encode_float
 from gradpipe.core.ids import parse_id
 from gradpipe.core.manifest import Manifest
 from gradpipe.core.names import parse_name
+from gradpipe.core.replay_record import ReplayRecord
 from gradpipe.core.tensor_manifest import EmbeddedTensors, LazyTensors, TensorManifest
 from gradpipe.errors import InvalidInputError
 
@@ -48,6 +54,7 @@ class SnapshotManifest(EmbeddedTensors, Manifest):
     loss: float | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     content: str | None = None
+    replay: ReplayRecord | None = None
 
     def __post_init__(self) -> None:
         parse_name(self.name, what="snapshot name")
@@ -60,20 +67,57 @@ class SnapshotManifest(EmbeddedTensors, Manifest):
                 parse_id(ref)
         for tensor_id in self.tensors.values():
             parse_id(tensor_id)
-        listed = set(self.tensors.values())
+        listed = set(self.tensors.values()) | set(self.gradient_tensors)
         for tensor_id in self.embedded:
             if tensor_id not in listed:
                 raise InvalidInputError(f"embedded tensor {tensor_id} is not one of the snapshot's")
+        if self.replay is not None:
+            if self.previous is None:
+                raise InvalidInputError("a replay version has no previous version to replay")
+            unknown = sorted(set(self.replay.array_keys()) - set(self.tensors))
+            if unknown:
+                raise InvalidInputError(
+                    f"replay names arrays the snapshot lacks: {printable(unknown[:5])}"
+                )
+
+    @property
+    def gradient_tensors(self) -> tuple[str, ...]:
+        """Ids of the recorded gradient tensors (embedded; not part of the state)."""
+        if self.replay is None:
+            return ()
+        return tuple(dict.fromkeys(self.replay.gradient.recorded.values()))
+
+    def _state_manifests(self) -> Iterator[TensorManifest]:
+        for tensor_id in dict.fromkeys(self.tensors.values()):
+            manifest = self.embedded.get(tensor_id)
+            if manifest is not None:
+                yield manifest
 
     @property
     def stored_bytes(self) -> int:
-        """Bytes this snapshot added (its tensors' new blocks), as written."""
-        return sum(m.chain.stored_bytes for m in self.embedded.values() if m.chain is not None)
+        """Bytes this snapshot added (its tensors' new blocks), as written; a recorded
+        gradient's are :attr:`gradient_bytes`."""
+        return sum(m.chain.stored_bytes for m in self._state_manifests() if m.chain is not None)
 
     @property
     def full_bytes(self) -> int:
         """Bytes its tensors would take stored on their own."""
-        return sum(m.chain.full_bytes for m in self.embedded.values() if m.chain is not None)
+        return sum(m.chain.full_bytes for m in self._state_manifests() if m.chain is not None)
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes of the gradient recorded with it (0: none, or an aggregate kept by its run)."""
+        total = 0
+        for tensor_id in self.gradient_tensors:
+            manifest = self.embedded.get(tensor_id)
+            if manifest is not None and manifest.chain is not None:
+                total += manifest.chain.stored_bytes
+        return total
+
+    @property
+    def replay_depth(self) -> int:
+        """The most optimizer replays a read of one of its chunks makes (0: none)."""
+        return max((m.replay_depth for m in self._state_manifests()), default=0)
 
     @property
     def logical_bytes(self) -> int:
@@ -86,12 +130,12 @@ class SnapshotManifest(EmbeddedTensors, Manifest):
     @property
     def depth(self) -> int:
         """The longest delta chain of any of its chunks (blocks a read decodes, minus one)."""
-        return max((m.depth for m in self.embedded.values()), default=0)
+        return max((m.depth for m in self._state_manifests()), default=0)
 
     @property
     def age(self) -> int:
         """Versions since the oldest keyframe any of its chunks uses."""
-        return max((m.age for m in self.embedded.values()), default=0)
+        return max((m.age for m in self._state_manifests()), default=0)
 
     @property
     def lossy(self) -> bool:
@@ -107,9 +151,11 @@ class SnapshotManifest(EmbeddedTensors, Manifest):
         if self.previous is not None:
             yield self.previous
         yield from (t for t in dict.fromkeys(self.tensors.values()) if t not in self.embedded)
+        if self.replay is not None and self.replay.gradient.aggregate is not None:
+            yield self.replay.gradient.aggregate  # gc keeps the gradient a replay needs
 
     def format_needed(self) -> int:
-        return 3
+        return 5 if self.replay is not None else 3
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -125,6 +171,8 @@ class SnapshotManifest(EmbeddedTensors, Manifest):
         }
         if self.content is not None:  # absent, an older version keeps its bytes and its id
             out["content"] = self.content
+        if self.replay is not None:
+            out["replay"] = self.replay.to_dict()
         return out
 
     @classmethod
@@ -143,4 +191,5 @@ class SnapshotManifest(EmbeddedTensors, Manifest):
             tensors={str(k): str(v) for k, v in data["tensors"].items()},
             embedded=LazyTensors(data["embedded"]),
             content=None if data.get("content") is None else str(data["content"]),
+            replay=None if data.get("replay") is None else ReplayRecord.from_dict(data["replay"]),
         )

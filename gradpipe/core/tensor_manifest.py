@@ -14,6 +14,12 @@ A tensor written with a lossy codec records it in ``lossy`` (format 4, see
 measured at write time. Its chunks' ids are the hashes of the values a read
 gives back (the decoded ones), so they are never the ids of the original
 values unless the codec kept those exactly; its stats are of the stored values.
+
+A tensor of a snapshot version written with optimizer replay lists, per chunk
+stored against a prediction, its :class:`~gradpipe.core.chain.ReplayLink`
+(format 5, docs/design/016). Such a tensor is not *self-contained*: only the
+snapshot reader can rebuild those chunks, and every other reader refuses it
+(:func:`require_self_contained`).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, ClassVar
 
-from gradpipe.core.chain import ChainInfo, DeltaLink
+from gradpipe.core.chain import ChainInfo, DeltaLink, ReplayLink
 from gradpipe.core.chunk_stats import ChunkStats, merge_stats, stats_from_columns
 from gradpipe.core.chunking import chunk_count, chunk_ranges, parse_chunk_shape, parse_shape
 from gradpipe.core.display import printable, printable_error
@@ -43,6 +49,7 @@ __all__ = [
     "TensorManifest",
     "TensorRef",
     "embedded_tensor",
+    "require_self_contained",
     "resolve_tensor",
 ]
 
@@ -57,6 +64,8 @@ class TensorManifest(Manifest):
     present, is chunk ``i``'s chain of deltas, nearest first (format 3);
     ``chain`` says how this version was chained and what that saved.
     ``lossy`` says which lossy codec stored it and with what error (format 4).
+    ``replays[i]``, where present, is chunk ``i``'s residual against an
+    optimizer replay (format 5); ``blocks[i]`` stays the chunk's logical id.
     """
 
     type: ClassVar[str] = "tensor"
@@ -70,6 +79,7 @@ class TensorManifest(Manifest):
     deltas: Mapping[int, tuple[DeltaLink, ...]] = field(default_factory=dict)
     chain: ChainInfo | None = None
     lossy: LossyInfo | None = None
+    replays: Mapping[int, ReplayLink] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = _grid_size(self.dtype, self.shape, self.chunk_shape)
@@ -93,6 +103,19 @@ class TensorManifest(Manifest):
                 )
             if not links:
                 raise InvalidInputError(f"chunk {index} lists an empty delta chain")
+        for index in self.replays:
+            if (
+                not 0 <= index < n
+                or self.blocks[index] is None
+                or index in self.inline
+                or index in self.deltas
+            ):
+                raise InvalidInputError(
+                    f"replay link for chunk {index}, which has no block, is inline or is a "
+                    f"delta (of {n} chunks)"
+                )
+        if self.replays and (self.chain is None or len(self.chain.replay_depths) != n):
+            raise InvalidInputError("a tensor with replay links lists no replay depths")
         if self.chain is not None and len(self.chain.stored) != n:
             raise InvalidInputError(
                 f"chain info lists {len(self.chain.stored)} chunks, the tensor has {n}"
@@ -147,7 +170,21 @@ class TensorManifest(Manifest):
             return max(self.chain.ages)
         return self.depth
 
+    @property
+    def self_contained(self) -> bool:
+        """Whether every chunk can be read from its own blocks (no optimizer replay)."""
+        return not self.replays
+
+    @property
+    def replay_depth(self) -> int:
+        """The most optimizer replays a read of one chunk makes (0: none)."""
+        if self.chain is None or not self.chain.replay_depths:
+            return 0
+        return max(self.chain.replay_depths)
+
     def format_needed(self) -> int:
+        if self.replays:
+            return 5
         if self.lossy is not None:
             return 4
         if self.deltas or self.chain is not None:
@@ -157,9 +194,13 @@ class TensorManifest(Manifest):
     def data_children(self) -> Iterator[str]:
         for i, block in enumerate(self.blocks):
             links = self.deltas.get(i)
+            replayed = self.replays.get(i)
             if links:  # the chunk is its chain: delta blocks and the keyframe, no block of its own
                 yield from (link.block for link in links)
                 yield links[-1].base
+            elif replayed is not None:  # its residual; the prediction is no block
+                if replayed.block is not None:
+                    yield replayed.block
             elif block is not None and i not in self.inline:
                 yield block
 
@@ -184,6 +225,11 @@ class TensorManifest(Manifest):
         if self.deltas:
             columns["delta"] = [
                 [link.to_list() for link in self.deltas[i]] if i in self.deltas else None
+                for i in range(len(self.blocks))
+            ]
+        if self.replays:
+            columns["replay"] = [
+                self.replays[i].to_list() if i in self.replays else None
                 for i in range(len(self.blocks))
             ]
         if self.chain is not None:
@@ -218,9 +264,26 @@ class TensorManifest(Manifest):
             for i, links in enumerate(columns.get("delta") or ())
             if links is not None
         }
+        replays = {
+            i: ReplayLink.from_list(link)
+            for i, link in enumerate(columns.get("replay") or ())
+            if link is not None
+        }
         chain = ChainInfo.from_dict(data["chain"]) if "chain" in data else None
         lossy = LossyInfo.from_dict(data["lossy"]) if "lossy" in data else None
-        return cls(data["dtype"], shape, chunk_shape, blocks, stats, inline, deltas, chain, lossy)
+        return cls(
+            data["dtype"], shape, chunk_shape, blocks, stats, inline, deltas, chain, lossy, replays
+        )
+
+
+def require_self_contained(manifest: TensorManifest, where: str) -> None:
+    """Refuse a tensor with optimizer-replay chunks: only its snapshot can rebuild them."""
+    if manifest.replays:
+        first = min(manifest.replays)
+        raise InvalidInputError(
+            f"{where}: chunk {first} is stored as an optimizer replay of its snapshot's "
+            "previous version; read it through the snapshot (gp.restore, gradpipe restore)"
+        )
 
 
 # A run holds thousands of tensors of a few dozen (dtype, shape, chunk shape)

@@ -10,7 +10,7 @@ import numpy as np
 from gradpipe.core.chain import DeltaLink
 from gradpipe.core.chunking import dask_chunks
 from gradpipe.core.dtypes import parse_dtype
-from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.core.tensor_manifest import TensorManifest, require_self_contained
 from gradpipe.storage.reads import ChunkRead, decode_chunks
 from gradpipe.storage.store import Store
 
@@ -47,6 +47,7 @@ def lazy_tensor(store: Store, manifest: TensorManifest, *, name: str = "tensor")
     import dask.array as da
     from dask.base import tokenize
 
+    require_self_contained(manifest, name)
     grid = dask_chunks(manifest.shape, manifest.chunk_shape)
     # Everything that defines the array: two tensors differing only in dtype
     # (or all-zero tensors of one shape) must not share Dask keys.

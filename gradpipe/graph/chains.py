@@ -22,7 +22,7 @@ from gradpipe.core.chain import DeltaLink
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.ids import hash_bytes
 from gradpipe.core.manifest import manifest_id
-from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.core.tensor_manifest import TensorManifest, require_self_contained
 from gradpipe.errors import IntegrityError
 from gradpipe.storage.blocks import decode_block
 from gradpipe.storage.store import Store
@@ -45,6 +45,7 @@ def build_read_graph(
     graph: dict[Hashable, Any] = {}
     keys: list[Hashable] = []
     for t, (manifest, context) in enumerate(zip(manifests, names, strict=True)):
+        require_self_contained(manifest, context)
         parts: list[Any] = []
         for i, block in enumerate(manifest.blocks):
             if block is None:
@@ -92,6 +93,8 @@ def add_chunk_read(
     block = manifest.blocks[i]
     if block is None:
         return None
+    if i in manifest.replays:
+        require_self_contained(manifest, where)
     links = manifest.deltas.get(i, ())
     return _add_chunk(graph, store, block, manifest.inline.get(i), links, manifest.dtype, where)
 

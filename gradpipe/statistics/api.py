@@ -317,6 +317,8 @@ def chunk_codecs(manifest: TensorManifest, *, where: str = "tensor") -> list[str
             out.append("+".join(frame_codec_ids(frame, where=f"{where}, chunk {i}")) or "raw")
         elif links:
             out.append(f"{DeltaCodec.codec_id}:{links[0].kind}")
+        elif i in manifest.replays:
+            out.append(f"replay:{manifest.replays[i].kind}")
         else:
             stats = manifest.stats[i]
             out.append(policy_codec_id(stats.count, stats.nonzero))

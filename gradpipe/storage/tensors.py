@@ -34,7 +34,7 @@ from gradpipe.core.chunking import choose_chunk_shape, chunk_ranges
 from gradpipe.core.dtypes import canonical_dtype, check_values, dtype_name, parse_dtype
 from gradpipe.core.ids import block_key, hash_bytes
 from gradpipe.core.lossy import ChunkError, LossyInfo, measure_error
-from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.core.tensor_manifest import TensorManifest, require_self_contained
 from gradpipe.errors import NotFoundError
 from gradpipe.meter import RAW, digest_bytes
 from gradpipe.storage.blocks import BlockToWrite, WriteStats, encode_lossy_block
@@ -246,6 +246,7 @@ def iter_tensors(
     ends: list[int] = []  # chunks to decode before tensor k is whole
     chunks: list[ChunkRead] = []
     for manifest, context in zip(manifests, names, strict=True):
+        require_self_contained(manifest, context or "tensor")
         # Zeroed pages: all-zero chunks, which have no block, need no write.
         out = np.zeros(manifest.size, dtype=parse_dtype(manifest.dtype))
         outs.append(out.reshape(manifest.shape))

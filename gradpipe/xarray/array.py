@@ -36,7 +36,12 @@ from gradpipe.core.chunk_select import (
 )
 from gradpipe.core.display import printable
 from gradpipe.core.dtypes import is_float, parse_dtype
-from gradpipe.core.tensor_manifest import TensorManifest, TensorRef, resolve_tensor
+from gradpipe.core.tensor_manifest import (
+    TensorManifest,
+    TensorRef,
+    require_self_contained,
+    resolve_tensor,
+)
 from gradpipe.errors import IntegrityError
 from gradpipe.storage.reads import ChunkRead, decode_windows
 
@@ -161,6 +166,7 @@ class TensorStack(BackendArray):
                 manifest = resolve_tensor(cell)  # decoded on the first read that needs it
             except IntegrityError as exc:
                 raise IntegrityError(f"tensor {printable(self.name)} of {label}: {exc}") from None
+            require_self_contained(manifest, f"tensor {printable(self.name)} of {label}")
             parts = parts_by_grid.get(manifest.chunk_shape)
             if parts is None:
                 parts = select_chunks(self.tensor_shape, manifest.chunk_shape, picks[nlead:])

@@ -1,0 +1,172 @@
+"""What a snapshot version written with optimizer replay records to be read back.
+
+A replay version (format 5, docs/design/016) stores some chunks as residuals against a
+prediction: the optimizer step replayed (:func:`gradpipe.core.replay.replay`) from the
+previous version's chunks and the gradient the step applied. Its manifest keeps everything
+that prediction needs in a :class:`ReplayRecord`:
+
+- the gradient (:class:`GradientRef`): an aggregate of a run, kept alive as a child of the
+  snapshot (gc keeps it, verify checks it), or tensors recorded with the snapshot and
+  embedded in it;
+- per parameter group (:class:`ReplayGroup`): the optimizer step (kind, hyperparameters as
+  applied, step count, arithmetic variant), the step's scalars as bit patterns, and which
+  array of the state is each parameter's value and moments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gradpipe.core.display import printable
+from gradpipe.core.ids import parse_id
+from gradpipe.core.replay import OptimizerStep, roles
+from gradpipe.errors import InvalidInputError
+
+__all__ = ["GradientRef", "ReplayGroup", "ReplayRecord", "ReplayTarget"]
+
+
+@dataclass(frozen=True)
+class GradientRef:
+    """Where the gradient of a replayed step is kept.
+
+    Exactly one of ``aggregate`` (the id of an aggregate manifest, whose tensors are named
+    as the gradients) and ``recorded`` (gradient name → id of a tensor manifest embedded in
+    the snapshot). ``label`` says where it came from, for people (``run:name@step``).
+    """
+
+    aggregate: str | None = None
+    recorded: Mapping[str, str] = field(default_factory=dict)
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.aggregate is None) == (not self.recorded):
+            raise InvalidInputError("a replay's gradient is an aggregate or recorded tensors")
+        if self.aggregate is not None:
+            parse_id(self.aggregate)
+        for tensor_id in self.recorded.values():
+            parse_id(tensor_id)
+
+    def describe(self) -> str:
+        """One line for ``gradpipe log``."""
+        if self.aggregate is not None:
+            return f"aggregate {self.label or self.aggregate}"
+        return f"recorded ({len(self.recorded)} tensors)"
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.aggregate is not None:
+            return {"aggregate": self.aggregate, "label": self.label}
+        return {"recorded": dict(self.recorded)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> GradientRef:
+        aggregate = data.get("aggregate")
+        return cls(
+            aggregate=None if aggregate is None else str(aggregate),
+            recorded={str(k): str(v) for k, v in (data.get("recorded") or {}).items()},
+            label=str(data.get("label", "")),
+        )
+
+
+@dataclass(frozen=True)
+class ReplayGroup:
+    """Parameters replayed with one optimizer step.
+
+    ``params`` maps each parameter's gradient name to its state arrays, by role
+    (:func:`~gradpipe.core.replay.roles`: ``param``, ``exp_avg``, ...); ``scalars`` holds
+    the step's scalars per computation dtype, as bit patterns
+    (:func:`~gradpipe.core.replay.scalars_to_json`), so a reader never computes them.
+    """
+
+    step: OptimizerStep
+    scalars: Mapping[str, Mapping[str, str]]
+    params: Mapping[str, Mapping[str, str]]
+
+    def __post_init__(self) -> None:
+        needed = set(roles(self.step))
+        for grad_name, by_role in self.params.items():
+            if set(by_role) != needed:
+                raise InvalidInputError(
+                    f"replay of {printable(grad_name)} lists roles {printable(sorted(by_role))}, "
+                    f"{self.step.kind} needs {printable(sorted(needed))}"
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step.to_dict(),
+            "scalars": {d: dict(s) for d, s in self.scalars.items()},
+            "params": {g: dict(r) for g, r in self.params.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ReplayGroup:
+        return cls(
+            OptimizerStep.from_dict(data["step"]),
+            {str(d): {str(k): str(v) for k, v in s.items()} for d, s in data["scalars"].items()},
+            {str(g): {str(k): str(v) for k, v in r.items()} for g, r in data["params"].items()},
+        )
+
+
+@dataclass(frozen=True)
+class ReplayTarget:
+    """One array of a replay version as its reader needs it: group, parameter, role."""
+
+    group: ReplayGroup
+    grad_name: str
+    role: str
+
+    @property
+    def arrays(self) -> Mapping[str, str]:
+        """The array key of each role of the same parameter."""
+        return self.group.params[self.grad_name]
+
+
+@dataclass(frozen=True)
+class ReplayRecord:
+    """The gradient and the optimizer steps a replay version was predicted with."""
+
+    gradient: GradientRef
+    groups: tuple[ReplayGroup, ...]
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for key in self.array_keys():
+            if key in seen:
+                raise InvalidInputError(f"replay lists state array {printable(key)} twice")
+            seen.add(key)
+        if self.gradient.recorded:
+            missing = sorted(self.grad_names() - set(self.gradient.recorded))
+            if missing:
+                raise InvalidInputError(f"replay's recorded gradient lacks {printable(missing)}")
+
+    def array_keys(self) -> Iterator[str]:
+        """Every state array a replay may predict."""
+        for group in self.groups:
+            for by_role in group.params.values():
+                yield from by_role.values()
+
+    def grad_names(self) -> set[str]:
+        return {name for group in self.groups for name in group.params}
+
+    def targets(self) -> dict[str, ReplayTarget]:
+        """Every array key's group, parameter and role."""
+        return {
+            key: ReplayTarget(group, grad_name, role)
+            for group in self.groups
+            for grad_name, by_role in group.params.items()
+            for role, key in by_role.items()
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "gradient": self.gradient.to_dict(),
+            "groups": [g.to_dict() for g in self.groups],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ReplayRecord:
+        return cls(
+            GradientRef.from_dict(data["gradient"]),
+            tuple(ReplayGroup.from_dict(g) for g in data["groups"]),
+        )
