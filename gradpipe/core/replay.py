@@ -51,6 +51,7 @@ __all__ = [
     "roles",
     "scalars_from_json",
     "scalars_to_json",
+    "work_dtype",
 ]
 
 #: The scalars of each kind's update (:meth:`OptimizerStep.scalars`).
@@ -163,7 +164,7 @@ class OptimizerStep:
         For bfloat16 and float16 state, torch rounds the scalar of ``add(alpha=)`` and of
         ``add(scalar)`` to the state's dtype first: :class:`_Ops` does that where it adds.
         """
-        work = _work_dtype(dtype)
+        work = work_dtype(dtype)
         out: dict[str, float] = {"lr": self.lr, "weight_decay": self.weight_decay}
         if self.kind == "sgd":
             out.update(
@@ -289,7 +290,7 @@ def _given_scalars(
     """Recorded scalars, checked: the names and the computation dtype this step uses (without
     computing them: that is what recording them avoids)."""
     expected = _SCALAR_NAMES["sgd" if step.kind == "sgd" else "adam"]
-    work = _work_dtype(dtype)
+    work = work_dtype(dtype)
     if set(scalars) != set(expected):
         raise InvalidInputError(
             f"replay: the recorded scalars are {printable(sorted(scalars))}, not "
@@ -313,7 +314,7 @@ def scalars_to_json(scalars: Mapping[str, np.generic]) -> dict[str, str]:
 
 def scalars_from_json(data: Mapping[str, str], dtype: np.dtype) -> dict[str, np.generic]:
     """The inverse of :func:`scalars_to_json`, for state of ``dtype``."""
-    work = _work_dtype(dtype)
+    work = work_dtype(dtype)
     out: dict[str, np.generic] = {}
     for name, text in data.items():
         try:
@@ -387,7 +388,7 @@ def _sgd(
     return out
 
 
-def _work_dtype(dtype: np.dtype) -> np.dtype:
+def work_dtype(dtype: np.dtype) -> np.dtype:
     """The dtype torch computes a kernel in for state of ``dtype`` (its "opmath" type)."""
     return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
@@ -424,7 +425,7 @@ class _Ops:
 
     def __init__(self, dtype: np.dtype, variant: str) -> None:
         self.dtype = dtype
-        self.work = _work_dtype(dtype)
+        self.work = work_dtype(dtype)
         # float64 state has no wider type to fuse in everywhere (long double is double on some
         # platforms): its fma variant computes as the plain one.
         self.fused = variant == "fma" and self.work == np.float32

@@ -115,6 +115,11 @@ class SnapshotManifest(EmbeddedTensors, Manifest):
         return total
 
     @property
+    def needs_previous(self) -> bool:
+        """Whether reading it replays through the versions before it (optimizer replay)."""
+        return self.replay is not None or any(m.replays for m in self._state_manifests())
+
+    @property
     def replay_depth(self) -> int:
         """The most optimizer replays a read of one of its chunks makes (0: none)."""
         return max((m.replay_depth for m in self._state_manifests()), default=0)

@@ -30,7 +30,13 @@ from gradpipe.storage.store import Store
 if TYPE_CHECKING:
     from gradpipe.graph.runner import Runner
 
-__all__ = ["add_chunk_read", "build_read_graph", "chunk_key", "read_tensors_graph"]
+__all__ = [
+    "add_chunk_read",
+    "assemble_chunks",
+    "build_read_graph",
+    "chunk_key",
+    "read_tensors_graph",
+]
 
 # What restores (their only user) read: named for the dashboard as restore tasks.
 _CHUNK = "gradpipe-restore-chunk"
@@ -58,7 +64,8 @@ def build_read_graph(
         # Named by content, not position: two reads on one cluster must never
         # share a key unless they read the same tensor.
         key = (f"{_TENSOR}-{tokenize(manifest_id(manifest))}", t)
-        graph[key] = (_assemble, manifest.dtype, manifest.shape, manifest.chunk_ranges(), parts)
+        ranges = manifest.chunk_ranges()
+        graph[key] = (assemble_chunks, manifest.dtype, manifest.shape, ranges, parts)
         keys.append(key)
     return graph, keys
 
@@ -150,7 +157,7 @@ def _apply(
     return out
 
 
-def _assemble(
+def assemble_chunks(
     dtype: str,
     shape: tuple[int, ...],
     ranges: list[tuple[int, int]],

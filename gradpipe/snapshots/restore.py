@@ -2,7 +2,9 @@
 
 The arrays of a version are read chunk by chunk, deltas resolved against their
 keyframes (:func:`~gradpipe.storage.tensors.read_tensors`), and put back into the
-skeleton (:mod:`gradpipe.core.state`).
+skeleton (:mod:`gradpipe.core.state`). A version written with optimizer replay is
+read as one Dask graph over it and the versions its replays go back through
+(:mod:`gradpipe.graph.replays`), on local threads unless a runner is given.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradpipe.core.display import PATH_LIMIT, printable, printable_names
+from gradpipe.core.manifest import manifest_id
 from gradpipe.core.snapshot_manifest import SnapshotManifest
 from gradpipe.core.state import (
     flat_array_names,
@@ -21,15 +24,22 @@ from gradpipe.core.state import (
 )
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import IntegrityError, NotFoundError
-from gradpipe.snapshots.chain import find_snapshot, snapshot_tensor, snapshot_versions
+from gradpipe.snapshots.chain import (
+    find_snapshot,
+    read_version,
+    snapshot_tensor,
+    snapshot_versions,
+)
+from gradpipe.snapshots.gradient import gradient_finder
 from gradpipe.storage.tensors import read_tensors
 
 if TYPE_CHECKING:
     from gradpipe.formats.state_file import StateFileInfo
+    from gradpipe.graph.replays import SnapshotVersion
     from gradpipe.graph.runner import Runner
     from gradpipe.storage.store import Store
 
-__all__ = ["restore", "restore_file", "restore_manifest", "restore_steps"]
+__all__ = ["read_arrays", "restore", "restore_file", "restore_manifest", "restore_steps"]
 
 
 def restore(
@@ -58,8 +68,8 @@ def restore(
         took 2 s where the thread pool took 0.15-0.3 s (2-core machine, a
         260 MiB AdamW state), so leave ``runner`` out on one machine.
     """
-    _, manifest = find_snapshot(store, name, step)
-    return restore_manifest(store, manifest, keys=keys, runner=runner)
+    snapshot_id, manifest = find_snapshot(store, name, step)
+    return restore_manifest(store, manifest, keys=keys, runner=runner, snapshot_id=snapshot_id)
 
 
 def restore_steps(
@@ -81,15 +91,24 @@ def restore_steps(
 
     wanted = list(dict.fromkeys(steps))
     found: dict[int, SnapshotManifest] = {}
-    for _, manifest in snapshot_versions(store, name):
+    ids: dict[int, str] = {}
+    for snapshot_id, manifest in snapshot_versions(store, name):
         if manifest.step in wanted and manifest.step not in found:
             found[manifest.step] = manifest
+            ids[manifest.step] = snapshot_id
     missing = [s for s in wanted if s not in found]
     if missing:
         raise NotFoundError(
             f"snapshot {printable(name)} has no step {', '.join(map(str, missing))}"
         )
     plans = [(step, *_plan(store, found[step], keys)) for step in wanted]
+    if any(found[s].needs_previous for s in wanted):
+        versions = [(ids[s], found[s]) for s in wanted]
+        arrays = iter(_read_replayed(store, versions, [p[2] for p in plans], runner))
+        return {
+            step: _unflatten(found[step], tree, {k: next(arrays) for k in keys_})
+            for step, tree, keys_, _ in plans
+        }
     tensors = [t for _, _, keys_, ts in plans for t in ts]
     shown = printable(name)
     contexts = [
@@ -146,7 +165,8 @@ def restore_file(store: Store, manifest: SnapshotManifest, path: str, info: Stat
     from gradpipe.formats.state_file import write_state_file
 
     names = flat_array_names(manifest.state) if info.kind == "safetensors" else None
-    if names is None or set(names) != set(manifest.tensors):
+    if names is None or set(names) != set(manifest.tensors) or manifest.needs_previous:
+        # A replay version is rebuilt whole (its chunks replay through the versions before).
         write_state_file(path, restore_manifest(store, manifest), info)
         return
     tensors = {n: snapshot_tensor(store, manifest, n) for n in names}
@@ -166,9 +186,18 @@ def restore_manifest(
     *,
     keys: Iterable[str] | None = None,
     runner: Runner | None = None,
+    snapshot_id: str | None = None,
 ) -> Any:
-    """The state of one snapshot manifest (see :func:`restore`)."""
+    """The state of one snapshot manifest (see :func:`restore`).
+
+    A version written with optimizer replay reads, for the parameters asked for, their
+    moments too (the prediction needs them), and the versions its replays go back through.
+    """
     tree, wanted, tensors = _plan(store, manifest, keys)
+    if manifest.needs_previous:
+        version = (snapshot_id or manifest_id(manifest), manifest)
+        arrays = _read_replayed(store, [version], [wanted], runner)
+        return _unflatten(manifest, tree, dict(zip(wanted, arrays, strict=True)))
     head = f"snapshot {printable(manifest.name)}, step {manifest.step}"
     contexts = [f"{head}, {printable(k)}" for k in wanted]
     if runner is None:
@@ -178,3 +207,68 @@ def restore_manifest(
 
         arrays = read_tensors_graph(store, tensors, runner=runner, contexts=contexts)
     return _unflatten(manifest, tree, dict(zip(wanted, arrays, strict=True)))
+
+
+def _read_replayed(
+    store: Store,
+    versions: list[tuple[str, SnapshotManifest]],
+    keys: list[list[str]],
+    runner: Runner | None,
+) -> list[np.ndarray]:
+    """Arrays ``keys[j]`` of each of ``versions``, read through their replays, in order."""
+    from gradpipe.graph.replays import read_snapshot_arrays
+    from gradpipe.graph.runner import Runner
+
+    chain: dict[str, SnapshotVersion] = {}
+    for snapshot_id, manifest in versions:
+        _add_ancestors(store, chain, snapshot_id, manifest)
+    wanted = [
+        (snapshot_id, k) for (snapshot_id, _), ks in zip(versions, keys, strict=True) for k in ks
+    ]
+    if runner is None:
+        with Runner() as local:
+            return read_snapshot_arrays(store, chain, wanted, runner=local)
+    return read_snapshot_arrays(store, chain, wanted, runner=runner)
+
+
+def _add_ancestors(
+    store: Store, chain: dict[str, SnapshotVersion], snapshot_id: str, manifest: SnapshotManifest
+) -> None:
+    """Add a version and the ones its replays read through (its replay depth) to ``chain``."""
+    version_id, version = snapshot_id, manifest
+    for left in range(manifest.replay_depth, -1, -1):
+        if version_id not in chain:
+            chain[version_id] = _version(store, version_id, version)
+        if left == 0 or version.previous is None:
+            return
+        version_id = version.previous
+        known = chain.get(version_id)
+        version = known.manifest if known else read_version(store, version_id, manifest.name)
+
+
+def _version(store: Store, snapshot_id: str, manifest: SnapshotManifest) -> SnapshotVersion:
+    from gradpipe.graph.replays import SnapshotVersion
+
+    def tensor(key: str) -> TensorManifest:
+        return snapshot_tensor(store, manifest, key)
+
+    return SnapshotVersion(
+        snapshot_id,
+        manifest,
+        tensor,
+        gradient_finder(store, manifest),
+        f"snapshot {printable(manifest.name)}, step {manifest.step}",
+    )
+
+
+def read_arrays(
+    store: Store, snapshot_id: str, manifest: SnapshotManifest, keys: list[str]
+) -> dict[str, np.ndarray]:
+    """Arrays ``keys`` of one version, by key (read through its replays if it has any)."""
+    if manifest.needs_previous:
+        arrays = _read_replayed(store, [(snapshot_id, manifest)], [keys], None)
+    else:
+        head = f"snapshot {printable(manifest.name)}, step {manifest.step}"
+        tensors = [snapshot_tensor(store, manifest, k) for k in keys]
+        arrays = read_tensors(store, tensors, contexts=[f"{head}, {printable(k)}" for k in keys])
+    return dict(zip(keys, arrays, strict=True))

@@ -11,6 +11,11 @@ was, and a second writer that lost the race rebuilds against the winner.
 A snapshot whose step's newest version already holds the same state (a job
 killed after its commit landed, run again) writes nothing
 (:mod:`gradpipe.snapshots.content`).
+
+Given the gradient its optimizer step applied and the optimizer, a version
+stores its parameters and moments as residuals against the step replayed from
+the previous version (:mod:`gradpipe.snapshots.replay_plan`, design note 016):
+mostly nothing at all.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import os
 import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Final, Literal
 
@@ -31,6 +36,7 @@ from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.core.ids import hash_bytes
 from gradpipe.core.manifest import manifest_id
 from gradpipe.core.names import parse_name
+from gradpipe.core.replay_record import ReplayRecord
 from gradpipe.core.snapshot_manifest import SnapshotManifest
 from gradpipe.core.state import (
     FlatState,
@@ -40,6 +46,13 @@ from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import ConflictError, IntegrityError, InvalidInputError
 from gradpipe.snapshots.chain import chain_head, read_version, snapshot_ref, snapshot_tensor
 from gradpipe.snapshots.content import holds_state, written_content
+from gradpipe.snapshots.replay_plan import DEFAULT_REPLAY_INTERVAL, ReplayPlan
+from gradpipe.snapshots.replay_write import (
+    gradient_record,
+    plan_replay,
+    remember_values,
+    replay_request,
+)
 from gradpipe.storage._pools import read_threads
 from gradpipe.storage.chains import ChainParent, write_version
 
@@ -109,8 +122,8 @@ def _keyframes(
         flat = arrays[key].reshape(-1)
         for i, (start, stop) in enumerate(manifest.chunk_ranges()):
             block, links = manifest.blocks[i], manifest.deltas.get(i)
-            if block is None or i in manifest.inline:
-                continue
+            if block is None or i in manifest.inline or i in manifest.replays:
+                continue  # a replayed chunk is never a keyframe
             if not links:
                 copy = np.array(flat[start:stop], copy=True)
                 # The caller's arrays may have changed since they were hashed (a
@@ -134,12 +147,16 @@ class SnapshotWrite:
     ``written`` is False when the step's newest version already held the same
     state, loss and metadata (``found == "recorded"``), or, with
     ``newer_only``, when the chain was at that step or later already
-    (``found == "not newer"``); ``id`` is then that version's.
+    (``found == "not newer"``); ``id`` is then that version's. With a gradient,
+    ``replayed`` counts the parameters written against an optimizer replay and
+    ``skipped`` says why the others were not.
     """
 
     id: str
     written: bool
     found: Literal["", "recorded", "not newer"] = ""
+    replayed: int = 0
+    skipped: Mapping[str, str] = field(default_factory=dict)
 
 
 def snapshot(
@@ -154,6 +171,9 @@ def snapshot(
     threshold: float = 0.0,
     keyframe_interval: int = DEFAULT_KEYFRAME_INTERVAL,
     newer_only: bool = False,
+    gradient: Any = None,
+    optimizer: Any = None,
+    replay_interval: int = DEFAULT_REPLAY_INTERVAL,
 ) -> str:
     """Save ``state`` as the next snapshot of ``name``; returns its id.
 
@@ -193,6 +213,21 @@ def snapshot(
         or later, and return its id: a job that runs again, or two copies of
         it racing, write each step once. Checked against the head every
         compare-and-swap is made from, so the loser of a race sees the winner's.
+    gradient : str, Aggregate or mapping of str to array, optional
+        The gradient the optimizer step before this snapshot applied, by parameter name:
+        an aggregate of a run kept in the store (``"RUN:NAME@STEP"`` or
+        ``gp.open_run(store, run).aggregate(name, step=...)``), or arrays, recorded with
+        the snapshot. With ``optimizer``, parameters and moments are stored as residuals
+        against that step replayed from the previous snapshot, which is mostly nothing:
+        it pays when the gradients are kept anyway (design note 016). Restores are
+        unchanged for callers.
+    optimizer : str or list of groups, optional
+        ``"adam"``, ``"adamw"`` or ``"sgd"`` for a state shaped as ``{"model":
+        model.state_dict(), "optimizer": optimizer.state_dict()}``, or the groups (see
+        :func:`gradpipe.snapshots.replay_plan.parse_optimizer`).
+    replay_interval : int
+        A replayed chunk is stored self-contained again every this many snapshots, so a
+        restore replays at most ``replay_interval - 1`` steps.
 
     Raises
     ------
@@ -212,6 +247,9 @@ def snapshot(
         threshold=threshold,
         keyframe_interval=keyframe_interval,
         newer_only=newer_only,
+        gradient=gradient,
+        optimizer=optimizer,
+        replay_interval=replay_interval,
     ).id
 
 
@@ -227,6 +265,9 @@ def write_snapshot(
     threshold: float = 0.0,
     keyframe_interval: int = DEFAULT_KEYFRAME_INTERVAL,
     newer_only: bool = False,
+    gradient: Any = None,
+    optimizer: Any = None,
+    replay_interval: int = DEFAULT_REPLAY_INTERVAL,
 ) -> SnapshotWrite:
     """:func:`snapshot`, saying whether it wrote a version or found the state recorded.
 
@@ -241,6 +282,7 @@ def write_snapshot(
     flat = flatten_state(state)
     ref = snapshot_ref(name)
     options = {"delta": delta, "threshold": threshold, "keyframe_interval": keyframe_interval}
+    replay = replay_request(store, state, gradient, optimizer, replay_interval)
     with store.writing(f"snapshot {name}"):
         for _ in range(_MAX_ATTEMPTS):
             # Read the previous snapshot inside the lease: gc cannot run until
@@ -252,7 +294,14 @@ def write_snapshot(
             recorded = _recorded(store, name, (head_id, head), step, (flat, loss, meta))
             if recorded is not None:
                 return SnapshotWrite(recorded, written=False, found="recorded")
-            written = _write(store, name, flat, head, head_id=head_id, options=options)
+            plan = None
+            if replay is not None and head is not None and head_id is not None:
+                plan = plan_replay(store, name, flat, (head_id, head), replay)
+            written = _write(store, name, flat, head, head_id=head_id, options=options, plan=plan)
+            record: ReplayRecord | None = None
+            gradient_tensors: dict[str, TensorManifest] = {}
+            if plan is not None and replay is not None:
+                record, gradient_tensors = gradient_record(store, name, plan, replay.gradient)
             known = _recalled(store, name, head_id)
             by_key = {k: written.embedded[t] for k, t in written.tensors.items()}
             try:
@@ -263,10 +312,11 @@ def write_snapshot(
                     step=step,
                     tree=flat.to_dict(),
                     tensors=written.tensors,
-                    embedded=written.embedded,
+                    embedded={**written.embedded, **gradient_tensors},
                     loss=loss,
                     metadata=meta,
                     content=written_content(flat, loss, meta, by_key),
+                    replay=record,
                 )
             except ConflictError:
                 continue  # another snapshot of this name landed first: chain on it (or find it)
@@ -274,7 +324,22 @@ def write_snapshot(
                 _remember(
                     store, name, snapshot_id, written=written, arrays=flat.arrays, known=known
                 )
-            return SnapshotWrite(snapshot_id, written=True)
+                if replay is not None:
+                    remember_values(
+                        store,
+                        name,
+                        snapshot_id,
+                        written=by_key,
+                        arrays=flat.arrays,
+                        plan=plan,
+                        request=replay,
+                    )
+            if plan is None:
+                return SnapshotWrite(snapshot_id, written=True)
+            replayed = sum(len(g.params) for g in plan.groups)
+            return SnapshotWrite(
+                snapshot_id, written=True, replayed=replayed, skipped=dict(plan.skipped)
+            )
     raise ConflictError(
         f"snapshot {printable(name)}: other writers moved {printable(ref, limit=PATH_LIMIT)} "
         f"{_MAX_ATTEMPTS} times in a row; retry"
@@ -293,6 +358,7 @@ def commit_snapshot(
     loss: float | None = None,
     metadata: Mapping[str, str] | None = None,
     content: str | None = None,
+    replay: ReplayRecord | None = None,
 ) -> str:
     """Store a snapshot manifest over written tensors and move ``snapshots/<name>`` to it.
 
@@ -313,6 +379,7 @@ def commit_snapshot(
         loss=None if loss is None else float(loss),
         metadata=dict(metadata or {}),
         content=content,
+        replay=replay,
     )
     snapshot_id = store.put_manifest(manifest)
     store.refs.set(
@@ -366,19 +433,35 @@ def _write(
     *,
     head_id: str | None,
     options: Mapping[str, Any],
+    plan: ReplayPlan | None = None,
 ) -> _Tensors:
-    """Every array of ``flat`` written against the same array of ``head``."""
+    """Every array of ``flat`` written against the same array of ``head``.
+
+    The arrays ``plan`` replays are written from its private copies, with its predictors.
+    """
     parents = {}
     if head is not None:
         parents = {k: head.embedded[t] for k, t in head.tensors.items() if k in flat.arrays}
     keyframes = _recalled(store, name, head_id)
     shown = printable(name)
+    predictors = plan.predictors() if plan is not None else {}
 
     def write(key: str, *, parallel: bool) -> TensorManifest:
         parent = None
         if key in parents and head is not None:
             parent = ChainParent(parents[key], head.tensors[key], keyframes=keyframes)
         where = f"snapshot {shown}, {printable(key)}"
+        if key in predictors and plan is not None:
+            return write_version(
+                store,
+                plan.values[key],
+                parent,
+                where=where,
+                parallel=parallel,
+                predict=predictors[key],
+                replay_interval=plan.interval,
+                **options,
+            )
         array = flat.arrays[key]
         return write_version(store, array, parent, where=where, parallel=parallel, **options)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -56,6 +56,7 @@ from gradpipe.storage.versioner import (
     ChunkVersioner,
     KeyframeValues,
     ParentChunk,
+    Prediction,
     VersionChunk,
     account,
 )
@@ -65,12 +66,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ChainParent",
+    "Predictor",
     "parent_chunks",
     "parse_version_kind",
     "version_manifest",
     "write_chunk_version",
     "write_version",
 ]
+
+
+#: A chunk's optimizer-replay prediction, by chunk index and element range (None: none).
+Predictor = Callable[[int, int, int], Prediction | None]
 
 
 @dataclass(frozen=True)
@@ -102,12 +108,15 @@ def parent_chunks(
     caller that reads every parent chunk anyway and so finds a lost one).
     """
     out = []
+    depths = manifest.chain.replay_depths if manifest.chain is not None else ()
     for i, block in enumerate(manifest.blocks):
         links = manifest.deltas.get(i, ())
         needed = _chunk_blocks(manifest, i)
         age = _age(manifest, i)
         keyframe = None
-        if block is not None and i not in manifest.inline and age + 1 < interval:
+        replay = manifest.replays.get(i)
+        # A replayed chunk is no keyframe: its values are only known through its snapshot.
+        if replay is None and block is not None and i not in manifest.inline and age + 1 < interval:
             keyframe = links[-1].base if links else block
             if present is not None and keyframe not in present:
                 keyframe = None  # lost (or deleted as corrupt) since: start a new keyframe
@@ -121,6 +130,8 @@ def parent_chunks(
                 age,
                 present is None or all(b in present for b in needed),
                 keyframe,
+                replay,
+                depths[i] if depths else 0,
             )
         )
     return out
@@ -158,6 +169,8 @@ def write_version(
     stats: WriteStats | None = None,
     where: str = "",
     parallel: bool = True,
+    predict: Predictor | None = None,
+    replay_interval: int = 1,
 ) -> TensorManifest:
     """Write ``array`` as the next version after ``parent`` (None: the first, all full).
 
@@ -168,6 +181,10 @@ def write_version(
     A graph that computes a version chunk by chunk uses the same steps one
     chunk per task: :func:`parent_chunks`, :func:`write_chunk_version` and
     :func:`version_manifest`.
+
+    ``predict`` (a snapshot written with optimizer replay) gives a chunk's predicted values
+    by its index and element range on the parent's grid, or None; a read then replays at
+    most ``replay_interval - 1`` steps (design note 016).
     """
     store.check_writable()
     kind, threshold = parse_version_kind(delta, threshold, array.dtype)
@@ -190,7 +207,11 @@ def write_version(
         present = _present_parent_blocks(store, base)
         parents = parent_chunks(base, interval=interval, present=present)
         finder = _KeyframeFinder(store, parent, where)
-    writer = ChunkVersioner(store, kind=kind, threshold=threshold, interval=interval)
+    if base is None:
+        predict = None  # a prediction is made on the parent's grid
+    writer = ChunkVersioner(
+        store, kind=kind, threshold=threshold, interval=interval, replay_interval=replay_interval
+    )
     ranges = list(chunk_ranges(array.shape, chunk_shape))
     writes = _Writes(store, stats)
     chunks: list[VersionChunk] = []
@@ -205,7 +226,10 @@ def write_version(
             if parents is None or finder is None:
                 return writer.chunk(flat[start:stop], None, _no_keyframe, where=where)
             found = functools.partial(finder, i)
-            return writer.chunk(flat[start:stop], parents[i], found, where=where)
+            prediction = None if predict is None else predict(i, start, stop)
+            return writer.chunk(
+                flat[start:stop], parents[i], found, where=where, prediction=prediction
+            )
 
         serial = len(window) == 1 or not parallel
         done = map(encode, window) if serial else _pool().map(encode, window)
@@ -265,6 +289,7 @@ def version_manifest(
 ) -> TensorManifest:
     """The manifest of a version from its chunks, in chunk order."""
     errors = [c.error for c in chunks if c.error is not None]
+    replays = {i: c.replay for i, c in enumerate(chunks) if c.replay is not None}
     return TensorManifest(
         dtype,
         shape,
@@ -281,7 +306,9 @@ def version_manifest(
             tuple(c.age for c in chunks),
             lossy=bool(errors),
             max_abs_error=max(errors, default=0.0),
+            replay_depths=tuple(c.replay_depth for c in chunks) if replays else (),
         ),
+        replays=replays,
     )
 
 
@@ -328,9 +355,11 @@ class _KeyframeFinder:
 
 def _chunk_blocks(manifest: TensorManifest, i: int) -> list[str]:
     """The stored blocks chunk ``i`` of ``manifest`` needs (none when inline or all-zero)."""
-    block, links = manifest.blocks[i], manifest.deltas.get(i)
+    block, links, replay = manifest.blocks[i], manifest.deltas.get(i), manifest.replays.get(i)
     if links:
         return [*(link.block for link in links), links[-1].base]
+    if replay is not None:  # its residual (the prediction is made, not stored)
+        return [] if replay.block is None else [replay.block]
     return [] if block is None or i in manifest.inline else [block]
 
 

@@ -1,6 +1,8 @@
-"""One chunk of a new version, decided: unchanged, zero, inline, in full, or a delta.
+"""One chunk of a new version, decided: unchanged, zero, inline, in full, a delta or a replay.
 
-:class:`ChunkVersioner` takes the decision against the chunk's keyframe (design note 008);
+:class:`ChunkVersioner` takes the decision against the chunk's keyframe (design note 008),
+and, for a snapshot written with optimizer replay, against a :class:`Prediction` of the
+chunk (design note 016);
 :mod:`gradpipe.storage.chains` cuts a tensor into these chunks and records the version.
 """
 
@@ -14,7 +16,7 @@ import numpy as np
 
 from gradpipe.codecs.delta import DeltaCodec
 from gradpipe.config import get_bytes, get_setting
-from gradpipe.core.chain import DeltaLink
+from gradpipe.core.chain import DeltaLink, ReplayLink
 from gradpipe.core.chunk_stats import ChunkStats, bit_nonzero, chunk_stats
 from gradpipe.core.dtypes import check_values, dtype_name
 from gradpipe.core.ids import hash_bytes
@@ -24,7 +26,14 @@ from gradpipe.storage.blocks import BlockToWrite, WriteStats
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
 
-__all__ = ["ChunkVersioner", "KeyframeValues", "ParentChunk", "VersionChunk", "account"]
+__all__ = [
+    "ChunkVersioner",
+    "KeyframeValues",
+    "ParentChunk",
+    "Prediction",
+    "VersionChunk",
+    "account",
+]
 
 #: A delta at most this fraction of the parent's full copy wins without the
 #: full encoding being made (halves the encoding work on parameters).
@@ -57,6 +66,16 @@ class ParentChunk:
     age: int  # versions since its keyframe
     stored: bool  # every block it needs is in the store (or inline)
     keyframe: str | None  # the block a delta may be taken against now; None: store in full
+    replay: ReplayLink | None = None  # stored against an optimizer replay (then no keyframe)
+    replay_depth: int = 0  # replays a read of it makes
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """A chunk's values predicted by an optimizer replay, and the replays a read will make."""
+
+    values: np.ndarray
+    depth: int  # >= 1: this replay and those its inputs need
 
 
 @dataclass
@@ -74,6 +93,8 @@ class VersionChunk:
     write: BlockToWrite | None = None  # the block to store, if any
     outcome: str = "written"  # or "zero", "inline", "unchanged": for the write stats
     error: float | None = None  # a lossy delta's largest error
+    replay: ReplayLink | None = None  # stored against an optimizer replay
+    replay_depth: int = 0
 
 
 #: Finds the values of a chunk's keyframe, when a delta is to be tried (None: not at hand).
@@ -95,9 +116,18 @@ def account(chunk: VersionChunk, stats: WriteStats) -> None:
 class ChunkVersioner:
     """The per-chunk decisions of a new version (thread-safe: no state; picklable)."""
 
-    def __init__(self, store: Store, *, kind: str, threshold: float, interval: int) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        kind: str,
+        threshold: float,
+        interval: int,
+        replay_interval: int = 1,
+    ) -> None:
         self.store = store
         self.kind, self.threshold, self.interval = kind, threshold, interval
+        self.replay_interval = replay_interval  # replays a read may make, plus one
         self.inline_max = get_bytes("inline-bytes")
         self.level = int(get_setting("codec-level"))
 
@@ -108,8 +138,14 @@ class ChunkVersioner:
         find_keyframe: KeyframeValues,
         *,
         where: str,
+        prediction: Prediction | None = None,
     ) -> VersionChunk:
-        """Decide how to store ``chunk``, the new values of ``parent`` (None: a first version)."""
+        """Decide how to store ``chunk``, the new values of ``parent`` (None: a first version).
+
+        With a ``prediction`` (an optimizer replay, whose depth the caller keeps below the
+        replay interval), the chunk is stored as its residual when that is clearly the
+        smallest, and as nothing at all when the prediction is exact.
+        """
         check_values(chunk, where=where or "tensor")
         nonzero = bit_nonzero(chunk)
         if nonzero == 0:
@@ -118,9 +154,15 @@ class ChunkVersioner:
             )
         block_id = hash_bytes(chunk.view(np.uint8))
         if parent is not None and parent.block == block_id and parent.stored:
-            return self._unchanged(parent, chunk, nonzero)
+            same = self._same(parent, chunk, nonzero)
+            if same is not None:
+                return same
         record_stats = chunk_stats(chunk, bits_nonzero=nonzero)
         full_item = BlockToWrite(block_id, chunk, None, nonzero)
+        if prediction is not None:
+            replayed = self._replayed(full_item, record_stats, parent, prediction)
+            if replayed is not None:
+                return replayed
         if chunk.nbytes <= self.inline_max * _SMALL_FACTOR:
             return self._small(full_item, record_stats)
         base = None if parent is None or parent.keyframe is None else find_keyframe(parent)
@@ -148,6 +190,77 @@ class ChunkVersioner:
         return VersionChunk(
             parent.block, parent.stats, frame, parent.links, 0, full, age,
             logical=chunk.nbytes, outcome="unchanged",
+        )  # fmt: skip
+
+    def _same(self, parent: ParentChunk, chunk: np.ndarray, nonzero: int) -> VersionChunk | None:
+        """A chunk equal to its parent's; None when it must be stored anew (a replay too deep)."""
+        if parent.replay is None:
+            return self._unchanged(parent, chunk, nonzero)
+        if parent.replay_depth + 1 < self.replay_interval:
+            return self._previous(parent, chunk)
+        return None
+
+    def _previous(self, parent: ParentChunk, chunk: np.ndarray) -> VersionChunk:
+        """A chunk equal to its parent's replayed one: read through the previous version.
+
+        The parent's link predicts from the version before it, so it cannot be copied; this
+        link's prediction is the previous version's chunk itself, and the read costs one
+        level more of depth.
+        """
+        assert parent.block is not None  # an all-zero chunk is never replayed
+        link = ReplayLink(None, parent.block, "int", "previous")
+        return VersionChunk(
+            parent.block, parent.stats, None, (), 0, parent.full or 0, 0,
+            logical=chunk.nbytes, outcome="unchanged", replay=link,
+            replay_depth=parent.replay_depth + 1,
+        )  # fmt: skip
+
+    def _replayed(
+        self,
+        full: BlockToWrite,
+        record_stats: ChunkStats,
+        parent: ParentChunk | None,
+        prediction: Prediction,
+    ) -> VersionChunk | None:
+        """The chunk as its residual against ``prediction``, if that is clearly the smallest.
+
+        An exact prediction costs no block (a small chunk takes only that). Otherwise the
+        residual is kept when at most :data:`_CLEAR_WIN` of the parent's full size (which moves
+        little between versions), or :data:`_MIN_GAIN` of the chunk's own full encoding;
+        else None, and the chunk is decided as without a prediction.
+        """
+        chunk = full.data
+        predicted = np.ascontiguousarray(prediction.values)
+        predicted_id = hash_bytes(predicted.view(np.uint8))
+        kind = self.kind if self.kind in ("int", "xor") else "int"
+        size = full_size = (parent.full or 0) if parent is not None else 0
+        if predicted_id == full.block_id:
+            residual_item = None
+            size = 0
+        else:
+            if chunk.nbytes <= self.inline_max * _SMALL_FACTOR:
+                return None  # a small chunk's residual frame would cost more than it is worth
+            codec = DeltaCodec(kind, dtype_name(chunk.dtype)).bind(predicted)
+            residual = codec.encode(chunk).view(chunk.dtype)
+            residual_item = BlockToWrite(
+                hash_bytes(residual.view(np.uint8)), residual, None, bit_nonzero(residual)
+            )
+            frame = self._encode(residual_item)
+            size = len(frame)
+            if size > _CLEAR_WIN * full_size:
+                full_size = len(self._encode(full))
+                if size > _MIN_GAIN * full_size:
+                    return None
+            residual_item = BlockToWrite(
+                residual_item.block_id, residual, None, residual_item.nonzero, frame
+            )
+        link = ReplayLink(
+            None if residual_item is None else residual_item.block_id, predicted_id, kind
+        )
+        return VersionChunk(
+            full.block_id, record_stats, None, (), size, full_size or size, 0,
+            logical=chunk.nbytes, write=residual_item, replay=link,
+            replay_depth=prediction.depth,
         )  # fmt: skip
 
     def _small(self, item: BlockToWrite, record_stats: ChunkStats) -> VersionChunk:
