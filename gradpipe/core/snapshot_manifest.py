@@ -117,7 +117,7 @@ class SnapshotManifest(EmbeddedTensors, Manifest):
     @property
     def needs_previous(self) -> bool:
         """Whether reading it replays through the versions before it (optimizer replay)."""
-        return self.replay is not None or any(m.replays for m in self._state_manifests())
+        return any(m.replays for m in self._state_manifests())
 
     @property
     def replay_depth(self) -> int:

@@ -1,10 +1,10 @@
-"""The gradient a replay version's step applied: given by a writer, found by a reader.
+"""The gradient a replay version's step applied, as a writer gives it (``gradient=``).
 
-A writer names it (``gradient=``): an aggregate of a run (``"RUN:NAME@STEP"`` or a
-:class:`~gradpipe.runs.Aggregate`), kept alive by the snapshot, which lists it as a child;
-or arrays by parameter name, recorded with the snapshot. A reader finds each parameter's
-gradient tensor from the version's :class:`~gradpipe.core.replay_record.GradientRef`, and
-a gradient that is gone is an error that names it (docs/design/016).
+An aggregate of a run (``"RUN:NAME@STEP"`` or a :class:`~gradpipe.runs.Aggregate`), kept
+alive by the snapshot, which lists it as a child; or arrays by parameter name, recorded
+with the snapshot. Readers find it from the version's
+:class:`~gradpipe.core.replay_record.GradientRef`
+(:func:`gradpipe.storage.replays.snapshot_version`; docs/design/016).
 """
 
 from __future__ import annotations
@@ -15,18 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradpipe.core.aggregate_manifest import AggregateManifest
 from gradpipe.core.display import printable
 from gradpipe.core.replay_record import GradientRef
-from gradpipe.core.snapshot_manifest import SnapshotManifest
-from gradpipe.core.tensor_manifest import TensorManifest
-from gradpipe.errors import InvalidInputError, NotFoundError
+from gradpipe.errors import InvalidInputError
 from gradpipe.runs import Aggregate, open_run
 
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
 
-__all__ = ["GivenGradient", "given_gradient", "gradient_finder"]
+__all__ = ["GivenGradient", "given_gradient"]
 
 
 @dataclass(frozen=True)
@@ -90,54 +87,3 @@ def _aggregate_of(store: Store, text: str) -> Aggregate:
             f"gradient {printable(text)} is not RUN:AGGREGATE@STEP (for example 'train:fedavg@12')"
         )
     return open_run(store, run).aggregate(name, step=int(step))
-
-
-def gradient_finder(store: Store, manifest: SnapshotManifest) -> Callable[[str], TensorManifest]:
-    """Each parameter's gradient tensor, as the replay version ``manifest`` names it."""
-    replay = manifest.replay
-    where = f"snapshot {printable(manifest.name)} at step {manifest.step}"
-    if replay is None:
-
-        def none(name: str) -> TensorManifest:
-            raise NotFoundError(f"{where} replays no optimizer step")
-
-        return none
-    ref = replay.gradient
-    if ref.aggregate is None:
-        return lambda name: _recorded(manifest, ref, name, where)
-    found: dict[str, AggregateManifest] = {}
-
-    def of_aggregate(name: str) -> TensorManifest:
-        assert ref.aggregate is not None
-        if not found:
-            try:
-                found["m"] = store.get_typed(
-                    ref.aggregate, AggregateManifest, context=f"{where}, gradient"
-                )
-            except NotFoundError:
-                raise NotFoundError(
-                    f"{where} is stored as an optimizer replay of gradient "
-                    f"{ref.describe()} ({ref.aggregate}), which is not in the store: compute "
-                    "it again (`gradpipe aggregate`, same inputs and options: same id) or "
-                    "restore another version"
-                ) from None
-        aggregate = found["m"]
-        tensor_id = dict(aggregate.tensors).get(name)
-        if tensor_id is None:
-            raise NotFoundError(f"{where}: gradient {ref.describe()} has no tensor {name}")
-        embedded = aggregate.embedded.get(tensor_id)
-        if embedded is not None:
-            return embedded
-        return store.get_typed(tensor_id, TensorManifest, context=f"{where}, gradient {name}")
-
-    return of_aggregate
-
-
-def _recorded(
-    manifest: SnapshotManifest, ref: GradientRef, name: str, where: str
-) -> TensorManifest:
-    tensor_id = ref.recorded.get(name)
-    found = None if tensor_id is None else manifest.embedded.get(tensor_id)
-    if found is None:
-        raise NotFoundError(f"{where}: its recorded gradient has no tensor {printable(name)}")
-    return found

@@ -13,6 +13,11 @@ version's manifest lists the keyframes it needs, so a keyframe written by a
 dropped version stays exactly as long as a kept delta uses it ("re-keyframing"
 is never needed to keep a version readable). A dropped version's own deltas,
 and keyframes no kept version uses, are what gc reclaims.
+
+A version written with optimizer replay is read through the version before it
+(design note 016), so a kept one keeps its previous version too, and so on
+down to a self-contained one (at most the replay interval minus one more per
+kept version); the report lists them as ``kept_for_replay``.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class PruneReport(ReportHtml):
     dropped_steps: list[int] = field(default_factory=list)
     freed_blocks: int = 0  # blocks only the dropped versions used (gc deletes them)
     freed_bytes: int = 0
+    kept_for_replay: list[int] = field(default_factory=list)  # steps a kept replay reads
 
     @property
     def ok(self) -> bool:
@@ -63,6 +69,7 @@ class PruneReport(ReportHtml):
             "dropped_steps": self.dropped_steps,
             "freed_blocks": self.freed_blocks,
             "freed_bytes": self.freed_bytes,
+            "kept_for_replay": self.kept_for_replay,
         }
 
     def summary(self) -> str:
@@ -79,6 +86,11 @@ class PruneReport(ReportHtml):
             "dropped versions: `gradpipe gc` reclaims them"
             + (" once the ref has moved" if self.dry_run else ""),
         ]
+        if self.kept_for_replay:
+            lines.append(
+                f"kept {len(self.kept_for_replay)} more (steps {_steps(self.kept_for_replay)}): "
+                "kept versions replay through them"
+            )
         return "\n".join(lines)
 
 
@@ -117,11 +129,15 @@ def prune(
                 every = [v for v in chain[:-keep_last] if v[1].step % keep_every == 0]
                 kept = every + kept
             kept_ids = {i for i, _ in kept}
+            for_replay = _replay_bases(chain, kept_ids)
+            kept_ids |= set(for_replay)
+            kept = [v for v in chain if v[0] in kept_ids]
             report = PruneReport(
                 name,
                 dry_run,
                 [m.step for _, m in kept],
                 [m.step for i, m in chain if i not in kept_ids],
+                kept_for_replay=[m.step for i, m in chain if i in for_replay],
             )
             if not report.dropped_steps:
                 return report
@@ -140,6 +156,18 @@ def prune(
                 continue  # a snapshot landed meanwhile: prune the chain it made
             return report
     raise ConflictError(f"snapshot {printable(name)} kept moving while pruning; retry")
+
+
+def _replay_bases(chain: list[tuple[str, SnapshotManifest]], kept: set[str]) -> set[str]:
+    """Versions not in ``kept`` that a kept one replays through (``chain`` oldest first)."""
+    needed: set[str] = set()
+    for i in range(len(chain) - 1, 0, -1):
+        version_id, manifest = chain[i]
+        if (version_id in kept or version_id in needed) and manifest.needs_previous:
+            base_id = chain[i - 1][0]
+            if base_id not in kept:
+                needed.add(base_id)
+    return needed
 
 
 def _count_freed(

@@ -137,14 +137,20 @@ def plan_replay(
 
 
 def gradient_record(
-    store: Store, name: str, plan: ReplayPlan, given: GivenGradient
+    store: Store,
+    name: str,
+    plan: ReplayPlan,
+    given: GivenGradient,
+    written: Mapping[str, TensorManifest],
 ) -> tuple[ReplayRecord | None, dict[str, TensorManifest]]:
     """The manifest's replay record, and the recorded gradient's tensors to embed.
 
-    A recorded gradient is written here (each tensor in full: gradients of consecutive
-    steps do not delta), only for the parameters the plan replays.
+    None when no chunk of the ``written`` tensors was replayed (every one stored
+    self-contained: the interval reached). A recorded gradient is written here (each
+    tensor in full: gradients of consecutive steps do not delta), only for the
+    parameters the plan replays.
     """
-    if not plan.groups:
+    if not plan.groups or not any(written[k].replays for k in plan.keys if k in written):
         return None, {}
     if given.ref is not None:
         return plan.record(given.ref), {}

@@ -30,12 +30,11 @@ from gradpipe.snapshots.chain import (
     snapshot_tensor,
     snapshot_versions,
 )
-from gradpipe.snapshots.gradient import gradient_finder
+from gradpipe.storage.replays import SnapshotVersion, snapshot_version
 from gradpipe.storage.tensors import read_tensors
 
 if TYPE_CHECKING:
     from gradpipe.formats.state_file import StateFileInfo
-    from gradpipe.graph.replays import SnapshotVersion
     from gradpipe.graph.runner import Runner
     from gradpipe.storage.store import Store
 
@@ -238,27 +237,12 @@ def _add_ancestors(
     version_id, version = snapshot_id, manifest
     for left in range(manifest.replay_depth, -1, -1):
         if version_id not in chain:
-            chain[version_id] = _version(store, version_id, version)
+            chain[version_id] = snapshot_version(store, version_id, version)
         if left == 0 or version.previous is None:
             return
         version_id = version.previous
         known = chain.get(version_id)
         version = known.manifest if known else read_version(store, version_id, manifest.name)
-
-
-def _version(store: Store, snapshot_id: str, manifest: SnapshotManifest) -> SnapshotVersion:
-    from gradpipe.graph.replays import SnapshotVersion
-
-    def tensor(key: str) -> TensorManifest:
-        return snapshot_tensor(store, manifest, key)
-
-    return SnapshotVersion(
-        snapshot_id,
-        manifest,
-        tensor,
-        gradient_finder(store, manifest),
-        f"snapshot {printable(manifest.name)}, step {manifest.step}",
-    )
 
 
 def read_arrays(

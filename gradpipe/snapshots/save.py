@@ -300,10 +300,12 @@ def write_snapshot(
             written = _write(store, name, flat, head, head_id=head_id, options=options, plan=plan)
             record: ReplayRecord | None = None
             gradient_tensors: dict[str, TensorManifest] = {}
-            if plan is not None and replay is not None:
-                record, gradient_tensors = gradient_record(store, name, plan, replay.gradient)
-            known = _recalled(store, name, head_id)
             by_key = {k: written.embedded[t] for k, t in written.tensors.items()}
+            if plan is not None and replay is not None:
+                record, gradient_tensors = gradient_record(
+                    store, name, plan, replay.gradient, by_key
+                )
+            known = _recalled(store, name, head_id)
             try:
                 snapshot_id = commit_snapshot(
                     store,

@@ -1,4 +1,4 @@
-"""One chunk of a snapshot version stored against an optimizer replay: predicted, rebuilt.
+"""Chunks of snapshot versions stored against an optimizer replay: predicted, rebuilt.
 
 The writer and every reader predict a chunk with the same function,
 :func:`predict_chunk`: the optimizer step (:func:`gradpipe.core.replay.replay`) on the
@@ -7,26 +7,63 @@ and the step's recorded scalars, with this version's moments known exactly when 
 parameter itself is predicted (they are rebuilt first). :func:`rebuild_replay_chunk` then
 checks the prediction against the id the writer recorded (a reader whose arithmetic drifted
 says so: the stored blocks are intact) and applies the residual (docs/design/016).
+
+:class:`ReplayGraph` lays out the tasks that rebuild chunks of a version: a replayed chunk
+depends on the previous version's chunks of its parameter (rebuilt the same way, at most
+the replay interval deep), on the gradient's elements of the chunk and, for the parameter
+itself, on the version's moments. Every chunk task is named by the chunk's logical id, so
+versions read together share their ancestors' work and each task checks its result
+against its id. Restores run it on a Dask runner (:mod:`gradpipe.graph.replays`);
+``verify`` runs it chunk by chunk.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gradpipe.codecs.delta import DeltaCodec
+from gradpipe.core.aggregate_manifest import AggregateManifest
 from gradpipe.core.chain import ReplayLink
+from gradpipe.core.display import printable
 from gradpipe.core.dtypes import dtype_name, parse_dtype
 from gradpipe.core.ids import hash_bytes
-from gradpipe.core.replay import OptimizerStep, replay, scalars_from_json
-from gradpipe.errors import IntegrityError
+from gradpipe.core.manifest import manifest_id
+from gradpipe.core.replay import OptimizerStep, replay, roles, scalars_from_json, work_dtype
+from gradpipe.core.replay_record import ReplayTarget
+from gradpipe.core.snapshot_manifest import SnapshotManifest
+from gradpipe.core.tensor_manifest import TensorManifest, require_self_contained
+from gradpipe.errors import IntegrityError, NotFoundError
+from gradpipe.storage.reads import ChunkRead, decode_chunks
 
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
 
-__all__ = ["gradient_range", "predict_chunk", "rebuild_replay_chunk"]
+__all__ = [
+    "PredictionDriftError",
+    "ReplayGraph",
+    "SnapshotVersion",
+    "chunk_key",
+    "gradient_range",
+    "predict_chunk",
+    "rebuild_replay_chunk",
+    "snapshot_version",
+]
+
+_CHUNK = "gradpipe-restore-chunk"
+_GRADIENT = "gradpipe-restore-gradient"
+
+
+class PredictionDriftError(IntegrityError):
+    """A reader's prediction is not the writer's: its arithmetic drifted (no block is bad)."""
+
+
+def chunk_key(block: str) -> Hashable:
+    """The key of the task whose result is chunk ``block``'s logical bytes (uint8)."""
+    return (_CHUNK, block)
 
 
 def predict_chunk(
@@ -77,7 +114,7 @@ def rebuild_replay_chunk(
     """
     predicted_bytes = np.ascontiguousarray(predicted).view(np.uint8)
     if hash_bytes(predicted_bytes) != link.predicted:
-        raise IntegrityError(
+        raise PredictionDriftError(
             f"{where}: the optimizer replay predicts other values than the writer's "
             f"(numpy {np.__version__}; the arithmetic rule is design note 016's). The stored "
             "blocks are intact; read it with the gradpipe and numpy that wrote it"
@@ -116,3 +153,233 @@ def gradient_range(
         if chunk is not None and a < b:
             out[a - start : b - start] = chunk.view(typed)[a - lo : b - lo]
     return out
+
+
+@dataclass(frozen=True)
+class SnapshotVersion:
+    """A version as a replay reads it: its manifest, and how to find its tensors.
+
+    ``tensor(key)`` is the manifest of array ``key``; ``gradient(name)`` that of the
+    gradient its replay applied to parameter ``name`` (raising NotFoundError naming the
+    gradient when it is gone). ``context`` names the version in errors.
+    """
+
+    id: str
+    manifest: SnapshotManifest
+    tensor: Callable[[str], TensorManifest]
+    gradient: Callable[[str], TensorManifest]
+    context: str
+
+
+def snapshot_version(store: Store, snapshot_id: str, manifest: SnapshotManifest) -> SnapshotVersion:
+    """``manifest`` as :class:`SnapshotVersion`: tensors embedded or read, gradient found."""
+    context = f"snapshot {printable(manifest.name)} at step {manifest.step}"
+
+    def tensor(key: str) -> TensorManifest:
+        tensor_id = manifest.tensors[key]
+        found = manifest.embedded.get(tensor_id)
+        if found is not None:
+            return found
+        return store.get_typed(tensor_id, TensorManifest, context=f"{context}, {printable(key)}")
+
+    return SnapshotVersion(
+        snapshot_id, manifest, tensor, _gradient_finder(store, manifest, context), context
+    )
+
+
+def _gradient_finder(
+    store: Store, manifest: SnapshotManifest, where: str
+) -> Callable[[str], TensorManifest]:
+    """Each parameter's gradient tensor, as the replay version ``manifest`` names it."""
+    ref = None if manifest.replay is None else manifest.replay.gradient
+    found: dict[str, AggregateManifest] = {}
+
+    def find(name: str) -> TensorManifest:
+        if ref is None:
+            raise IntegrityError(f"{where} is replayed, but names no gradient")
+        if ref.aggregate is None:
+            tensor_id = ref.recorded.get(name)
+            recorded = None if tensor_id is None else manifest.embedded.get(tensor_id)
+            if recorded is None:
+                raise NotFoundError(
+                    f"{where}: its recorded gradient has no tensor {printable(name)}"
+                )
+            return recorded
+        if not found:
+            try:
+                found["m"] = store.get_typed(ref.aggregate, AggregateManifest, context=where)
+            except NotFoundError:
+                raise NotFoundError(
+                    f"{where} is stored as an optimizer replay of gradient {ref.describe()} "
+                    f"({ref.aggregate}), which is not in the store: compute it again "
+                    "(`gradpipe aggregate`, same inputs and options: same id) or restore "
+                    "another version"
+                ) from None
+        aggregate = found["m"]
+        tensor_id = dict(aggregate.tensors).get(name)
+        if tensor_id is None:
+            raise NotFoundError(
+                f"{where}: gradient {ref.describe()} has no tensor {printable(name)}"
+            )
+        embedded = aggregate.embedded.get(tensor_id)
+        if embedded is not None:
+            return embedded
+        return store.get_typed(tensor_id, TensorManifest, context=f"{where}, gradient {name}")
+
+    return find
+
+
+class ReplayGraph:
+    """Adds each chunk's tasks once (keys are chunk ids) to a Dask graph of plain tuples.
+
+    ``versions`` holds every version a read may replay through: each one read and its
+    ancestors, as deep as their replays go.
+    """
+
+    def __init__(self, store: Store, versions: Mapping[str, SnapshotVersion]) -> None:
+        self.store, self.versions = store, versions
+        self.graph: dict[Hashable, Any] = {}
+        self._targets: dict[str, dict[str, ReplayTarget]] = {}
+
+    def chunk(self, version_id: str, key: str, i: int) -> Hashable | None:
+        """The key of chunk ``i`` of array ``key`` of a version (None: all zero)."""
+        version = self.versions[version_id]
+        manifest = version.tensor(key)
+        block = manifest.blocks[i]
+        if block is None:
+            return None
+        done = chunk_key(block)
+        if done in self.graph:
+            return done
+        where = f"{version.context}, {printable(key)}, chunk {i}"
+        link = manifest.replays.get(i)
+        if link is None:
+            start, stop = manifest.chunk_ranges()[i]
+            read = ChunkRead(
+                block, np.empty(0), where, manifest.inline.get(i), manifest.deltas.get(i, ())
+            )
+            self.graph[done] = (_read_chunk, self.store, read, manifest.dtype, stop - start)
+            return done
+        previous = self._version(version.manifest.previous, where)
+        if link.source == "previous":  # the previous version's chunk: the same bytes
+            if self.chunk(previous.id, key, i) != done:
+                raise IntegrityError(
+                    f"{where}: says it is the previous version's chunk, which is another; "
+                    "run `gradpipe verify`"
+                )
+            return done
+        target = self.targets(version_id).get(key)
+        if target is None:
+            raise IntegrityError(f"{where}: is replayed, but its snapshot names no optimizer step")
+        self._replay(version, manifest, i, (link, target), previous)
+        return done
+
+    def targets(self, version_id: str) -> dict[str, ReplayTarget]:
+        """Each replayed array's group, parameter and role in a version."""
+        found = self._targets.get(version_id)
+        if found is None:
+            replay = self.versions[version_id].manifest.replay
+            found = self._targets[version_id] = {} if replay is None else replay.targets()
+        return found
+
+    def _version(self, version_id: str | None, where: str) -> SnapshotVersion:
+        version = None if version_id is None else self.versions.get(version_id)
+        if version is None:
+            raise IntegrityError(
+                f"{where}: replays from version {version_id}, which is not in the snapshot's "
+                "chain; run `gradpipe verify`"
+            )
+        return version
+
+    def _replay(
+        self,
+        version: SnapshotVersion,
+        manifest: TensorManifest,
+        i: int,
+        how: tuple[ReplayLink, ReplayTarget],
+        previous: SnapshotVersion,
+    ) -> None:
+        link, target = how
+        needed = roles(target.group.step)
+        arrays = target.arrays
+        start, stop = manifest.chunk_ranges()[i]
+        block = manifest.blocks[i] or ""
+        where = f"{version.context}, {printable(arrays[target.role])}, chunk {i}"
+        before = [self.chunk(previous.id, arrays[r], i) for r in needed]
+        moments = [r for r in needed if r != "param"] if target.role == "param" else []
+        known = [self.chunk(version.id, arrays[r], i) for r in moments]
+        grad = self._gradient(version, target.grad_name, (start, stop), where)
+        spec = _ReplaySpec(self.store, link, block, manifest.dtype, target, tuple(moments), where)
+        self.graph[chunk_key(block)] = (_replay_task, spec, before, grad, known)
+
+    def _gradient(
+        self, version: SnapshotVersion, name: str, span: tuple[int, int], where: str
+    ) -> Hashable:
+        start, stop = span
+        gradient = version.gradient(name)
+        require_self_contained(gradient, f"{where}, gradient {printable(name)}")
+        key = (_GRADIENT, manifest_id(gradient), start, stop)
+        if key in self.graph:
+            return key
+        chunks: list[Hashable | None] = []
+        ranges: list[tuple[int, int]] = []
+        for j, (lo, hi) in enumerate(gradient.chunk_ranges()):
+            block = gradient.blocks[j]
+            if lo < stop and start < hi:
+                ranges.append((lo, hi))
+                if block is None:
+                    chunks.append(None)
+                    continue
+                read = ChunkRead(
+                    block, np.empty(0), f"{where}, gradient {printable(name)}, chunk {j}",
+                    gradient.inline.get(j), gradient.deltas.get(j, ()),
+                )  # fmt: skip
+                chunks.append(chunk_key(block))
+                self.graph.setdefault(
+                    chunk_key(block), (_read_chunk, self.store, read, gradient.dtype, hi - lo)
+                )
+        self.graph[key] = (gradient_range, gradient.dtype, chunks, ranges, start, stop)
+        return key
+
+
+def _read_chunk(store: Store, read: ChunkRead, dtype: str, count: int) -> np.ndarray:
+    """A stored chunk's logical bytes (uint8): a full block, inline, or a delta chain."""
+    out = np.empty(count, dtype=parse_dtype(dtype))
+    decode_chunks(store, [ChunkRead(read.block_id, out, read.context, read.frame, read.links)])
+    return out.view(np.uint8)
+
+
+@dataclass(frozen=True)
+class _ReplaySpec:
+    """What a replay task needs besides its inputs (picklable: it travels to workers)."""
+
+    store: Store
+    link: ReplayLink
+    block: str
+    dtype: str
+    target: ReplayTarget
+    moments: tuple[str, ...]
+    where: str
+
+
+def _replay_task(
+    spec: _ReplaySpec,
+    before: list[np.ndarray | None],
+    grad: np.ndarray,
+    known: list[np.ndarray | None],
+) -> np.ndarray:
+    """One replayed chunk's logical bytes (uint8), checked against its id."""
+    group = spec.target.group
+    dtype = parse_dtype(spec.dtype)
+    predicted = predict_chunk(
+        group.step,
+        group.scalars.get(dtype_name(work_dtype(dtype)), {}),
+        spec.target.role,
+        previous=dict(zip(roles(group.step), before, strict=True)),
+        grad=grad,
+        known=dict(zip(spec.moments, known, strict=True)),
+        dtype=dtype,
+    )
+    return rebuild_replay_chunk(
+        spec.store, spec.link, predicted, block=spec.block, where=spec.where
+    )

@@ -1,9 +1,15 @@
-"""``verify``: read everything reachable (or everything) and check it against its id."""
+"""``verify``: read everything reachable (or everything) and check it against its id.
+
+Chunks stored against something other than their own block are rebuilt too: a
+delta on its keyframe, and a snapshot's optimizer replay on the versions before
+it and its gradient (:mod:`gradpipe.storage.replays`), each checked against the
+chunk's id.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from dask.utils import format_bytes
@@ -14,10 +20,12 @@ from gradpipe.core.ids import block_key, hash_bytes, id_from_block_key, is_id
 from gradpipe.core.manifest import Manifest, encode_manifest
 from gradpipe.core.run_manifest import RunManifest
 from gradpipe.core.run_shards import RunShard, ShardLink, link_mismatch
+from gradpipe.core.snapshot_manifest import SnapshotManifest
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import IntegrityError, NotFoundError, UnsupportedFormatError
 from gradpipe.storage.blocks import decode_block
 from gradpipe.storage.reads import ChunkRead, decode_chunks
+from gradpipe.storage.replays import PredictionDriftError, ReplayGraph, snapshot_version
 from gradpipe.storage.store import Store
 from gradpipe.storage.walk import Problem, walk_reachable
 
@@ -117,6 +125,7 @@ def verify(store: Store, *, all_blocks: bool = False, delete_corrupt: bool = Fal
     _check_blocks(store, todo, report)
     bad = {p.id for p in report.problems if p.kind in ("missing", "corrupt", "unreadable")}
     report.problems += _check_deltas(store, inside.chained, bad)
+    report.problems += _check_replays(store, inside.snapshots, bad)
     if delete_corrupt:
         _delete_corrupt(store, report)
     return report
@@ -130,6 +139,7 @@ class _InsideChecker:
     blocks: int = 0
     bytes: int = 0
     chained: list[tuple[str, TensorManifest, str]] = field(default_factory=list)  # with deltas
+    snapshots: dict[str, SnapshotManifest] = field(default_factory=dict)  # replays read them
     # What each run shard must be, as its parent links it: (link, kind, level or None).
     links: dict[str, tuple[ShardLink, str, int | None]] = field(default_factory=dict)
 
@@ -157,6 +167,8 @@ class _InsideChecker:
                 self.chained.append((manifest_id, embedded, f"{where}, tensor {embedded_id}"))
         if isinstance(manifest, TensorManifest) and manifest.deltas:
             self.chained.append((manifest_id, manifest, where))
+        if isinstance(manifest, SnapshotManifest):
+            self.snapshots[manifest_id] = manifest
         self._check_shard(manifest_id, manifest, where)
 
     def _check_shard(self, manifest_id: str, manifest: Manifest, where: str) -> None:
@@ -227,6 +239,50 @@ def _check_deltas(
                 decode_chunks(store, [ChunkRead(block, out, context, None, links)])
             except (IntegrityError, NotFoundError) as exc:
                 problems.append(Problem("bad delta", container, context, str(exc)))
+    return problems
+
+
+def _check_replays(
+    store: Store, snapshots: dict[str, SnapshotManifest], bad: set[str]
+) -> list[Problem]:
+    """Rebuild every replayed chunk of every snapshot version and compare it with its id.
+
+    One chunk position of one version at a time (with what its replays read), so memory
+    stays a few chunks whatever the store. A prediction that differs from the writer's is
+    ``"drifted prediction"`` (no block is damaged: read it with the numpy that wrote it);
+    a residual that rebuilds other bytes is ``"bad replay"``; a gradient or base that is
+    gone is ``"missing"``, in the context of the snapshot that needs it.
+    """
+    from dask.local import get_sync
+
+    versions = {i: snapshot_version(store, i, m) for i, m in snapshots.items()}
+    problems: list[Problem] = []
+    for version_id, manifest in snapshots.items():
+        if not manifest.needs_previous:
+            continue
+        version = versions[version_id]
+        replayed = {
+            key: tensor for key in manifest.tensors if (tensor := version.tensor(key)).replays
+        }
+        positions = sorted({i for tensor in replayed.values() for i in tensor.replays})
+        for i in positions:
+            graph = ReplayGraph(store, versions)
+            wanted = [
+                (key, tensor)
+                for key, tensor in replayed.items()
+                if i in tensor.replays
+                and (tensor.replays[i].block is None or tensor.replays[i].block not in bad)
+            ]
+            if not wanted:
+                continue  # its residuals are reported damaged above
+            context = f"{version.context}, chunk {i}"
+            try:
+                keys = [graph.chunk(version_id, key, i) for key, _ in wanted]
+                get_sync(graph.graph, cast(list[Any], keys))
+            except PredictionDriftError as exc:
+                problems.append(Problem("drifted prediction", version_id, context, str(exc)))
+            except (IntegrityError, NotFoundError) as exc:  # a base or gradient gone, or bad
+                problems.append(Problem("bad replay", version_id, context, str(exc)))
     return problems
 
 
