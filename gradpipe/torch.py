@@ -39,6 +39,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -46,9 +47,17 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
 from gradpipe.core.display import printable
+from gradpipe.core.replay import roles
 from gradpipe.errors import InvalidInputError
 from gradpipe.formats.state_file import check_torch, from_torch, to_torch
 from gradpipe.snapshots.api import SnapshotInfo, find_snapshot, snapshot
+from gradpipe.snapshots.replay_plan import (
+    DEFAULT_REPLAY_INTERVAL,
+    OptimizerGroup,
+)
+from gradpipe.snapshots.replay_plan import (
+    torch_step as _torch_step,
+)
 from gradpipe.snapshots.restore import restore_manifest
 
 if TYPE_CHECKING:
@@ -56,7 +65,7 @@ if TYPE_CHECKING:
 
     from gradpipe.storage.store import Store
 
-__all__ = ["load_state", "release_staging", "save_state"]
+__all__ = ["load_state", "release_staging", "replay_groups", "save_state"]
 
 
 class _Writer:
@@ -116,6 +125,8 @@ def save_state(
     delta: str = ...,
     threshold: float = ...,
     keyframe_interval: int = ...,
+    gradients: bool = ...,
+    replay_interval: int = ...,
 ) -> str: ...
 @overload
 def save_state(
@@ -131,6 +142,8 @@ def save_state(
     delta: str = ...,
     threshold: float = ...,
     keyframe_interval: int = ...,
+    gradients: bool = ...,
+    replay_interval: int = ...,
 ) -> Future[str]: ...
 def save_state(
     store: Store,
@@ -145,6 +158,8 @@ def save_state(
     delta: str = "int",
     threshold: float = 0.0,
     keyframe_interval: int = DEFAULT_KEYFRAME_INTERVAL,
+    gradients: bool = False,
+    replay_interval: int = DEFAULT_REPLAY_INTERVAL,
 ) -> str | Future[str]:
     """Save a model's and optimizer's state as the next snapshot of ``name``.
 
@@ -169,6 +184,18 @@ def save_state(
         in the background; the parameters may be changed right away.
     delta, threshold, keyframe_interval
         Passed to :func:`gradpipe.snapshot`.
+    gradients : bool
+        Record the gradients the last ``optimizer.step()`` applied (each parameter's
+        ``.grad``, after clipping and unscaling, so call this before ``zero_grad``) and
+        store the parameters and the optimizer's moments as residuals against that step
+        replayed from the previous snapshot (design note 016): mostly nothing. The
+        learning rate each step applied is recorded by a hook installed on the optimizer
+        at the first such save, before a scheduler moves it. Adam, AdamW and SGD are
+        replayed; the gradients are kept with the snapshot (``gradpipe log`` shows their
+        bytes apart). :func:`load_state` is unchanged.
+    replay_interval : int
+        With ``gradients``, a parameter is stored self-contained again every this many
+        snapshots (a load replays at most ``replay_interval - 1`` steps).
 
     Returns
     -------
@@ -193,6 +220,13 @@ def save_state(
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
     where = f"save_state {printable(name)}"
+    replay: dict[str, Any] = {}
+    if gradients:
+        if optimizer is None:
+            raise InvalidInputError(f"{where}: gradients=True needs the optimizer")
+        groups, grads = replay_groups(model, optimizer)
+        state["__gradients__"] = grads  # staged with the state, split off below
+        replay = {"optimizer": groups, "replay_interval": replay_interval}
     check_torch(state, path=where)  # as the tensors are: a copy must not densify a bad one
     # One save at a time stages and submits: the previous save has finished (waited for
     # here, under the lock, so no other thread's save slips in between), so its staging
@@ -201,6 +235,8 @@ def save_state(
         _WRITER.wait_for_pending()
         # A blocking save may read CPU tensors in place: the caller waits for it.
         host = from_torch(_STAGING.stage(state, copy=not blocking), path=where)
+        if gradients:
+            replay["gradient"] = host.pop("__gradients__")
         future = _WRITER.submit(
             lambda executor: executor.submit(
                 snapshot,
@@ -213,9 +249,82 @@ def save_state(
                 delta=delta,
                 threshold=threshold,
                 keyframe_interval=keyframe_interval,
+                **replay,
             )
         )
     return future if not blocking else future.result()
+
+
+def replay_groups(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[list[OptimizerGroup], dict[str, torch.Tensor]]:
+    """The optimizer's groups as a replay names them, and the gradients its last step applied.
+
+    Parameters are matched to their names by identity (``model.named_parameters()``) and to
+    their state by the numbering ``optimizer.state_dict()`` uses. A parameter without a
+    gradient or without state yet is left out (it is then stored as usual).
+    """
+    kind = _replay_kind(optimizer)
+    names = {id(p): n for n, p in model.named_parameters()}
+    applied = _APPLIED_LR.get(optimizer)
+    if applied is None:  # from now on, each step's learning rate is recorded as applied
+        optimizer.register_step_post_hook(_record_lr)
+    groups: list[OptimizerGroup] = []
+    grads: dict[str, torch.Tensor] = {}
+    index = 0
+    for g, group in enumerate(optimizer.param_groups):
+        by_count: dict[int, dict[str, dict[str, str]]] = {}
+        for p in group["params"]:
+            i, index = index, index + 1
+            name, entry = names.get(id(p)), optimizer.state.get(p)
+            if name is None or p.grad is None or not entry or p.grad.is_sparse:
+                continue
+            count = int(entry["step"]) if "step" in entry else 1
+            arrays = {"param": f"model.{name}"}
+            arrays.update(
+                {r: f"optimizer.state.{i}.{r}" for r, v in entry.items() if _is_role(r, v)}
+            )
+            by_count.setdefault(count, {})[name] = arrays
+            grads[name] = p.grad
+        hyper = dict(group)
+        if applied is not None and g < len(applied):
+            hyper["lr"] = applied[g]
+        for count, params in by_count.items():
+            step = _torch_step(kind, hyper, count)
+            wanted = set(roles(step))
+            kept = {n: a for n, a in params.items() if set(a) == wanted}
+            if kept:
+                groups.append(OptimizerGroup(step, kept))
+    return groups, grads
+
+
+def _is_role(name: str, value: Any) -> bool:
+    """Whether a parameter's state entry is a replayed array (not the count, not a None)."""
+    return name != "step" and value is not None
+
+
+#: The learning rate of each group at each optimizer's last step (a scheduler moves it after).
+_APPLIED_LR: weakref.WeakKeyDictionary[Any, list[float]] = weakref.WeakKeyDictionary()
+
+
+def _record_lr(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _APPLIED_LR[optimizer] = [float(group["lr"]) for group in optimizer.param_groups]
+
+
+def _replay_kind(optimizer: torch.optim.Optimizer) -> str:
+    import torch
+
+    if isinstance(optimizer, torch.optim.AdamW):
+        return "adamw"
+    if isinstance(optimizer, torch.optim.Adam):
+        decoupled = any(g.get("decoupled_weight_decay") for g in optimizer.param_groups)
+        return "adamw" if decoupled else "adam"
+    if isinstance(optimizer, torch.optim.SGD):
+        return "sgd"
+    raise InvalidInputError(
+        f"gradients=True replays Adam, AdamW and SGD; {type(optimizer).__name__} is not "
+        "replayed (save without gradients)"
+    )
 
 
 def load_state(
@@ -268,7 +377,7 @@ def load_state(
     snapshot_id, manifest = find_snapshot(store, name, step)
     keys = ["model"] if optimizer is None else ["model", "optimizer"]
     # One manifest for the read and the answer, even if a save lands meanwhile.
-    state = restore_manifest(store, manifest, keys=keys)
+    state = restore_manifest(store, manifest, keys=keys, snapshot_id=snapshot_id)
     model_state = to_torch(state["model"])
     if map_location is not None:
         model_state = _to_device(model_state, map_location)

@@ -43,6 +43,7 @@ __all__ = [
     "ReplayPlan",
     "parse_optimizer",
     "parse_replay_interval",
+    "torch_step",
 ]
 
 #: A replayed chunk is stored self-contained again every this many versions, so a read
@@ -130,13 +131,17 @@ def groups_from_torch_state(state: Mapping[Any, Any], kind: str) -> list[Optimiz
             cursor += 1
             arrays = {"param": f"model.{name}"}
             arrays.update(
-                {role: f"optimizer.state.{index}.{role}" for role in entry if role != "step"}
+                {
+                    role: f"optimizer.state.{index}.{role}"
+                    for role, value in entry.items()
+                    if role != "step" and value is not None
+                }
             )
             count = int(np.asarray(entry.get("step", 1)).item())  # SGD keeps no count
             params = steps.setdefault(count, {})
             params[name] = arrays
         for count, params in steps.items():
-            step = _torch_step(kind, group, count)
+            step = torch_step(kind, group, count)
             wanted = set(roles(step))
             kept = {n: a for n, a in params.items() if set(a) == wanted}
             if kept:
@@ -153,7 +158,8 @@ def _same_kind(a: Any, b: Any) -> bool:
     )
 
 
-def _torch_step(kind: str, group: Mapping[str, Any], count: int) -> OptimizerStep:
+def torch_step(kind: str, group: Mapping[str, Any], count: int) -> OptimizerStep:
+    """The step of a torch parameter group (its hyperparameters) at step ``count``."""
     fields: dict[str, Any] = {"kind": kind, "lr": float(group["lr"]), "step": max(count, 1)}
     if kind == "sgd":
         for name in ("momentum", "dampening", "nesterov", "maximize", "weight_decay"):

@@ -54,6 +54,7 @@ __all__ = [
 ]
 
 _CHUNK = "gradpipe-restore-chunk"
+_REPLAYED = "gradpipe-restore-replayed"
 _GRADIENT = "gradpipe-restore-gradient"
 
 
@@ -248,30 +249,34 @@ class ReplayGraph:
         block = manifest.blocks[i]
         if block is None:
             return None
-        done = chunk_key(block)
-        if done in self.graph:
-            return done
         where = f"{version.context}, {printable(key)}, chunk {i}"
         link = manifest.replays.get(i)
-        if link is None:
-            start, stop = manifest.chunk_ranges()[i]
-            read = ChunkRead(
-                block, np.empty(0), where, manifest.inline.get(i), manifest.deltas.get(i, ())
-            )
-            self.graph[done] = (_read_chunk, self.store, read, manifest.dtype, stop - start)
+        if link is None:  # a stored chunk: named by its id, shared by whatever reads it
+            done = chunk_key(block)
+            if done not in self.graph:
+                start, stop = manifest.chunk_ranges()[i]
+                read = ChunkRead(
+                    block, np.empty(0), where, manifest.inline.get(i), manifest.deltas.get(i, ())
+                )
+                self.graph[done] = (_read_chunk, self.store, read, manifest.dtype, stop - start)
+            return done
+        # A replayed chunk is named by where it is (equal bytes elsewhere, a gradient or
+        # another array, may be what it is rebuilt from: one key would make a cycle).
+        done = (_REPLAYED, version_id, key, i)
+        if done in self.graph:
             return done
         previous = self._version(version.manifest.previous, where)
         if link.source == "previous":  # the previous version's chunk: the same bytes
-            if self.chunk(previous.id, key, i) != done:
+            if previous.tensor(key).blocks[i] != block:
                 raise IntegrityError(
                     f"{where}: says it is the previous version's chunk, which is another; "
                     "run `gradpipe verify`"
                 )
-            return done
+            return self.chunk(previous.id, key, i)
         target = self.targets(version_id).get(key)
         if target is None:
             raise IntegrityError(f"{where}: is replayed, but its snapshot names no optimizer step")
-        self._replay(version, manifest, i, (link, target), previous)
+        self.graph[done] = self._replay(version, manifest, i, (link, target), previous)
         return done
 
     def targets(self, version_id: str) -> dict[str, ReplayTarget]:
@@ -298,7 +303,8 @@ class ReplayGraph:
         i: int,
         how: tuple[ReplayLink, ReplayTarget],
         previous: SnapshotVersion,
-    ) -> None:
+    ) -> tuple[Any, ...]:
+        """The task rebuilding chunk ``i`` (its inputs' tasks added to the graph)."""
         link, target = how
         needed = roles(target.group.step)
         arrays = target.arrays
@@ -310,7 +316,7 @@ class ReplayGraph:
         known = [self.chunk(version.id, arrays[r], i) for r in moments]
         grad = self._gradient(version, target.grad_name, (start, stop), where)
         spec = _ReplaySpec(self.store, link, block, manifest.dtype, target, tuple(moments), where)
-        self.graph[chunk_key(block)] = (_replay_task, spec, before, grad, known)
+        return (_replay_task, spec, before, grad, known)
 
     def _gradient(
         self, version: SnapshotVersion, name: str, span: tuple[int, int], where: str
