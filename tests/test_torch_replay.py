@@ -79,11 +79,12 @@ def test_resuming_from_a_replayed_snapshot_matches_the_uninterrupted_run(
         for step in range(1, 7):
             losses.append(_train_step(model, optimizer, scheduler, step))
             schedules[step] = scheduler.state_dict()
-            saved = save_state(
-                store, "run", model, optimizer, step=step, gradients=True, blocking=blocking
-            )
-            if not blocking:
-                saved.result()
+            if blocking:
+                save_state(store, "run", model, optimizer, step=step, gradients=True)
+            else:
+                save_state(
+                    store, "run", model, optimizer, step=step, gradients=True, blocking=False
+                ).result()
     log = gp.snapshot_log(store, "run")
     full = log[0].full_bytes
     assert all(v.stored_bytes < full / 5 for v in log[1:4]), [v.stored_bytes for v in log]
@@ -105,3 +106,56 @@ def test_an_optimizer_that_is_not_replayed_is_refused(tmp_path: Path) -> None:
     optimizer = torch.optim.RMSprop(model.parameters())
     with pytest.raises(gp.InvalidInputError, match="RMSprop is not replayed"):
         save_state(store, "run", model, optimizer, step=1, gradients=True)
+
+
+def test_the_command_line_replays_a_checkpoint_against_a_runs_aggregate(tmp_path: Path) -> None:
+    """`gradpipe snapshot CKPT --gradient RUN:AGG@STEP --optimizer adamw`, `log`, `restore`."""
+    import numpy as np
+
+    from gradpipe.cli.testing import run_cli, run_cli_json
+    from gradpipe.formats.state_file import read_state_file
+
+    store = str(tmp_path / "store")
+    gp.open_store(store, mode="w")
+    model = _model()
+    optimizer = _optimizer("adamw", model)
+    scheduler = torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0)
+    checkpoints = []
+    for step in range(1, 4):
+        _train_step(model, optimizer, scheduler, step)
+        dump = tmp_path / "dumps" / f"step={step}" / "peer=p0.npz"
+        dump.parent.mkdir(parents=True, exist_ok=True)
+        grads = {n: p.grad.numpy() for n, p in model.named_parameters()}
+        np.savez(dump, **grads)
+        path = tmp_path / f"ckpt{step}.pt"
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+        checkpoints.append(path)
+    with dask.config.set(SMALL):
+        pattern = str(tmp_path / "dumps" / "step={step}" / "peer={peer}.npz")
+        assert run_cli("ingest", store, pattern, "--run", "r").status == 0
+        assert run_cli("aggregate", store, "--run", "r", "--method", "mean").status == 0
+        for step, path in enumerate(checkpoints, start=1):
+            status, doc = run_cli_json(
+                "snapshot", store, "c", str(path), "--step", str(step),
+                "--gradient", f"r:mean@{step}", "--optimizer", "adamw",
+            )  # fmt: skip
+            assert status == 0, doc
+            assert doc["replayed"] == (0 if step == 1 else 7), doc["skipped"]
+    status, doc = run_cli_json("log", store, "c")
+    rows = doc["snapshots"]
+    assert rows[2]["gradient"] == "aggregate r:mean@3"
+    assert rows[2]["encoding"]["replay"] > 0
+    assert rows[2]["stored_bytes"] < rows[0]["stored_bytes"] / 5
+    assert "replays aggregate r:mean@3" in run_cli("log", store, "c").out
+    out = tmp_path / "back.pt"
+    assert run_cli("restore", store, "c", "--step", "2", "-o", str(out)).status == 0
+    want, _ = read_state_file(checkpoints[1])
+    got, _ = read_state_file(out)
+    for key, value in want["model"].items():
+        assert got["model"][key].tobytes() == value.tobytes()
+    for index, entry in want["optimizer"]["state"].items():
+        for role, value in entry.items():
+            assert (
+                np.asarray(got["optimizer"]["state"][index][role]).tobytes()
+                == np.asarray(value).tobytes()
+            )

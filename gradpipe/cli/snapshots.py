@@ -14,6 +14,7 @@ from gradpipe.cli._common import (
     report_result,
 )
 from gradpipe.core.display import printable
+from gradpipe.core.replay_options import DEFAULT_REPLAY_INTERVAL, REPLAY_KINDS
 from gradpipe.errors import InvalidInputError
 
 __all__ = ["register"]
@@ -50,6 +51,26 @@ def register(commands: Commands) -> None:
         type=positive_int,
         metavar="K",
         help="a full copy of each chunk every K snapshots (default 8)",
+    )
+    p.add_argument(
+        "--gradient",
+        metavar="RUN:AGGREGATE@STEP",
+        help="the aggregate the optimizer step before this snapshot applied (a run's, in the "
+        "store): parameters and moments are stored against that step replayed from the "
+        "previous snapshot, mostly nothing (needs --optimizer; design note 016)",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=REPLAY_KINDS,
+        help="the optimizer of a PyTorch checkpoint {'model': ..., 'optimizer': ...} "
+        "(a state file does not say Adam from AdamW)",
+    )
+    p.add_argument(
+        "--replay-interval",
+        type=positive_int,
+        metavar="K",
+        help=f"with --gradient, store a chunk self-contained again every K snapshots "
+        f"(default {DEFAULT_REPLAY_INTERVAL}: a restore replays at most K-1 steps)",
     )
 
     p = commands.add("restore", run_restore, "write a snapshot back as a file, bit-exact")
@@ -124,6 +145,9 @@ def run_snapshot(args: argparse.Namespace) -> CommandResult:
         metadata=metadata,
         delta=args.delta,
         keyframe_interval=interval,
+        gradient=args.gradient,
+        optimizer=args.optimizer,
+        replay_interval=args.replay_interval or DEFAULT_REPLAY_INTERVAL,
     )
     from gradpipe.core.snapshot_manifest import SnapshotManifest
     from gradpipe.snapshots.api import SnapshotInfo
@@ -136,6 +160,8 @@ def run_snapshot(args: argparse.Namespace) -> CommandResult:
     info_doc = SnapshotInfo.of(snapshot_id, manifest)
     doc = {"store": store.url, "file": args.state_file, **info_doc.to_dict()}
     doc["written"] = done.written
+    doc["replayed"] = done.replayed
+    doc["skipped"] = dict(done.skipped)
     if not done.written:  # the same file and step, run again: exit 0, as ingest does
         text = (
             f"snapshot {printable(args.name)} step {args.step} already recorded as {snapshot_id}: "
@@ -147,6 +173,13 @@ def run_snapshot(args: argparse.Namespace) -> CommandResult:
         f"of state, stored {info_doc.stored_bytes / 2**20:.1f} MiB "
         f"({info_doc.ratio:.2f} of a full copy), chain depth {info_doc.depth}, id {snapshot_id}"
     )
+    if args.gradient is not None:
+        text += (
+            f"\nreplayed {done.replayed} parameter(s) with {info_doc.gradient or 'no gradient'}"
+            f" (replay depth {info_doc.replay_depth})"
+        )
+        for name, why in list(done.skipped.items())[:10]:
+            text += f"\n  not replayed: {printable(name)}: {why}"
     return CommandResult(doc, text)
 
 
@@ -189,15 +222,22 @@ def run_log(args: argparse.Namespace) -> CommandResult:
     versions = snapshot_log(store, args.name)
     rows = [v.to_dict() for v in versions]
     header = (
-        f"{'step':>8}  {'time':<26}  {'loss':>10}  {'stored':>10}  {'ratio':>5}  depth  age  id"
+        f"{'step':>8}  {'time':<26}  {'loss':>10}  {'stored':>10}  {'ratio':>5}  depth  age  "
+        f"{'encoding':<24}  id"
     )
     lines = [header]
     for v in versions:
         loss = "-" if v.loss is None else f"{v.loss:.6g}"
         lossy = f"  lossy, max error {v.max_abs_error:.3g}" if v.lossy else ""
+        replay = ""
+        if v.gradient:
+            replay = f"  replays {v.gradient}, depth {v.replay_depth}"
+            if v.gradient_bytes:
+                replay += f", gradient {v.gradient_bytes / 2**20:.1f} MiB"
         lines.append(
             f"{v.step:>8}  {v.time:<26.26}  {loss:>10}  {v.stored_bytes / 2**20:>7.1f} MiB  "
-            f"{v.ratio:>5.2f}  {v.depth:>5}  {v.age:>3}  {v.id[:16]}{lossy}"
+            f"{v.ratio:>5.2f}  {v.depth:>5}  {v.age:>3}  {_encoding(v.encoding):<24}  "
+            f"{v.id[:16]}{lossy}{replay}"
         )
     total = sum(v.stored_bytes for v in versions)
     full = sum(v.full_bytes for v in versions)
@@ -207,6 +247,14 @@ def run_log(args: argparse.Namespace) -> CommandResult:
     )
     doc = {"store": store.url, "name": args.name, "snapshots": rows}
     return CommandResult(doc, "\n".join(lines))
+
+
+def _encoding(counts: dict[str, int]) -> str:
+    """``"12 full, 30 replay (28 exact)"``: the kinds a version stored chunks as."""
+    parts = [f"{counts[k]} {k}" for k in ("full", "delta", "replay") if counts.get(k)]
+    if counts.get("exact"):
+        parts[-1] += f" ({counts['exact']} exact)"
+    return ", ".join(parts) or "unchanged"
 
 
 def run_prune(args: argparse.Namespace) -> CommandResult:

@@ -41,6 +41,7 @@ import numpy as np
 
 from gradpipe.core.display import printable
 from gradpipe.core.dtypes import dtype_name
+from gradpipe.core.replay_options import REPLAY_KINDS
 from gradpipe.errors import GradpipeError, InvalidInputError
 
 __all__ = [
@@ -89,7 +90,7 @@ _RANGES: Final = {
 }
 Variant = Literal["plain", "fma"]
 #: The optimizers replayed: ``torch.optim.Adam``, ``AdamW`` and ``SGD`` (momentum, nesterov).
-KINDS: Final = ("adam", "adamw", "sgd")
+KINDS: Final = REPLAY_KINDS
 #: ``plain``: every operation rounded on its own (torch's CPU kernels without AVX2, numpy);
 #: ``fma``: multiply-adds rounded once (vectorised and fused kernels; float64 state: as plain).
 VARIANTS: Final = ("plain", "fma")

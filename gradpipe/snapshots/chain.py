@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gradpipe.core.chain import ChainTotals
 from gradpipe.core.display import PATH_LIMIT, printable, printable_names
 from gradpipe.core.names import parse_name
 from gradpipe.core.snapshot_manifest import SnapshotManifest
@@ -55,6 +56,12 @@ class SnapshotInfo:
     lossy: bool = False  # a sparse delta dropped or rounded changes
     max_abs_error: float = 0.0
     metadata: dict[str, str] = field(default_factory=dict)
+    #: Chunks by how this version stored them: full, delta, unchanged, replay (exact: of
+    #: those, predicted exactly and stored as nothing).
+    encoding: dict[str, int] = field(default_factory=dict)
+    replay_depth: int = 0  # most optimizer replays a read of one chunk makes
+    gradient: str = ""  # the gradient its replay applied ("" when not replayed)
+    gradient_bytes: int = 0  # a recorded gradient's bytes (not in stored_bytes)
 
     @property
     def ratio(self) -> float:
@@ -77,6 +84,10 @@ class SnapshotInfo:
             "lossy": self.lossy,
             "max_abs_error": self.max_abs_error if math.isfinite(self.max_abs_error) else None,
             "metadata": dict(self.metadata),
+            "encoding": dict(self.encoding),
+            "replay_depth": self.replay_depth,
+            "gradient": self.gradient,
+            "gradient_bytes": self.gradient_bytes,
         }
 
     @classmethod
@@ -95,7 +106,27 @@ class SnapshotInfo:
             manifest.lossy,
             manifest.max_abs_error,
             dict(manifest.metadata),
+            _encoding(manifest),
+            manifest.replay_depth,
+            "" if manifest.replay is None else manifest.replay.gradient.describe(),
+            manifest.gradient_bytes,
         )
+
+
+def _encoding(manifest: SnapshotManifest) -> dict[str, int]:
+    """Chunks of a version by how they were stored (each tensor manifest counted once)."""
+    totals = ChainTotals()
+    for tensor_id in dict.fromkeys(manifest.tensors.values()):
+        tensor = manifest.embedded.get(tensor_id)
+        if tensor is not None:
+            totals.add_version(tensor)
+    return {
+        "full": totals.full_chunks,
+        "delta": totals.delta_chunks,
+        "unchanged": totals.unchanged_chunks,
+        "replay": totals.replay_chunks,
+        "exact": totals.exact_chunks,
+    }
 
 
 def chain_head(store: Store, name: str) -> str | None:

@@ -29,6 +29,7 @@ from gradpipe.core.replay import (
     scalars_to_json,
     work_dtype,
 )
+from gradpipe.core.replay_options import DEFAULT_REPLAY_INTERVAL
 from gradpipe.core.replay_record import GradientRef, ReplayGroup, ReplayRecord
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import InvalidInputError
@@ -46,9 +47,6 @@ __all__ = [
     "torch_step",
 ]
 
-#: A replayed chunk is stored self-contained again every this many versions, so a read
-#: replays at most this many steps minus one (docs/design/016: the restore-time target).
-DEFAULT_REPLAY_INTERVAL: Final = 4
 
 #: Elements of each sampled parameter the probe predicts (the variant and lr chosen by it).
 _PROBE_ELEMENTS: Final = 1 << 16
