@@ -327,7 +327,8 @@ def test_a_drifted_prediction_is_an_error_naming_the_chunk(
         return out
 
     monkeypatch.setattr(replays_module, "predict_chunk", off_by_one_ulp)
-    with pytest.raises(IntegrityError, match=r"step \d, '[^']+', chunk \d+: the optimizer replay predicts other values"):
+    drift = r"step \d, '[^']+', chunk \d+: the optimizer replay predicts other values"
+    with pytest.raises(IntegrityError, match=drift):
         gp.restore(store, "run")
     report = gp.verify(store)
     assert {p.kind for p in report.problems} == {"drifted prediction"}
@@ -562,3 +563,17 @@ def test_two_writers_racing_both_land_and_read_back_exactly(tmp_path: Path) -> N
         if expected is not None:
             assert bits_equal(got, expected)
     assert gp.verify(store).ok
+
+
+def test_xarray_reads_a_chain_of_replay_versions(tmp_path: Path) -> None:
+    xr = pytest.importorskip("xarray")
+    store = gp.open_store(tmp_path / "s", mode="w")
+    with dask.config.set(SMALL):
+        saved = run_chain(store, Trainer(noise=True), 4)
+    ds = xr.open_dataset(str(tmp_path / "s"), engine="gradpipe", kind="snapshot", name="run")
+    w = ds["model.w"] if "model.w" in ds else ds[next(v for v in ds.data_vars if v.endswith("w"))]
+    for version, step in enumerate(sorted(saved)):
+        assert w.isel(version=version).values.tobytes() == saved[step]["model"]["w"].tobytes()
+    assert w.isel(version=3, **{w.dims[1]: slice(2, 5)}).values.tobytes() == (
+        saved[4]["model"]["w"][2:5].tobytes()
+    )

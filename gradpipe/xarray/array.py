@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -86,7 +87,7 @@ class TensorStack(BackendArray):
     def __init__(
         self,
         store: Store,
-        manifests: Sequence[TensorManifest | TensorRef | None],
+        manifests: Sequence[TensorManifest | TensorRef | ReplayedTensor | None],
         *,
         lead: tuple[int, ...],
         dtype: str,
@@ -162,6 +163,9 @@ class TensorStack(BackendArray):
             if cell is None:
                 target[...] = fill
                 continue
+            if isinstance(cell, ReplayedTensor):
+                target[...] = _outer(cell.read(self.store), picks[nlead:])
+                continue
             try:
                 manifest = resolve_tensor(cell)  # decoded on the first read that needs it
             except IntegrityError as exc:
@@ -203,6 +207,38 @@ class TensorStack(BackendArray):
                 places[i] = (places[i][0], places[i][1], None)
             placed = done
         return out.squeeze(axis=dropped) if dropped else out
+
+
+@dataclass(frozen=True)
+class ReplayedTensor:
+    """A snapshot's array stored with optimizer replay: read whole, through its snapshot.
+
+    Its chunks replay the versions before it (design note 016), so it is read as
+    ``gp.restore`` reads it, then the selection is taken.
+    """
+
+    snapshot_id: str
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]  # as stored (the dask chunks xarray prefers)
+
+    def read(self, store: Store) -> np.ndarray:
+        from gradpipe.core.snapshot_manifest import SnapshotManifest
+        from gradpipe.snapshots.restore import read_arrays
+
+        manifest = store.get_typed(self.snapshot_id, SnapshotManifest, context="snapshot")
+        return read_arrays(store, self.snapshot_id, manifest, [self.key])[self.key]
+
+
+def _outer(values: np.ndarray, picks: Sequence[Index]) -> np.ndarray:
+    """``values`` at the outer selection ``picks`` (one slice or index array per axis)."""
+    for axis, pick in enumerate(picks):
+        if isinstance(pick, slice):
+            values = values[(slice(None),) * axis + (pick,)]
+        else:
+            values = np.take(values, pick, axis=axis)
+    return values
 
 
 def _rebuild(url: str, storage_options: dict[str, Any], fields: dict[str, Any]) -> TensorStack:

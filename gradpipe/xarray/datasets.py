@@ -45,9 +45,14 @@ from gradpipe.core.display import printable, printable_names
 from gradpipe.core.gc_pause import gc_paused
 from gradpipe.core.run_manifest import DumpManifest
 from gradpipe.core.snapshot_manifest import SnapshotManifest
-from gradpipe.core.tensor_manifest import TensorManifest, TensorRef, embedded_tensor
+from gradpipe.core.tensor_manifest import (
+    TensorManifest,
+    TensorRef,
+    embedded_tensor,
+    resolve_tensor,
+)
 from gradpipe.errors import NotFoundError
-from gradpipe.xarray.array import TensorStack
+from gradpipe.xarray.array import ReplayedTensor, TensorStack
 from gradpipe.xarray.view_names import coordinate_name, dim_name, variable_name
 
 if TYPE_CHECKING:
@@ -205,12 +210,16 @@ def snapshot_dataset(
         if key in drops or shown in drops:
             continue
         dtype, shape = schema[key]
-        cells: list[TensorManifest | TensorRef | None] = []
+        cells: list[TensorManifest | TensorRef | ReplayedTensor | None] = []
         other: list[int] = []
         for version, manifest in enumerate(manifests):
-            tensor: TensorManifest | TensorRef | None = None
+            tensor: TensorManifest | TensorRef | ReplayedTensor | None = None
             if key in manifest.tensors:
                 tensor = _snapshot_tensor(store, manifest, key)
+                if manifest.needs_previous and (found := resolve_tensor(tensor)).replays:
+                    tensor = ReplayedTensor(
+                        versions[version][0], key, found.dtype, found.shape, found.chunk_shape
+                    )
             if tensor is not None and (tensor.dtype, tensor.shape) != (dtype, shape):
                 other.append(version)
                 tensor = None
@@ -281,7 +290,7 @@ def _stack(
     store: Store,
     name: str,
     shown: str,
-    grid: Sequence[TensorManifest | TensorRef | None],
+    grid: Sequence[TensorManifest | TensorRef | ReplayedTensor | None],
     *,
     lead: tuple[int, ...],
     dims: tuple[str, ...],
