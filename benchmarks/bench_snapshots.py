@@ -20,6 +20,13 @@ past the full shape). Flat formats see the same arrays under dotted names
 
 Rows, each writing the N snapshots in order into its own new directory:
 
+- ``gradpipe chain + replay``: the nested chain with optimizer replay (issue 21, design
+  note 016): ``gp.snapshot(..., gradient=grads, optimizer=groups, replay_interval=K)``
+  with the gradient each step applied (the peers' float32 mean, fixed peer order, as the
+  trainer took it) recorded with the snapshot. Its ``stored MiB`` is the state's own:
+  every file the row wrote minus the recorded gradients' blocks (printed apart: replay
+  pays when the gradients are kept anyway, and they are not counted against ZipNN);
+
 - ``gradpipe chain (API, nested)``: ``gp.snapshot(store, "state", state, step=k,
   loss=loss)`` of the nested state into a local store; restore:
   ``gp.restore(open_store(url), "state")`` (the newest), flattened for the check,
@@ -60,8 +67,13 @@ stored bytes and wall seconds.
 While the snapshot API, ``gradpipe restore`` or ``ingest --delta`` are missing
 from the build, their rows say so and the anchors are still measured.
 
+``--replay-intervals 2,4,8`` adds one line per interval K: the replay chain's own bytes,
+how many times smaller than ZipNN's, and the newest version's restore time beside
+``load_file``'s (the newest version replays ``(N - 1) mod K`` steps).
+
 Run: ``python benchmarks/bench_snapshots.py`` (``--snapshots N``, ``--mib M``,
-``--passes N``, ``--repeat N``, ``--skip-ingest``); a few minutes at the default size on two cores
+``--passes N``, ``--repeat N``, ``--skip-ingest``, ``--replay-intervals``); a few minutes at
+the default size on two cores
 (the anchors alone: 90 s, a third of it training).
 """
 
@@ -91,11 +103,13 @@ from bench_ingest import (  # the same helpers and CLI run as the ingest benchma
 )
 
 import gradpipe as gp
+from gradpipe.core.replay_options import DEFAULT_REPLAY_INTERVAL
 from gradpipe.formats.safetensors import read_safetensors
 from gradpipe.testing import TransformerConfig, TransformerRun, write_transformer_run
 
 MiB = 2**20
 UNAVAILABLE = "not available in this build"
+LR, WEIGHT_DECAY = 1e-4, 0.01  # set from the run's config by make_data
 
 Flat = dict[str, np.ndarray]
 
@@ -108,6 +122,24 @@ class Snapshot:
     loss: float
     state: dict[str, Any]
     flat: Flat
+    grads: Flat = field(default_factory=dict)  # the gradient the step applied, by parameter
+
+    @property
+    def groups(self) -> list[dict[str, Any]]:
+        """``optimizer=`` of ``gp.snapshot``: one AdamW group naming each parameter's arrays."""
+        from gradpipe.core.replay import OptimizerStep
+
+        counter = int(self.state["optimizer"]["step"])
+        step = OptimizerStep("adamw", lr=LR, step=counter, weight_decay=WEIGHT_DECAY)
+        params = {
+            name: {
+                "param": f"model.{name}",
+                "exp_avg": f"optimizer.exp_avg.{name}",
+                "exp_avg_sq": f"optimizer.exp_avg_sq.{name}",
+            }
+            for name in self.state["model"]
+        }
+        return [{"step": step, "params": params}]
 
     @property
     def nbytes(self) -> int:
@@ -138,6 +170,18 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> Flat:
     return flat
 
 
+def applied_gradient(run: TransformerRun, step: int) -> Flat:
+    """The gradient the step applied: the peers' mean, float32, in fixed peer order."""
+    dumps = [read_safetensors(run.dump_path(step, peer))[0] for peer in run.peers]
+    out = {}
+    for name in dumps[0]:
+        total = np.zeros(dumps[0][name].shape, dtype=np.float32)
+        for dump in dumps:
+            total += dump[name]
+        out[name] = total / np.float32(len(dumps))
+    return out
+
+
 def load_snapshot(run: TransformerRun, step: int) -> Snapshot:
     """The training state ``write_transformer_run`` wrote for ``step``, shaped as torch keeps it."""
     tensors, meta = read_safetensors(run.state_path(step))
@@ -159,10 +203,12 @@ def load_snapshot(run: TransformerRun, step: int) -> Snapshot:
             "step": np.array(counter, dtype=np.float32),
         },
     }
-    return Snapshot(int(meta["step"]), float(meta["loss"]), state, flatten(state))
+    grads = applied_gradient(run, step)
+    return Snapshot(int(meta["step"]), float(meta["loss"]), state, flatten(state), grads)
 
 
 def make_data(args: argparse.Namespace, root: Path) -> tuple[TransformerRun, list[Snapshot], str]:
+    global LR, WEIGHT_DECAY
     peers = 2
     # for_dump_size sizes one gradient dump (= the parameters); the state is three times that.
     config = TransformerConfig.for_dump_size(
@@ -170,6 +216,7 @@ def make_data(args: argparse.Namespace, root: Path) -> tuple[TransformerRun, lis
     )
     start = time.perf_counter()
     run = write_transformer_run(root, config, backend="auto")
+    LR, WEIGHT_DECAY = config.learning_rate, config.weight_decay
     seconds = time.perf_counter() - start
     snapshots = [load_snapshot(run, step) for step in run.steps]
     per = snapshots[-1].nbytes
@@ -221,6 +268,38 @@ def gradpipe_contender(name: str, *, nested: bool) -> tuple[Write, Restore, Call
         return flatten(state)
 
     return write, restore, setup
+
+
+def replay_contender(interval: int) -> tuple[Write, Restore, Callable[[Path], None]]:
+    stores: dict[Path, Any] = {}
+
+    def setup(root: Path) -> None:
+        stores[root] = gp.open_store(str(root), mode="w")
+
+    def write(root: Path, snap: Snapshot) -> None:
+        gp.snapshot(
+            stores[root],
+            "replay",
+            snap.state,
+            step=snap.step,
+            loss=snap.loss,
+            gradient=snap.grads,
+            optimizer=snap.groups,
+            replay_interval=interval,
+        )
+
+    def restore(root: Path, snap: Snapshot) -> Mapping[str, Any]:
+        return flatten(gp.restore(gp.open_store(str(root), mode="r"), "replay"))
+
+    return write, restore, setup
+
+
+def replay_bytes(root: Path) -> tuple[int, int, list[int]]:
+    """The replay chain's own bytes (every file but the recorded gradients' blocks), the
+    gradients' bytes, and each version's own block bytes."""
+    log = gp.snapshot_log(gp.open_store(str(root), mode="r"), "replay")
+    gradients = sum(v.gradient_bytes for v in log)
+    return disk_bytes(root) - gradients, gradients, [v.stored_bytes for v in log]
 
 
 def zarr_write(root: Path, snap: Snapshot) -> None:
@@ -454,6 +533,18 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
     nested_w, nested_r, nested_setup = gradpipe_contender("state", nested=True)
     contender("gradpipe chain (API, nested)", "gp", nested_w, nested_r, setup=nested_setup)
     shutil.rmtree(tmp / "gp", ignore_errors=True)
+    replay_w, replay_r, replay_setup = replay_contender(DEFAULT_REPLAY_INTERVAL)
+    replay = contender(
+        f"gradpipe chain + replay (K={DEFAULT_REPLAY_INTERVAL})",
+        "gp-replay",
+        replay_w,
+        replay_r,
+        setup=replay_setup,
+    )
+    own, gradients, versions = replay_bytes(tmp / "gp-replay")
+    replay.extra = {"gradients": gradients, "versions": versions, "disk": replay.stored}
+    replay.stored = own
+    shutil.rmtree(tmp / "gp-replay", ignore_errors=True)
     flat_w, flat_r, flat_setup = gradpipe_contender("flat", nested=False)
     flat = contender("gradpipe chain (API, flat)", "gp-flat", flat_w, flat_r, setup=flat_setup)
     contender("zarr v3 (default codecs)", "zarr", zarr_write, zarr_restore)
@@ -463,6 +554,10 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
     contender("torch.save", "torch", torch_write, torch_restore)
     shutil.rmtree(tmp / "torch")
     contender("safetensors save_file", "st", safetensors_write, safetensors_restore)
+    intervals = [
+        (k, *sweep_interval(k, tmp, snapshots, args.repeat))
+        for k in (int(x) for x in args.replay_intervals.split(",") if x)
+    ]
 
     command = command_restore(
         None if flat.missing else tmp / "gp-flat",
@@ -475,6 +570,76 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
     if not args.skip_ingest:
         ingest_line = delta_ingest(data, tmp)
     print_table(args, what, rows, logical, command, ingest_line)
+    print_replay(args, rows, intervals)
+
+
+def sweep_interval(
+    interval: int, tmp: Path, snapshots: list[Snapshot], repeat: int
+) -> tuple[int, float]:
+    """The replay chain's own bytes and the newest version's restore seconds, with K."""
+    write, restore, setup = replay_contender(interval)
+    row = measure(
+        f"K={interval}", tmp / f"k{interval}", snapshots, write, restore,
+        passes=1, repeat=repeat, setup=setup,
+    )  # fmt: skip
+    own = replay_bytes(tmp / f"k{interval}")[0]
+    shutil.rmtree(tmp / f"k{interval}")
+    if row.exact != "yes":
+        raise RuntimeError(f"replay chain with K={interval}: {row.exact}")
+    return own, row.restore_seconds
+
+
+def print_replay(
+    args: argparse.Namespace, rows: list[Row], intervals: list[tuple[int, int, float]]
+) -> None:
+    by_name = {row.name: row for row in rows}
+    zipnn, st = by_name["zipnn (numpy, float32)"], by_name["safetensors save_file"]
+    plain = by_name["gradpipe chain (API, nested)"]
+    replay = by_name[f"gradpipe chain + replay (K={DEFAULT_REPLAY_INTERVAL})"]
+    if replay.missing:
+        return
+
+    def verdict(ok: bool) -> str:
+        return "PASS" if ok else "FAIL"
+
+    versions = replay.extra["versions"]
+    n = len(versions)
+    print("\noptimizer replay (the gradient each step applied recorded with the snapshot):")
+    print(
+        f"  the {n} versions' own blocks, MiB: "
+        + ", ".join(f"{v / MiB:.2f}" for v in versions)
+        + f"; recorded gradients {replay.extra['gradients'] / MiB:.1f} MiB (not counted); "
+        f"manifests and refs {(replay.stored - sum(versions)) / MiB:.2f} MiB (counted)"
+    )
+    smaller = zipnn.stored / replay.stored
+    print(
+        f"  {verdict(smaller >= 20 and replay.exact == 'yes')}  {n} snapshots' own bytes >= 20x "
+        f"smaller than zipnn's: {smaller:.1f}x ({replay.stored / MiB:.2f} MiB vs "
+        f"{zipnn.stored / MiB:.1f} MiB; bit-exact {replay.exact})"
+    )
+    predicted = replay.stored - versions[0]
+    print(
+        f"  info  the {n - 1} versions after the first: {predicted / MiB:.2f} MiB, "
+        f"{zipnn.stored * (n - 1) / n / max(predicted, 1):.0f}x smaller than zipnn's "
+        "(the first has no previous version to replay from: stored whole)"
+    )
+    ratio = replay.restore_seconds / st.restore_seconds
+    print(
+        f"  {verdict(ratio <= 2)}  restoring the newest <= 2x load_file: {ratio:.2f}x "
+        f"({replay.restore_seconds:.3f} s vs {st.restore_seconds:.3f} s, in this process)"
+    )
+    slower = replay.write_seconds / plain.write_seconds
+    print(
+        f"  {verdict(slower <= 1.1)}  the snapshot write no slower than today's: {slower:.2f}x "
+        f"the chain without replay ({replay.write_seconds:.2f} s vs {plain.write_seconds:.2f} s "
+        f"for {n} snapshots)"
+    )
+    for k, own, seconds in intervals:
+        print(
+            f"  K={k:<3} own {own / MiB:8.2f} MiB, {zipnn.stored / own:6.1f}x smaller than "
+            f"zipnn's; restore of the newest (depth {(n - 1) % k}) {seconds:.3f} s, "
+            f"{seconds / st.restore_seconds:.2f}x load_file"
+        )
 
 
 def print_table(
@@ -579,6 +744,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--skip-ingest", action="store_true", help="no plain-versus---delta ingest line"
+    )
+    parser.add_argument(
+        "--replay-intervals",
+        default="",
+        help="comma-separated replay intervals K to sweep (bytes, restore time), e.g. 2,4,8",
     )
     args = parser.parse_args()
     if args.snapshots < 2:

@@ -280,6 +280,7 @@ def replay(
         c = step.scalars(dtype) if scalars is None else _given_scalars(step, dtype, scalars)
         ops.known = {role: ops.load(values) for role, values in (known or {}).items()}
         ops.param_wanted = "param" in wanted
+        ops.wanted = wanted
         update = _sgd if step.kind == "sgd" else _adam
         out = update(ops, step, c, ops.load(param), g, previous=previous)
         return ops.store({role: out[role] for role in needed if role in wanted})
@@ -341,20 +342,28 @@ def _adam(
 ) -> dict[str, np.ndarray]:
     if step.weight_decay != 0:
         if step.kind == "adamw":
-            p = ops.round(p * c["decay"])  # param.mul_(1 - lr * weight_decay)
+            if ops.param_wanted:  # (the moments do not depend on it)
+                p = ops.round(p * c["decay"])  # param.mul_(1 - lr * weight_decay)
         else:
             g = ops.add_scaled(g, p, c["weight_decay"])  # grad.add(param, alpha=wd)
-    m, v = ops.load(previous["exp_avg"]), ops.load(previous["exp_avg_sq"])
-    m = ops.lerp(m, g, c["one_minus_beta1"])  # exp_avg.lerp_(grad, 1 - beta1)
-    v = ops.round(v * c["beta2"])  # exp_avg_sq.mul_(beta2)
-    v = ops.addcmul(v, g, g, c["one_minus_beta2"])  # .addcmul_(grad, grad, value=1 - beta2)
-    m, v = ops.known.get("exp_avg", m), ops.known.get("exp_avg_sq", v)
-    out = {"exp_avg": m, "exp_avg_sq": v}
+    # A moment known exactly (a reader decoded it first) or not needed is not computed.
+    m = ops.known.get("exp_avg")
+    if m is None and (ops.param_wanted or "exp_avg" in ops.wanted):
+        m = ops.lerp(ops.load(previous["exp_avg"]), g, c["one_minus_beta1"])  # exp_avg.lerp_
+    v = ops.known.get("exp_avg_sq")
+    if v is None and (ops.param_wanted or step.amsgrad or "exp_avg_sq" in ops.wanted):
+        v = ops.round(ops.load(previous["exp_avg_sq"]) * c["beta2"])  # exp_avg_sq.mul_(beta2)
+        v = ops.addcmul(v, g, g, c["one_minus_beta2"])  # .addcmul_(grad, grad, value=1 - b2)
+    out = {r: x for r, x in (("exp_avg", m), ("exp_avg_sq", v)) if x is not None}
     if step.amsgrad:
-        v = np.maximum(ops.load(previous["max_exp_avg_sq"]), v)
-        out["max_exp_avg_sq"] = v = ops.known.get("max_exp_avg_sq", v)
+        assert v is not None
+        known_max = ops.known.get("max_exp_avg_sq")
+        v = np.maximum(ops.load(previous["max_exp_avg_sq"]), v) if known_max is None else known_max
+        out["max_exp_avg_sq"] = v
     if not ops.param_wanted:  # the moments alone: no square roots
         return out
+    assert m is not None
+    assert v is not None
     denom = ops.round(ops.round(np.sqrt(v)) / c["correction2_sqrt"])  # sqrt() / sqrt(bc2)
     denom = ops.add_scalar(denom, c["eps"])  # .add_(eps)
     # param.addcdiv_(exp_avg, denom, value=-step_size): self + value * t1 / t2, one kernel
@@ -433,9 +442,10 @@ class _Ops:
         self.narrow = dtype != self.work  # bfloat16, float16: round after each kernel
         self.known: dict[str, np.ndarray] = {}  # roles of the new state known exactly
         self.param_wanted = True
+        self.wanted: set[str] = set()  # the roles asked for (others are computed only if needed)
 
     def load(self, values: np.ndarray) -> np.ndarray:
-        return np.asarray(values).astype(self.work)
+        return np.asarray(values).astype(self.work, copy=False)  # never written in place
 
     def round(self, values: np.ndarray) -> np.ndarray:
         """A kernel's output: rounded to the state's dtype, computed on in the work dtype."""
@@ -457,8 +467,12 @@ class _Ops:
 
     def _fma(self, a: Any, b: Any, c: Any) -> np.ndarray:
         """``a * b + c`` rounded once: the product is exact in float64 (float32 operands)."""
-        exact = np.multiply(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64))
-        return self.round(np.add(exact, np.asarray(c, dtype=np.float64)).astype(self.work))
+        if np.ndim(a) == 0:  # the array first: one float64 copy of it, then in place
+            a, b = b, a
+        exact = np.asarray(a).astype(np.float64)
+        exact *= b if np.ndim(b) else np.float64(b)  # exact: float32 operands
+        exact += c if np.ndim(c) else np.float64(c)  # rounded once, in float64
+        return self.round(exact.astype(self.work))
 
     def _narrow_scalar(self, value: np.generic) -> np.generic:
         """A scalar as torch's ``add`` takes it: rounded to the state's dtype first."""
