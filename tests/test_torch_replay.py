@@ -108,6 +108,26 @@ def test_an_optimizer_that_is_not_replayed_is_refused(tmp_path: Path) -> None:
         save_state(store, "run", model, optimizer, step=1, gradients=True)
 
 
+def _checkpoints(tmp_path: Path, steps: int = 3) -> list[Path]:
+    """A torch AdamW run: per step, the applied gradient as one peer's dump and a checkpoint."""
+    import numpy as np
+
+    model = _model()
+    optimizer = _optimizer("adamw", model)
+    scheduler = torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0)
+    checkpoints = []
+    for step in range(1, steps + 1):
+        _train_step(model, optimizer, scheduler, step)
+        dump = tmp_path / "dumps" / f"step={step}" / "peer=p0.npz"
+        dump.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(dump, **{n: p.grad.numpy() for n, p in model.named_parameters()})
+        path = tmp_path / "ckpt" / f"step={step}.pt"
+        path.parent.mkdir(exist_ok=True)
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+        checkpoints.append(path)
+    return checkpoints
+
+
 def test_the_command_line_replays_a_checkpoint_against_a_runs_aggregate(tmp_path: Path) -> None:
     """`gradpipe snapshot CKPT --gradient RUN:AGG@STEP --optimizer adamw`, `log`, `restore`."""
     import numpy as np
@@ -117,19 +137,7 @@ def test_the_command_line_replays_a_checkpoint_against_a_runs_aggregate(tmp_path
 
     store = str(tmp_path / "store")
     gp.open_store(store, mode="w")
-    model = _model()
-    optimizer = _optimizer("adamw", model)
-    scheduler = torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0)
-    checkpoints = []
-    for step in range(1, 4):
-        _train_step(model, optimizer, scheduler, step)
-        dump = tmp_path / "dumps" / f"step={step}" / "peer=p0.npz"
-        dump.parent.mkdir(parents=True, exist_ok=True)
-        grads = {n: p.grad.numpy() for n, p in model.named_parameters()}
-        np.savez(dump, **grads)
-        path = tmp_path / f"ckpt{step}.pt"
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
-        checkpoints.append(path)
+    checkpoints = _checkpoints(tmp_path)
     with dask.config.set(SMALL):
         pattern = str(tmp_path / "dumps" / "step={step}" / "peer={peer}.npz")
         assert run_cli("ingest", store, pattern, "--run", "r").status == 0
@@ -159,3 +167,31 @@ def test_the_command_line_replays_a_checkpoint_against_a_runs_aggregate(tmp_path
                 np.asarray(got["optimizer"]["state"][index][role]).tobytes()
                 == np.asarray(value).tobytes()
             )
+
+
+def test_a_workflow_snapshot_stage_replays_against_the_runs_aggregates(tmp_path: Path) -> None:
+    _checkpoints(tmp_path)
+    store = tmp_path / "store"
+    gp.open_store(str(store), mode="w")
+    workflow = tmp_path / "flow.yaml"
+    workflow.write_text(
+        f"""
+version: 1
+store: {store}
+backoff: 0
+stages:
+  - ingest: {{pattern: "{tmp_path}/dumps/step={{step}}/peer={{peer}}.npz", run: r}}
+  - aggregate: {{run: r, method: mean}}
+  - snapshot:
+      name: c
+      pattern: "{tmp_path}/ckpt/step={{step}}.pt"
+      gradient: "r:mean@{{step}}"
+      optimizer: adamw
+  - verify: {{}}
+"""
+    )
+    with dask.config.set(SMALL):
+        report = gp.run_workflow(str(workflow))
+    assert report.exit_status == 0, report.summary()
+    log = gp.snapshot_log(gp.open_store(str(store)), "c")
+    assert [v.gradient for v in log] == ["", "aggregate r:mean@2", "aggregate r:mean@3"]

@@ -30,6 +30,7 @@ from typing import Any, Final
 
 from gradpipe.aggregation.options import METHODS, PARAMS
 from gradpipe.core.display import printable
+from gradpipe.core.replay_options import DEFAULT_REPLAY_INTERVAL, REPLAY_KINDS
 from gradpipe.errors import GradpipeError
 from gradpipe.workflow._yaml import Node, load_nodes, read_workflow_text
 from gradpipe.workflow.fields import (
@@ -220,6 +221,17 @@ STAGES: Final[dict[str, StageSpec]] = {
             "name": Str("the snapshot chain", _NAME),
             "pattern": LocalPath("state files (safetensors, npz, .pt) with a {step} field"),
             "delta": Choice(("int", "xor"), "how changed chunks are stored (default int)"),
+            "gradient": Str(
+                "the aggregate each step applied, RUN:AGGREGATE@{step} (with optimizer): "
+                "parameters and moments are stored against that step replayed",
+                r"[A-Za-z0-9][A-Za-z0-9._-]*:[A-Za-z0-9][A-Za-z0-9._-]*@\{step\}",
+            ),
+            "optimizer": Choice(REPLAY_KINDS, "the optimizer of the state files (with gradient)"),
+            "replay_interval": Int(
+                "with gradient, a chunk is stored self-contained again every this many versions "
+                f"(default {DEFAULT_REPLAY_INTERVAL})",
+                low=1,
+            ),
         },
         ("name", "pattern"),
     ),

@@ -138,6 +138,7 @@ def _aggregate(ctx: StageContext, p: dict[str, Any]) -> Report:
 
 
 def _snapshot(ctx: StageContext, p: dict[str, Any]) -> Report:
+    from gradpipe.core.replay_options import DEFAULT_REPLAY_INTERVAL
     from gradpipe.errors import InvalidInputError, NotFoundError
     from gradpipe.formats.state_file import STATE_FILE_KEY, read_state_file
     from gradpipe.ingestion.discover import parse_pattern
@@ -148,6 +149,11 @@ def _snapshot(ctx: StageContext, p: dict[str, Any]) -> Report:
         raise InvalidInputError(
             f"snapshot stage: state files are read from local disk, not {printable(pattern)}"
         )
+    gradient, optimizer = p.get("gradient"), p.get("optimizer")
+    if (gradient is None) != (optimizer is None):
+        raise InvalidInputError("snapshot stage: gradient and optimizer go together")
+    interval = p.get("replay_interval", DEFAULT_REPLAY_INTERVAL)
+    replay = {"optimizer": optimizer, "replay_interval": interval}
     report = SnapshotStageReport(name)
     try:  # the chain only moves forward: a step it pruned is not taken again
         newest = max(m.step for _, m in snapshot_versions(ctx.store, name))
@@ -174,7 +180,15 @@ def _snapshot(ctx: StageContext, p: dict[str, Any]) -> Report:
         # meanwhile (then this one writes nothing and passes the step over); storage errors
         # propagate, so the stage is retried (it is idempotent).
         done = write_snapshot(
-            ctx.store, name, state, step=step, metadata=meta, delta=delta, newer_only=True
+            ctx.store,
+            name,
+            state,
+            step=step,
+            metadata=meta,
+            delta=delta,
+            newer_only=True,
+            gradient=None if gradient is None else gradient.replace("{step}", str(step)),
+            **replay,
         )
         if done.written:
             report.taken.append({"step": step, "id": done.id, "path": path})
