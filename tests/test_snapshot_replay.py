@@ -577,3 +577,50 @@ def test_xarray_reads_a_chain_of_replay_versions(tmp_path: Path) -> None:
     assert w.isel(version=3, **{w.dims[1]: slice(2, 5)}).values.tobytes() == (
         saved[4]["model"]["w"][2:5].tobytes()
     )
+
+
+def test_the_dumps_of_a_step_as_the_gradient(tmp_path: Path) -> None:
+    """``gradient="RUN@STEP"``: the step's dumps, averaged (sum, then divided) in peer order."""
+    trainer = Trainer()
+    per_step = _dump_run_peers(tmp_path / "dumps", trainer, 3)
+    store = gp.open_store(tmp_path / "s", mode="w")
+    saved = {}
+    with dask.config.set(SMALL):
+        assert gp.ingest(store, str(tmp_path / "dumps/step={step}/peer={peer}.npz"), run="r").ok
+        for step in (1, 2, 3):
+            peers = per_step[step]
+            applied = {k: (peers[0][k] + peers[1][k]) / np.float32(2) for k in trainer.names}
+            trainer.step(applied)
+            state = trainer.snapshot_state()
+            write_snapshot(store, "run", state, step=step, gradient=f"r@{step}", optimizer="adamw")
+            saved[step] = state
+    log = gp.snapshot_log(store, "run")
+    assert log[2].gradient == "dumps r@3 (2 peers, sum-then-scale)"
+    assert log[1].stored_bytes == log[2].stored_bytes == 0  # the trainer's mean: exact
+    _, head = find_snapshot(store, "run")
+    assert head.replay is not None
+    assert set(head.manifest_children()) >= {d for _, d in head.replay.gradient.dumps}
+    store.refs.set("runs/r", None)
+    gp.gc(store, grace=0)  # the dumps stay: the snapshots need them
+    for step, state in saved.items():
+        assert bits_equal(gp.restore(store, "run", step=step), state)
+    assert gp.verify(store).ok
+
+
+def _dump_run_peers(
+    root: Path, trainer: Trainer, steps: int
+) -> dict[int, list[dict[str, np.ndarray]]]:
+    out = {}
+    for step in range(1, steps + 1):
+        per_peer = []
+        for peer in ("p0", "p1"):
+            g = {
+                k: (trainer.rng.standard_normal(s) * 0.1).astype(np.float32)
+                for k, s in trainer.shapes.items()
+            }
+            path = root / f"step={step}" / f"peer={peer}.npz"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            np.savez(path, **cast(dict[str, Any], g))
+            per_peer.append(g)
+        out[step] = per_peer
+    return out

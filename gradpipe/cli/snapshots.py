@@ -55,8 +55,9 @@ def register(commands: Commands) -> None:
     p.add_argument(
         "--gradient",
         metavar="RUN:AGGREGATE@STEP",
-        help="the aggregate the optimizer step before this snapshot applied (a run's, in the "
-        "store): parameters and moments are stored against that step replayed from the "
+        help="the gradient the optimizer step before this snapshot applied: a run's "
+        "aggregate, or RUN@STEP for that step's dumps averaged (sum, then divided by the "
+        "peers); parameters and moments are stored against that step replayed from the "
         "previous snapshot, mostly nothing (needs --optimizer; design note 016)",
     )
     p.add_argument(

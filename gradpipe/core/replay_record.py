@@ -5,9 +5,9 @@ prediction: the optimizer step replayed (:func:`gradpipe.core.replay.replay`) fr
 previous version's chunks and the gradient the step applied. Its manifest keeps everything
 that prediction needs in a :class:`ReplayRecord`:
 
-- the gradient (:class:`GradientRef`): an aggregate of a run, kept alive as a child of the
-  snapshot (gc keeps it, verify checks it), or tensors recorded with the snapshot and
-  embedded in it;
+- the gradient (:class:`GradientRef`): an aggregate of a run or the dumps of one of its
+  steps, kept alive as children of the snapshot (gc keeps them, verify checks them), or
+  tensors recorded with the snapshot and embedded in it;
 - per parameter group (:class:`ReplayGroup`): the optimizer step (kind, hyperparameters as
   applied, step count, arithmetic variant), the step's scalars as bit patterns, and which
   array of the state is each parameter's value and moments.
@@ -24,7 +24,12 @@ from gradpipe.core.ids import parse_id
 from gradpipe.core.replay import OptimizerStep, roles
 from gradpipe.errors import InvalidInputError
 
-__all__ = ["GradientRef", "ReplayGroup", "ReplayRecord", "ReplayTarget"]
+__all__ = ["COMBINE_RULES", "GradientRef", "ReplayGroup", "ReplayRecord", "ReplayTarget"]
+
+#: How the dumps of a step make the gradient the step applied: the peers' float32 sum then
+#: divided by their number (an all-reduce sum, then the mean), or each divided first (as
+#: DDP does before its all-reduce). Peers in the run's order.
+COMBINE_RULES = ("sum-then-scale", "scale-then-sum")
 
 
 @dataclass(frozen=True)
@@ -32,31 +37,57 @@ class GradientRef:
     """Where the gradient of a replayed step is kept.
 
     Exactly one of ``aggregate`` (the id of an aggregate manifest, whose tensors are named
-    as the gradients) and ``recorded`` (gradient name → id of a tensor manifest embedded in
-    the snapshot). ``label`` says where it came from, for people (``run:name@step``).
+    as the gradients), ``dumps`` (the ``(peer, dump manifest id)`` of a step, combined by
+    ``combine``, one of :data:`COMBINE_RULES`) and ``recorded`` (gradient name → id of a
+    tensor manifest embedded in the snapshot). ``label`` says where it came from, for people
+    (``run:name@step``, ``run@step``).
     """
 
     aggregate: str | None = None
     recorded: Mapping[str, str] = field(default_factory=dict)
     label: str = ""
+    dumps: tuple[tuple[str, str], ...] = ()
+    combine: str = ""
 
     def __post_init__(self) -> None:
-        if (self.aggregate is None) == (not self.recorded):
-            raise InvalidInputError("a replay's gradient is an aggregate or recorded tensors")
+        if (self.aggregate is not None) + bool(self.recorded) + bool(self.dumps) != 1:
+            raise InvalidInputError(
+                "a replay's gradient is an aggregate, the dumps of a step or recorded tensors"
+            )
         if self.aggregate is not None:
             parse_id(self.aggregate)
         for tensor_id in self.recorded.values():
             parse_id(tensor_id)
+        for _, dump_id in self.dumps:
+            parse_id(dump_id)
+        if bool(self.dumps) != (self.combine in COMBINE_RULES):
+            raise InvalidInputError(
+                f"the dumps of a step are combined by one of {', '.join(COMBINE_RULES)}"
+            )
+
+    def children(self) -> Iterator[str]:
+        """The manifests it keeps alive (an aggregate, dumps)."""
+        if self.aggregate is not None:
+            yield self.aggregate
+        yield from (dump_id for _, dump_id in self.dumps)
 
     def describe(self) -> str:
         """One line for ``gradpipe log``."""
         if self.aggregate is not None:
             return f"aggregate {self.label or self.aggregate}"
+        if self.dumps:
+            return f"dumps {self.label} ({len(self.dumps)} peers, {self.combine})"
         return f"recorded ({len(self.recorded)} tensors)"
 
     def to_dict(self) -> dict[str, Any]:
         if self.aggregate is not None:
             return {"aggregate": self.aggregate, "label": self.label}
+        if self.dumps:
+            return {
+                "dumps": [list(pair) for pair in self.dumps],
+                "combine": self.combine,
+                "label": self.label,
+            }
         return {"recorded": dict(self.recorded)}
 
     @classmethod
@@ -66,6 +97,8 @@ class GradientRef:
             aggregate=None if aggregate is None else str(aggregate),
             recorded={str(k): str(v) for k, v in (data.get("recorded") or {}).items()},
             label=str(data.get("label", "")),
+            dumps=tuple((str(p), str(d)) for p, d in (data.get("dumps") or ())),
+            combine=str(data.get("combine", "")),
         )
 
 

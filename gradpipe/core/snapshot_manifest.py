@@ -156,8 +156,8 @@ class SnapshotManifest(EmbeddedTensors, Manifest):
         if self.previous is not None:
             yield self.previous
         yield from (t for t in dict.fromkeys(self.tensors.values()) if t not in self.embedded)
-        if self.replay is not None and self.replay.gradient.aggregate is not None:
-            yield self.replay.gradient.aggregate  # gc keeps the gradient a replay needs
+        if self.replay is not None:
+            yield from self.replay.gradient.children()  # gc keeps the gradient a replay needs
 
     def format_needed(self) -> int:
         return 5 if self.replay is not None else 3

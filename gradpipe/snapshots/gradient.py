@@ -19,6 +19,7 @@ from gradpipe.core.display import printable
 from gradpipe.core.replay_record import GradientRef
 from gradpipe.errors import InvalidInputError
 from gradpipe.runs import Aggregate, open_run
+from gradpipe.storage.replays import combine_gradients
 
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
@@ -40,7 +41,11 @@ class GivenGradient:
 
 
 def given_gradient(store: Store, gradient: Any) -> GivenGradient:
-    """What ``gradient=`` names: ``"RUN:NAME@STEP"``, an Aggregate, or arrays by name."""
+    """What ``gradient=`` names: ``"RUN:NAME@STEP"`` or an Aggregate, ``"RUN@STEP"`` (that
+    step's dumps, averaged as :func:`~gradpipe.storage.replays.combine_gradients` does), or
+    arrays by name."""
+    if isinstance(gradient, str) and ":" not in gradient:
+        return _dumps_of(store, gradient)
     if isinstance(gradient, str):
         gradient = _aggregate_of(store, gradient)
     if isinstance(gradient, Aggregate):
@@ -77,6 +82,35 @@ def given_gradient(store: Store, gradient: Any) -> GivenGradient:
 
 def _constant(array: np.ndarray) -> Callable[[], np.ndarray]:
     return lambda: array
+
+
+def _dumps_of(store: Store, text: str, rule: str = "sum-then-scale") -> GivenGradient:
+    """The dumps of one step of a run: ``"RUN@STEP"``; peers in the run's order."""
+    name, at, step_text = text.rpartition("@")
+    if not (at and name and step_text.isdigit()):
+        raise InvalidInputError(
+            f"gradient {printable(text)} is not RUN:AGGREGATE@STEP or RUN@STEP (for example "
+            "'train:fedavg@12', or 'train@12' for that step's dumps, averaged)"
+        )
+    run, step = open_run(store, name), int(step_text)
+    peers = run.grid().get(step)
+    if not peers:
+        raise InvalidInputError(f"run {printable(name)} has no dumps at step {step}")
+    dumps = [run.dump(step, peer) for peer in peers]
+    infos = [d.infos() for d in dumps]
+    shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for tensor in infos[0]:
+        kinds = {(i[tensor].dtype, i[tensor].shape) if tensor in i else None for i in infos}
+        if len(kinds) == 1 and None not in kinds:  # every peer has it, alike
+            dtype, shape = infos[0][tensor].dtype, infos[0][tensor].shape
+            shapes[tensor] = ("float64" if dtype == "float64" else "float32", shape)
+
+    def reader(tensor: str) -> Callable[[], np.ndarray]:
+        return lambda: combine_gradients([np.asarray(d.read(tensor)) for d in dumps], rule)
+
+    label = f"{name}@{step}"
+    ref = GradientRef(dumps=tuple((d.peer, d.id) for d in dumps), combine=rule, label=label)
+    return GivenGradient(ref, {t: reader(t) for t in shapes}, shapes, f"dumps {label}")
 
 
 def _aggregate_of(store: Store, text: str) -> Aggregate:

@@ -19,7 +19,7 @@ against its id. Restores run it on a Dask runner (:mod:`gradpipe.graph.replays`)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +34,7 @@ from gradpipe.core.ids import hash_bytes
 from gradpipe.core.manifest import manifest_id
 from gradpipe.core.replay import OptimizerStep, replay, roles, scalars_from_json, work_dtype
 from gradpipe.core.replay_record import ReplayTarget
+from gradpipe.core.run_manifest import DumpManifest
 from gradpipe.core.snapshot_manifest import SnapshotManifest
 from gradpipe.core.tensor_manifest import TensorManifest, require_self_contained
 from gradpipe.errors import IntegrityError, NotFoundError
@@ -43,10 +44,12 @@ if TYPE_CHECKING:
     from gradpipe.storage.store import Store
 
 __all__ = [
+    "GradientSource",
     "PredictionDriftError",
     "ReplayGraph",
     "SnapshotVersion",
     "chunk_key",
+    "combine_gradients",
     "gradient_range",
     "predict_chunk",
     "rebuild_replay_chunk",
@@ -169,8 +172,16 @@ class SnapshotVersion:
     id: str
     manifest: SnapshotManifest
     tensor: Callable[[str], TensorManifest]
-    gradient: Callable[[str], TensorManifest]
+    gradient: Callable[[str], GradientSource]
     context: str
+
+
+@dataclass(frozen=True)
+class GradientSource:
+    """A parameter's gradient as stored: one tensor, or one per peer and the rule combining them."""
+
+    tensors: tuple[TensorManifest, ...]
+    combine: str | None = None  # None: the one tensor is the gradient
 
 
 def snapshot_version(store: Store, snapshot_id: str, manifest: SnapshotManifest) -> SnapshotVersion:
@@ -191,44 +202,77 @@ def snapshot_version(store: Store, snapshot_id: str, manifest: SnapshotManifest)
 
 def _gradient_finder(
     store: Store, manifest: SnapshotManifest, where: str
-) -> Callable[[str], TensorManifest]:
-    """Each parameter's gradient tensor, as the replay version ``manifest`` names it."""
+) -> Callable[[str], GradientSource]:
+    """Each parameter's gradient, as the replay version ``manifest`` names it."""
     ref = None if manifest.replay is None else manifest.replay.gradient
-    found: dict[str, AggregateManifest] = {}
+    sets: list[AggregateManifest | DumpManifest] = []
 
-    def find(name: str) -> TensorManifest:
+    def tensor_sets() -> list[AggregateManifest | DumpManifest]:
+        assert ref is not None
+        if not sets:
+            wanted: list[tuple[str, type[AggregateManifest] | type[DumpManifest]]] = []
+            if ref.aggregate is not None:
+                wanted.append((ref.aggregate, AggregateManifest))
+            wanted += [(dump_id, DumpManifest) for _, dump_id in ref.dumps]
+            for manifest_id_, kind in wanted:
+                try:
+                    sets.append(store.get_typed(manifest_id_, kind, context=where))
+                except NotFoundError:
+                    raise NotFoundError(
+                        f"{where} is stored as an optimizer replay of gradient "
+                        f"{ref.describe()} ({manifest_id_}), which is not in the store: "
+                        "compute it again (same inputs and options: same id) or restore "
+                        "another version"
+                    ) from None
+        return sets
+
+    def find(name: str) -> GradientSource:
         if ref is None:
             raise IntegrityError(f"{where} is replayed, but names no gradient")
-        if ref.aggregate is None:
+        if ref.recorded:
             tensor_id = ref.recorded.get(name)
             recorded = None if tensor_id is None else manifest.embedded.get(tensor_id)
             if recorded is None:
                 raise NotFoundError(
                     f"{where}: its recorded gradient has no tensor {printable(name)}"
                 )
-            return recorded
-        if not found:
-            try:
-                found["m"] = store.get_typed(ref.aggregate, AggregateManifest, context=where)
-            except NotFoundError:
+            return GradientSource((recorded,))
+        found = []
+        for tensors in tensor_sets():
+            tensor_id = dict(tensors.tensors).get(name)
+            if tensor_id is None:
                 raise NotFoundError(
-                    f"{where} is stored as an optimizer replay of gradient {ref.describe()} "
-                    f"({ref.aggregate}), which is not in the store: compute it again "
-                    "(`gradpipe aggregate`, same inputs and options: same id) or restore "
-                    "another version"
-                ) from None
-        aggregate = found["m"]
-        tensor_id = dict(aggregate.tensors).get(name)
-        if tensor_id is None:
-            raise NotFoundError(
-                f"{where}: gradient {ref.describe()} has no tensor {printable(name)}"
+                    f"{where}: gradient {ref.describe()} has no tensor {printable(name)}"
+                )
+            embedded = tensors.embedded.get(tensor_id)
+            found.append(
+                embedded
+                if embedded is not None
+                else store.get_typed(tensor_id, TensorManifest, context=f"{where}, {name}")
             )
-        embedded = aggregate.embedded.get(tensor_id)
-        if embedded is not None:
-            return embedded
-        return store.get_typed(tensor_id, TensorManifest, context=f"{where}, gradient {name}")
+        return GradientSource(tuple(found), ref.combine or None)
 
     return find
+
+
+def combine_gradients(parts: Sequence[np.ndarray], rule: str | None) -> np.ndarray:
+    """The gradient a step applied from its peers' (in the run's order), by ``rule``.
+
+    Computed in float32 (float64 for float64 gradients), as a trainer's all-reduce would:
+    ``sum-then-scale`` adds them up then divides by their number, ``scale-then-sum``
+    divides each first (DDP's way). One part and no rule: that part.
+    """
+    if rule is None:
+        return parts[0]
+    dtype = np.float64 if parts[0].dtype == np.float64 else np.float32
+    count = dtype(len(parts))
+    total = np.zeros(parts[0].shape, dtype=dtype)
+    with np.errstate(all="ignore"):
+        for part in parts:
+            total += part / count if rule == "scale-then-sum" else part
+        if rule == "sum-then-scale":
+            total /= count
+    return total
 
 
 class ReplayGraph:
@@ -323,11 +367,26 @@ class ReplayGraph:
         self, version: SnapshotVersion, name: str, span: tuple[int, int], where: str
     ) -> Hashable:
         start, stop = span
-        gradient = version.gradient(name)
-        require_self_contained(gradient, f"{where}, gradient {printable(name)}")
-        key = (_GRADIENT, manifest_id(gradient), start, stop)
+        source = version.gradient(name)
+        ids = [manifest_id(t) for t in source.tensors]
+        key = (_GRADIENT, *ids, source.combine, start, stop)
         if key in self.graph:
             return key
+        parts = []
+        for gradient in source.tensors:
+            require_self_contained(gradient, f"{where}, gradient {printable(name)}")
+            part = (_GRADIENT, manifest_id(gradient), start, stop)
+            if part not in self.graph:
+                self.graph[part] = self._gradient_part(gradient, name, span, where)
+            parts.append(part)
+        self.graph[key] = (combine_gradients, parts, source.combine)
+        return key
+
+    def _gradient_part(
+        self, gradient: TensorManifest, name: str, span: tuple[int, int], where: str
+    ) -> tuple[Any, ...]:
+        """The task of one gradient tensor's elements ``span`` (its covering chunks added)."""
+        start, stop = span
         chunks: list[Hashable | None] = []
         ranges: list[tuple[int, int]] = []
         for j, (lo, hi) in enumerate(gradient.chunk_ranges()):
@@ -345,8 +404,7 @@ class ReplayGraph:
                 self.graph.setdefault(
                     chunk_key(block), (_read_chunk, self.store, read, gradient.dtype, hi - lo)
                 )
-        self.graph[key] = (gradient_range, gradient.dtype, chunks, ranges, start, stop)
-        return key
+        return (gradient_range, gradient.dtype, chunks, ranges, start, stop)
 
 
 def _read_chunk(store: Store, read: ChunkRead, dtype: str, count: int) -> np.ndarray:

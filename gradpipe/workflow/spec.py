@@ -222,9 +222,10 @@ STAGES: Final[dict[str, StageSpec]] = {
             "pattern": LocalPath("state files (safetensors, npz, .pt) with a {step} field"),
             "delta": Choice(("int", "xor"), "how changed chunks are stored (default int)"),
             "gradient": Str(
-                "the aggregate each step applied, RUN:AGGREGATE@{step} (with optimizer): "
-                "parameters and moments are stored against that step replayed",
-                r"[A-Za-z0-9][A-Za-z0-9._-]*:[A-Za-z0-9][A-Za-z0-9._-]*@\{step\}",
+                "the gradient each step applied, RUN:AGGREGATE@{step} or RUN@{step} (that "
+                "step's dumps averaged), with optimizer: parameters and moments are stored "
+                "against that step replayed",
+                r"[A-Za-z0-9][A-Za-z0-9._-]*(:[A-Za-z0-9][A-Za-z0-9._-]*)?@\{step\}",
             ),
             "optimizer": Choice(REPLAY_KINDS, "the optimizer of the state files (with gradient)"),
             "replay_interval": Int(
