@@ -25,6 +25,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import gradpipe as gp
+from gradpipe.snapshots.api import find_snapshot
 
 BIN = Path(sys.executable).parent
 SEED = int(os.environ.get("GRADPIPE_TEST_SEED", "20241203"))
@@ -122,3 +123,91 @@ def _read(path: Path) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
     return load_file(str(path))
+
+
+# The same, for a version written with optimizer replay (issue 21): a child process saves
+# step 1 against step 0 with the gradient recorded, and is killed at any moment.
+_REPLAY_CHILD = """
+import sys, numpy as np, gradpipe as gp
+from gradpipe.core.replay import OptimizerStep
+from gradpipe.snapshots.save import write_snapshot
+store, path, step = sys.argv[1], sys.argv[2], int(sys.argv[3])
+with np.load(path) as f:
+    arrays = {k: f[k] for k in f.files}
+grad = {"w": arrays.pop("grad")}
+groups = [{"step": OptimizerStep("adam", lr=1e-3, step=step + 1),
+           "params": {"w": {"param": "w", "exp_avg": "m", "exp_avg_sq": "v"}}}]
+done = write_snapshot(gp.open_store(store, mode="r+"), "ckpt", arrays, step=step,
+                      gradient=grad, optimizer=groups)
+print(done.written)
+"""
+
+
+def _replay_states(root: Path) -> list[Path]:
+    from gradpipe.core.replay import OptimizerStep, replay
+
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((768, 4096)).astype("float32")
+    m, v = np.zeros_like(w), np.zeros_like(w)
+    paths = []
+    for step in range(2):
+        grad = (rng.standard_normal(w.shape) * 1e-2).astype("float32")
+        new = replay(OptimizerStep("adam", lr=1e-3, step=step + 1), {
+            "param": w, "exp_avg": m, "exp_avg_sq": v}, grad)  # fmt: skip
+        w, m, v = new["param"], new["exp_avg"], new["exp_avg_sq"]
+        w.reshape(-1)[::97] += np.float32(1e-6)  # a trainer that rounds otherwise, here and there
+        path = root / f"replay{step}.npz"
+        np.savez(path, w=w, m=m, v=v, grad=grad)
+        paths.append(path)
+    return paths
+
+
+def _replay_cmd(store: Path, path: Path, step: int) -> list[str]:
+    return [sys.executable, "-c", _REPLAY_CHILD, str(store), str(path), str(step)]
+
+
+@pytest.mark.slow
+def test_sigkill_mid_replay_snapshot_leaves_the_previous_one(tmp_path: Path) -> None:
+    files = _replay_states(tmp_path)
+    want = []
+    for path in files:
+        with np.load(path) as f:
+            want.append({k: f[k] for k in ("w", "m", "v")})
+    rng = random.Random(SEED)
+    moments: list[float | str] = ["first block", "landed"]
+    moments += [rng.uniform(0.5, 3.0) for _ in range(3)]
+    for n, moment in enumerate(moments):
+        store_path = tmp_path / f"store{n}"
+        gp.open_store(str(store_path), mode="w")
+        subprocess.run(_replay_cmd(store_path, files[0], 0), check=True, env=ENV)
+        before, ref = _blocks(store_path), _ref(store_path)
+        proc = subprocess.Popen(_replay_cmd(store_path, files[1], 1), env=ENV)
+        if moment == "first block":
+            while _blocks(store_path) == before and proc.poll() is None:
+                time.sleep(0.001)
+        elif moment == "landed":
+            while _ref(store_path) == ref and proc.poll() is None:
+                time.sleep(0.001)
+        else:
+            assert isinstance(moment, float)
+            time.sleep(moment)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        what = f"kill {n} at {moment} (seed {SEED})"
+        store = gp.open_store(store_path, mode="r")
+        steps = [v.step for v in gp.snapshot_log(store, "ckpt")]
+        assert steps in ([0], [0, 1]), what
+        for step in steps:
+            got = gp.restore(store, "ckpt", step=step)
+            assert all(got[k].tobytes() == want[step][k].tobytes() for k in want[step]), what
+        assert gp.verify(store).ok, what
+        subprocess.run(_replay_cmd(store_path, files[1], 1), check=True, env=ENV)
+        store = gp.open_store(store_path, mode="r")
+        assert [v.step for v in gp.snapshot_log(store, "ckpt")] == [0, 1], what
+        _, head = find_snapshot(store, "ckpt")
+        assert head.replay is not None, what
+        got = gp.restore(store, "ckpt")
+        assert all(got[k].tobytes() == want[1][k].tobytes() for k in want[1]), what
+        assert gp.verify(store).ok, what
+        gp.gc(gp.open_store(store_path, mode="r+"), grace=0)  # the killed run's orphans go
+        assert gp.verify(gp.open_store(store_path, mode="r")).ok, what
