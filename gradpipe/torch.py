@@ -267,8 +267,9 @@ def replay_groups(
     kind = _replay_kind(optimizer)
     names = {id(p): n for n, p in model.named_parameters()}
     applied = _APPLIED_LR.get(optimizer)
-    if applied is None:  # from now on, each step's learning rate is recorded as applied
+    if optimizer not in _HOOKED:  # from now on, each step's learning rate is recorded
         optimizer.register_step_post_hook(_record_lr)
+        _HOOKED.add(optimizer)
     groups: list[OptimizerGroup] = []
     grads: dict[str, torch.Tensor] = {}
     index = 0
@@ -277,8 +278,10 @@ def replay_groups(
         for p in group["params"]:
             i, index = index, index + 1
             name, entry = names.get(id(p)), optimizer.state.get(p)
-            if name is None or p.grad is None or not entry or p.grad.is_sparse:
+            stateless = kind == "sgd" and not group.get("momentum")  # plain SGD keeps none
+            if name is None or p.grad is None or p.grad.is_sparse or not (entry or stateless):
                 continue
+            entry = entry or {}
             count = int(entry["step"]) if "step" in entry else 1
             arrays = {"param": f"model.{name}"}
             arrays.update(
@@ -305,6 +308,8 @@ def _is_role(name: str, value: Any) -> bool:
 
 #: The learning rate of each group at each optimizer's last step (a scheduler moves it after).
 _APPLIED_LR: weakref.WeakKeyDictionary[Any, list[float]] = weakref.WeakKeyDictionary()
+#: The optimizers whose steps are hooked (once each).
+_HOOKED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _record_lr(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -624,3 +624,79 @@ def _dump_run_peers(
             per_peer.append(g)
         out[step] = per_peer
     return out
+
+
+def test_replay_refuses_a_lossy_delta_and_a_too_deep_interval(tmp_path: Path) -> None:
+    store = gp.open_store(tmp_path / "s", mode="w")
+    trainer = Trainer()
+    grads = trainer.step()
+    state = trainer.snapshot_state()
+    with pytest.raises(InvalidInputError, match="sparse"):
+        gp.snapshot(store, "run", state, step=1, gradient=grads, optimizer="adam", delta="sparse")
+    with pytest.raises(InvalidInputError, match=r"replay interval must be an integer in \[1, 64\]"):
+        gp.snapshot(
+            store, "run", state, step=1, gradient=grads, optimizer="adam", replay_interval=65
+        )
+
+
+def test_arrays_named_by_two_parameters_are_not_replayed(tmp_path: Path) -> None:
+    store = gp.open_store(tmp_path / "s", mode="w")
+    trainer = Trainer(shapes={"w": (40, 30), "u": (40, 30)})
+    for step in (1, 2):
+        grads = trainer.step()
+        state = {"w": trainer.params["w"], "u": trainer.params["u"], "m": trainer.state["w"][
+            "exp_avg"], "v": trainer.state["w"]["exp_avg_sq"]}  # fmt: skip
+        adam = OptimizerStep("adamw", lr=trainer.lr, step=step)
+        groups = [
+            {"step": adam, "params": {
+                "w": {"param": "w", "exp_avg": "m", "exp_avg_sq": "v"},
+                "u": {"param": "u", "exp_avg": "m", "exp_avg_sq": "v"},
+            }},
+        ]  # fmt: skip
+        done = write_snapshot(store, "run", state, step=step, gradient=grads, optimizer=groups)
+    assert done.replayed == 1
+    assert "another parameter's" in done.skipped["u"]
+    assert bits_equal(gp.restore(store, "run"), state)
+
+
+def test_the_replay_cache_stays_within_one_budget_per_process(tmp_path: Path) -> None:
+    store = gp.open_store(tmp_path / "s", mode="w")
+    budget = 60_000
+    with dask.config.set({**SMALL, "gradpipe.snapshot-cache-bytes": budget}):
+        for name in ("a", "b", "c", "d"):
+            run_chain(store, Trainer(shapes={"w": (40, 100)}), 2, name=name)
+    held = replay_write.held_bytes() + save_module._keyframe_bytes()
+    assert 0 < held <= budget
+
+
+def test_a_lost_dump_is_reported_without_false_drift(tmp_path: Path) -> None:
+    trainer = Trainer()
+    _dump_run_peers(tmp_path / "dumps", trainer, 3)
+    store = gp.open_store(tmp_path / "s", mode="w")
+    with dask.config.set(SMALL):
+        assert gp.ingest(store, str(tmp_path / "dumps/step={step}/peer={peer}.npz"), run="r").ok
+        for step in (1, 2, 3):
+            trainer.step()
+            state = trainer.snapshot_state()
+            write_snapshot(store, "run", state, step=step, gradient=f"r@{step}", optimizer="adamw")
+    _, head = find_snapshot(store, "run")
+    assert head.replay is not None
+    _, lost = head.replay.gradient.dumps[1]
+    store.backend.delete_many([block_key(lost)])
+    report = gp.verify(store)
+    kinds = {p.kind for p in report.problems}
+    assert "drifted prediction" not in kinds
+    assert "bad replay" in kinds
+    with pytest.raises(NotFoundError, match="which is not in the store"):
+        gp.restore(store, "run", step=3)
+
+
+def test_xarray_reads_a_replayed_array_whole_once_a_version(tmp_path: Path) -> None:
+    xr = pytest.importorskip("xarray")
+    store = gp.open_store(tmp_path / "s", mode="w")
+    with dask.config.set(SMALL):
+        run_chain(store, Trainer(), 3)
+    ds = xr.open_dataset(str(tmp_path / "s"), engine="gradpipe", kind="snapshot", name="run")
+    w = ds["model.w"]
+    chunks = w.encoding["preferred_chunks"]
+    assert [chunks[d] for d in w.dims[1:]] == list(w.shape[1:])  # read whole, once a version

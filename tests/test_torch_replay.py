@@ -38,6 +38,8 @@ def _optimizer(kind: str, model: Any) -> Any:
         return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05, foreach=True)
     if kind == "adam-fused":
         return torch.optim.Adam(model.parameters(), lr=3e-3, fused=True)
+    if kind == "sgd-plain":  # no momentum: torch keeps no state per parameter
+        return torch.optim.SGD(model.parameters(), lr=3e-2)
     return torch.optim.SGD(model.parameters(), lr=3e-2, momentum=0.9, nesterov=True)
 
 
@@ -64,7 +66,9 @@ def _state(model: Any, optimizer: Any) -> list[bytes]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["adam", "adamw", "sgd", "adamw-foreach", "adam-fused"])
+@pytest.mark.parametrize(
+    "kind", ["adam", "adamw", "sgd", "sgd-plain", "adamw-foreach", "adam-fused"]
+)
 @pytest.mark.parametrize("blocking", [True, False])
 def test_resuming_from_a_replayed_snapshot_matches_the_uninterrupted_run(
     tmp_path: Path, kind: str, blocking: bool

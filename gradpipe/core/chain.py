@@ -112,6 +112,8 @@ class ReplayLink:
 
     @classmethod
     def from_list(cls, data: Sequence[Any]) -> ReplayLink:
+        if not isinstance(data, list | tuple) or len(data) != 4:
+            raise InvalidInputError(f"a replay link is 4 fields, not {printable(data)}")
         block, predicted, kind, source = data
         return cls(None if block is None else str(block), str(predicted), str(kind), str(source))
 

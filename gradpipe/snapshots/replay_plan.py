@@ -40,6 +40,7 @@ from gradpipe.storage.versioner import Prediction
 
 __all__ = [
     "DEFAULT_REPLAY_INTERVAL",
+    "MAX_REPLAY_INTERVAL",
     "OptimizerGroup",
     "ReplayPlan",
     "parse_optimizer",
@@ -54,10 +55,22 @@ _PROBE_PARAMS: Final = 3
 _STATE_DTYPES: Final = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 
+#: The deepest chain of replays a read may make, plus one: each level is a step of the
+#: read's graph and of its building (a deeper chain would also restore slower than it saves).
+MAX_REPLAY_INTERVAL: Final = 64
+
+
 def parse_replay_interval(value: object) -> int:
-    """A replay interval (>= 1; 1 writes no replay)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidInputError(f"replay interval must be an integer >= 1, not {printable(value)}")
+    """A replay interval (1 to :data:`MAX_REPLAY_INTERVAL`; 1 writes no replay)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not 1 <= value <= MAX_REPLAY_INTERVAL
+    ):
+        raise InvalidInputError(
+            f"replay interval must be an integer in [1, {MAX_REPLAY_INTERVAL}], not "
+            f"{printable(value)}"
+        )
     return value
 
 
@@ -116,11 +129,18 @@ def groups_from_torch_state(state: Mapping[Any, Any], kind: str) -> list[Optimiz
     for group in optimizer.get("param_groups", ()):
         params: dict[str, dict[str, str]] = {}
         steps: dict[int, dict[str, dict[str, str]]] = {}
+        stateless = kind == "sgd" and not group.get("momentum")  # plain SGD keeps no state
         for index in group.get("params", ()):
             entry = per_param.get(index)
-            if not isinstance(entry, Mapping) or ("step" not in entry and kind != "sgd"):
-                continue  # no state yet (a parameter that never had a gradient)
-            sample = next((v for k, v in entry.items() if k != "step"), model.get(names[0]))
+            if not isinstance(entry, Mapping):
+                if not stateless:
+                    continue  # no state yet (a parameter that never had a gradient)
+                entry = {}
+            elif "step" not in entry and kind != "sgd":
+                continue
+            sample = next(
+                (v for k, v in entry.items() if k != "step" and isinstance(v, np.ndarray)), None
+            )
             while cursor < len(names) and not _same_kind(model[names[cursor]], sample):
                 cursor += 1
             if cursor == len(names):
@@ -148,6 +168,10 @@ def groups_from_torch_state(state: Mapping[Any, Any], kind: str) -> list[Optimiz
 
 
 def _same_kind(a: Any, b: Any) -> bool:
+    """Whether model entry ``a`` may be the parameter whose state holds ``b`` (None: any
+    floating-point array, for a parameter without state)."""
+    if b is None:
+        return isinstance(a, np.ndarray) and dtype_name(a.dtype) in _STATE_DTYPES
     return (
         isinstance(a, np.ndarray)
         and isinstance(b, np.ndarray)
@@ -208,16 +232,22 @@ class ReplayPlan:
         """
         skipped: dict[str, str] = {}
         kept_groups = []
+        taken: set[str] = set()  # an array is one parameter's role, once
         for group in groups:
             params = {}
             for name, by_role in group.params.items():
                 reason = _refusal(by_role, arrays, head) or _gradient_refusal(
                     name, arrays[by_role["param"]], gradient.shapes
                 )
+                shared = sorted(set(by_role.values()) & taken)
+                if not reason and (shared or len(set(by_role.values())) < len(by_role)):
+                    reason = f"its arrays {printable(shared or sorted(by_role.values()))} are "
+                    reason += "another parameter's or another role's too"
                 if reason:
                     skipped[name] = reason
                 else:
                     params[name] = by_role
+                    taken |= set(by_role.values())
             if params:
                 kept_groups.append(OptimizerGroup(group.step, params))
         keys = [k for g in kept_groups for by_role in g.params.values() for k in by_role.values()]
@@ -242,12 +272,12 @@ class ReplayPlan:
             self._grads[name] = found
         return found
 
-    def probe(self, variant_hint: str | None, lr_hints: Mapping[int, float]) -> None:
+    def probe(self, variant_hint: str | None, lr_hints: Mapping[str, float]) -> None:
         """Choose the variant (and each group's lr among the hints) by exact matches on a sample.
 
-        ``lr_hints`` are other learning rates a group's step may have applied (the one the
-        previous save was given: a state taken after the scheduler's step holds the next
-        one). Ties keep the given lr and ``variant_hint``.
+        ``lr_hints`` are, by parameter name, other learning rates its step may have applied
+        (the one the previous save was given: a state taken after the scheduler's step holds
+        the next one). Ties keep the given lr and ``variant_hint``.
         """
         params = [(g, name) for g, group in enumerate(self.groups) for name in group.params]
         params.sort(key=lambda p: -self.values[self.groups[p[0]].params[p[1]]["param"]].size)
@@ -263,8 +293,8 @@ class ReplayPlan:
         for variant in variants:
             for use_hint in (False, True) if lr_hints else (False,):
                 steps = [
-                    _with(group.step, variant, lr_hints.get(g) if use_hint else None)
-                    for g, group in enumerate(self.groups)
+                    _with(group.step, variant, _hint(group, lr_hints) if use_hint else None)
+                    for group in self.groups
                 ]
                 score = sum(
                     self._exact(_Param(steps[g], self.groups[g].params[n], n)) for g, n in sample
@@ -341,6 +371,11 @@ class _Param:
     step: OptimizerStep
     arrays: Mapping[str, str]
     name: str
+
+
+def _hint(group: OptimizerGroup, hints: Mapping[str, float]) -> float | None:
+    """The learning rate the previous save gave one of the group's parameters, if any."""
+    return next((hints[name] for name in group.params if name in hints), None)
 
 
 def _with(step: OptimizerStep, variant: Variant, lr: float | None) -> OptimizerStep:

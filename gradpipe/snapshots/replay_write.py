@@ -66,15 +66,25 @@ class ReplayRequest:
         return {k for g in self.groups for by_role in g.params.values() for k in by_role.values()}
 
     @property
-    def lrs(self) -> dict[int, float]:
-        """Each group's learning rate as given (a hint for the next save's probe)."""
-        return {i: g.step.lr for i, g in enumerate(self.groups)}
+    def lrs(self) -> dict[str, float]:
+        """Each parameter's learning rate as given (a hint for the next save's probe)."""
+        return {name: g.step.lr for g in self.groups for name in g.params}
 
 
 def replay_request(
-    store: Store, state: Mapping[Any, Any], gradient: Any, optimizer: Any, interval: int
+    store: Store,
+    state: Mapping[Any, Any],
+    gradient: Any,
+    optimizer: Any,
+    *,
+    interval: int,
+    delta: str,
 ) -> ReplayRequest | None:
-    """The replay a write was asked for (None: none)."""
+    """The replay a write was asked for (None: none).
+
+    Called inside the writer's lease: an aggregate or dumps it names cannot be collected
+    between being found and being committed as the snapshot's children.
+    """
     interval = parse_replay_interval(interval)
     if gradient is None and optimizer is None:
         return None
@@ -83,12 +93,16 @@ def replay_request(
             "optimizer replay needs both gradient= (what the step applied) and optimizer= "
             "(its kind and hyperparameters); pass both or neither"
         )
+    if delta == "sparse":  # a lossy moment would make the parameters' prediction another
+        raise InvalidInputError(
+            "optimizer replay is exact: it does not go with delta='sparse' (a lossy delta)"
+        )
     groups = parse_optimizer(optimizer, state)
     return ReplayRequest(groups, given_gradient(store, gradient), interval)
 
 
 # The values of the replayed arrays of the last version each process wrote of a name.
-_PREVIOUS: dict[tuple[str, str], tuple[str, dict[str, np.ndarray], dict[int, float]]] = {}
+_PREVIOUS: dict[tuple[str, str], tuple[str, dict[str, np.ndarray], dict[str, float]]] = {}
 _PREVIOUS_LOCK = threading.Lock()
 
 
@@ -145,12 +159,18 @@ def gradient_record(
 ) -> tuple[ReplayRecord | None, dict[str, TensorManifest]]:
     """The manifest's replay record, and the recorded gradient's tensors to embed.
 
-    None when no chunk of the ``written`` tensors was replayed (every one stored
-    self-contained: the interval reached). A recorded gradient is written here (each
-    tensor in full: gradients of consecutive steps do not delta), only for the
-    parameters the plan replays.
+    None when no chunk of the ``written`` tensors was replayed from the step (every one
+    stored self-contained, or read through the previous version). A recorded gradient is
+    written here (each tensor in full: gradients of consecutive steps do not delta), only
+    for the parameters the plan replays.
     """
-    if not plan.groups or not any(written[k].replays for k in plan.keys if k in written):
+    stepped = any(
+        link.source == "step"
+        for k in plan.keys
+        if k in written
+        for link in written[k].replays.values()
+    )
+    if not plan.groups or not stepped:  # "previous" links need no gradient
         return None, {}
     if given.ref is not None:
         return plan.record(given.ref), {}
@@ -175,16 +195,20 @@ def remember_values(
     arrays: Mapping[str, np.ndarray],
     plan: ReplayPlan | None,
     request: ReplayRequest,
+    other_bytes: int = 0,
 ) -> None:
     """Keep the replayed arrays' values of version ``snapshot_id`` for the next write.
+
+    ``other_bytes`` is what the process's other snapshot caches hold (the keyframes): all of
+    them share ``gradpipe.snapshot-cache-bytes``.
 
     The plan's copies are what was written; any other array is copied and kept only if its
     every chunk still has the id it was written with (a training thread may have moved it).
     """
     key = (store.url, name)
-    with _PREVIOUS_LOCK:  # free the old copy first
+    with _PREVIOUS_LOCK:  # free the old copy first; one budget per process, with the others
         _PREVIOUS.pop(key, None)
-    limit = get_bytes("snapshot-cache-bytes")
+        limit = get_bytes("snapshot-cache-bytes") - other_bytes - held_bytes()
     kept: dict[str, np.ndarray] = {}
     for array_key in sorted(request.keys & set(written)):
         values = plan.values.get(array_key) if plan is not None else None
@@ -198,6 +222,11 @@ def remember_values(
         kept[array_key] = values
     with _PREVIOUS_LOCK:
         _PREVIOUS[key] = (snapshot_id, kept, request.lrs)
+
+
+def held_bytes() -> int:
+    """Bytes every name's kept values take (callers hold ``_PREVIOUS_LOCK`` or accept a race)."""
+    return sum(a.nbytes for _, held, _ in list(_PREVIOUS.values()) for a in held.values())
 
 
 def _checked_copy(array: np.ndarray, manifest: TensorManifest) -> np.ndarray | None:

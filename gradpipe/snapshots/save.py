@@ -49,6 +49,7 @@ from gradpipe.snapshots.content import holds_state, written_content
 from gradpipe.snapshots.replay_plan import DEFAULT_REPLAY_INTERVAL, ReplayPlan
 from gradpipe.snapshots.replay_write import (
     gradient_record,
+    held_bytes,
     plan_replay,
     remember_values,
     replay_request,
@@ -98,9 +99,8 @@ def _remember(
     key = (store.url, name)
     with _KEYFRAMES_LOCK:  # free the old copy first, and stay within one budget per process
         _KEYFRAMES.pop(key, None)
-        limit = get_bytes("snapshot-cache-bytes") - sum(
-            a.nbytes for _, held in _KEYFRAMES.values() for a in held.values()
-        )
+        limit = get_bytes("snapshot-cache-bytes") - held_bytes()
+        limit -= sum(a.nbytes for _, held in _KEYFRAMES.values() for a in held.values())
     kept: dict[str, np.ndarray] = {}
     for keyframe, values in _keyframes(written, arrays, known):
         if keyframe not in kept:
@@ -132,6 +132,11 @@ def _keyframes(
                     yield block, copy
             elif links[-1].base in known:
                 yield links[-1].base, known[links[-1].base]
+
+
+def _keyframe_bytes() -> int:
+    with _KEYFRAMES_LOCK:
+        return sum(a.nbytes for _, held in _KEYFRAMES.values() for a in held.values())
 
 
 def _recalled(store: Store, name: str, snapshot_id: str | None) -> dict[str, np.ndarray]:
@@ -282,8 +287,10 @@ def write_snapshot(
     flat = flatten_state(state)
     ref = snapshot_ref(name)
     options = {"delta": delta, "threshold": threshold, "keyframe_interval": keyframe_interval}
-    replay = replay_request(store, state, gradient, optimizer, replay_interval)
     with store.writing(f"snapshot {name}"):
+        replay = replay_request(
+            store, state, gradient, optimizer, interval=replay_interval, delta=delta
+        )
         for _ in range(_MAX_ATTEMPTS):
             # Read the previous snapshot inside the lease: gc cannot run until
             # the lease ends, so the blocks the new version links to stay.
@@ -335,6 +342,7 @@ def write_snapshot(
                         arrays=flat.arrays,
                         plan=plan,
                         request=replay,
+                        other_bytes=_keyframe_bytes(),
                     )
             if plan is None:
                 return SnapshotWrite(snapshot_id, written=True)

@@ -325,7 +325,7 @@ def tensor_stats(
         sum_squares=summary.sumsq,
         max_abs=max(extremes) if extremes else math.nan,
         chain_depth=manifest.depth,
-        encoding="delta" if manifest.deltas else "full",
+        encoding="replay" if manifest.replays else "delta" if manifest.deltas else "full",
         codec=",".join(codecs) or "none",
         lossy=lossy,
         max_abs_error=max_error,

@@ -11,10 +11,10 @@ says so: the stored blocks are intact) and applies the residual (docs/design/016
 :class:`ReplayGraph` lays out the tasks that rebuild chunks of a version: a replayed chunk
 depends on the previous version's chunks of its parameter (rebuilt the same way, at most
 the replay interval deep), on the gradient's elements of the chunk and, for the parameter
-itself, on the version's moments. Every chunk task is named by the chunk's logical id, so
-versions read together share their ancestors' work and each task checks its result
-against its id. Restores run it on a Dask runner (:mod:`gradpipe.graph.replays`);
-``verify`` runs it chunk by chunk.
+itself, on the version's moments. A stored chunk's task is named by its id and a replayed
+chunk's by (version, array, chunk), so versions read together share their ancestors' work;
+each task checks its result against the chunk's id. Restores run it on a Dask runner
+(:mod:`gradpipe.graph.replays`); ``verify`` runs it chunk by chunk.
 """
 
 from __future__ import annotations
@@ -214,9 +214,10 @@ def _gradient_finder(
             if ref.aggregate is not None:
                 wanted.append((ref.aggregate, AggregateManifest))
             wanted += [(dump_id, DumpManifest) for _, dump_id in ref.dumps]
+            found = []  # kept only whole: a later lookup must not combine fewer peers
             for manifest_id_, kind in wanted:
                 try:
-                    sets.append(store.get_typed(manifest_id_, kind, context=where))
+                    found.append(store.get_typed(manifest_id_, kind, context=where))
                 except NotFoundError:
                     raise NotFoundError(
                         f"{where} is stored as an optimizer replay of gradient "
@@ -224,6 +225,7 @@ def _gradient_finder(
                         "compute it again (same inputs and options: same id) or restore "
                         "another version"
                     ) from None
+            sets.extend(found)
         return sets
 
     def find(name: str) -> GradientSource:
@@ -276,7 +278,8 @@ def combine_gradients(parts: Sequence[np.ndarray], rule: str | None) -> np.ndarr
 
 
 class ReplayGraph:
-    """Adds each chunk's tasks once (keys are chunk ids) to a Dask graph of plain tuples.
+    """Adds each chunk's tasks once to a Dask graph of plain tuples (keys: a stored chunk's id,
+    a replayed chunk's place).
 
     ``versions`` holds every version a read may replay through: each one read and its
     ancestors, as deep as their replays go.

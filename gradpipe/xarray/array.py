@@ -19,6 +19,7 @@ integers, False for bools. A chunk stored as all-zero reads as zeros.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -224,11 +225,18 @@ class ReplayedTensor:
     chunk_shape: tuple[int, ...]  # as stored (the dask chunks xarray prefers)
 
     def read(self, store: Store) -> np.ndarray:
-        from gradpipe.core.snapshot_manifest import SnapshotManifest
-        from gradpipe.snapshots.restore import read_arrays
+        return _read_replayed(store, self.snapshot_id, self.key)
 
-        manifest = store.get_typed(self.snapshot_id, SnapshotManifest, context="snapshot")
-        return read_arrays(store, self.snapshot_id, manifest, [self.key])[self.key]
+
+@functools.lru_cache(maxsize=4)  # the last few arrays: selections of one array read it once
+def _read_replayed(store: Store, snapshot_id: str, key: str) -> np.ndarray:
+    from gradpipe.core.snapshot_manifest import SnapshotManifest
+    from gradpipe.snapshots.restore import read_arrays
+
+    manifest = store.get_typed(snapshot_id, SnapshotManifest, context="snapshot")
+    values = read_arrays(store, snapshot_id, manifest, [key])[key]
+    values.flags.writeable = False  # shared by the cache
+    return values
 
 
 def _outer(values: np.ndarray, picks: Sequence[Index]) -> np.ndarray:

@@ -217,8 +217,10 @@ def snapshot_dataset(
             if key in manifest.tensors:
                 tensor = _snapshot_tensor(store, manifest, key)
                 if manifest.needs_previous and (found := resolve_tensor(tensor)).replays:
+                    # Read whole (its chunks replay through the versions before): one dask
+                    # chunk, so a computation asks for it once.
                     tensor = ReplayedTensor(
-                        versions[version][0], key, found.dtype, found.shape, found.chunk_shape
+                        versions[version][0], key, found.dtype, found.shape, found.shape
                     )
             if tensor is not None and (tensor.dtype, tensor.shape) != (dtype, shape):
                 other.append(version)
