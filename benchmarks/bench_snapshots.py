@@ -20,6 +20,8 @@ past the full shape). Flat formats see the same arrays under dotted names
 
 Rows, each writing the N snapshots in order into its own new directory:
 
+- ``gradpipe chain + decay (no grad)``: the same without the gradient (``optimizer=``
+  alone): the moments coded against ``beta * previous`` where that is smaller;
 - ``gradpipe chain + replay``: the nested chain with optimizer replay (issue 21, design
   note 016): ``gp.snapshot(..., gradient=grads, optimizer=groups, replay_interval=K)``
   with the gradient each step applied (the peers' float32 mean, fixed peer order, as the
@@ -270,7 +272,9 @@ def gradpipe_contender(name: str, *, nested: bool) -> tuple[Write, Restore, Call
     return write, restore, setup
 
 
-def replay_contender(interval: int) -> tuple[Write, Restore, Callable[[Path], None]]:
+def replay_contender(
+    interval: int, *, with_gradient: bool = True
+) -> tuple[Write, Restore, Callable[[Path], None]]:
     stores: dict[Path, Any] = {}
 
     def setup(root: Path) -> None:
@@ -283,7 +287,7 @@ def replay_contender(interval: int) -> tuple[Write, Restore, Callable[[Path], No
             snap.state,
             step=snap.step,
             loss=snap.loss,
-            gradient=snap.grads,
+            gradient=snap.grads if with_gradient else None,
             optimizer=snap.groups,
             replay_interval=interval,
         )
@@ -541,6 +545,9 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
         replay_r,
         setup=replay_setup,
     )
+    decay_w, decay_r, decay_setup = replay_contender(DEFAULT_REPLAY_INTERVAL, with_gradient=False)
+    contender("gradpipe chain + decay (no grad)", "gp-decay", decay_w, decay_r, setup=decay_setup)
+    shutil.rmtree(tmp / "gp-decay", ignore_errors=True)
     own, gradients, versions = replay_bytes(tmp / "gp-replay")
     replay.extra = {
         "gradients": gradients,
@@ -634,6 +641,13 @@ def print_replay(
     print(
         f"  {verdict(ratio <= 2)}  restoring the newest <= 2x load_file: {ratio:.2f}x "
         f"({replay.restore_seconds:.3f} s vs {st.restore_seconds:.3f} s, in this process)"
+    )
+    decay = by_name["gradpipe chain + decay (no grad)"]
+    smaller = zipnn.stored / decay.stored
+    print(
+        f"  {verdict(smaller >= 2 and decay.exact == 'yes')}  without gradients >= 2x smaller "
+        f"than zipnn's: {smaller:.2f}x ({decay.stored / MiB:.1f} MiB; the chain without the "
+        f"decay prediction: {zipnn.stored / plain.stored:.2f}x; bit-exact {decay.exact})"
     )
     slower = replay.write_seconds / plain.write_seconds
     print(

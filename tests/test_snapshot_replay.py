@@ -210,6 +210,7 @@ def test_residuals_make_an_imperfect_prediction_exact(tmp_path: Path) -> None:
     weight_decay=st.sampled_from([0.0, 0.01]),
     momentum=st.sampled_from([0.0, 0.9]),
     amsgrad=st.booleans(),
+    with_gradient=st.booleans(),
 )
 def test_replay_chains_are_bit_exact(
     tmp_path_factory: pytest.TempPathFactory,
@@ -222,6 +223,7 @@ def test_replay_chains_are_bit_exact(
     weight_decay: float,
     momentum: float,
     amsgrad: bool,
+    with_gradient: bool,
 ) -> None:
     replay_write._PREVIOUS.clear()
     hyper: dict[str, Any] = {"weight_decay": weight_decay}
@@ -252,7 +254,7 @@ def test_replay_chains_are_bit_exact(
                 "run",
                 state,
                 step=trainer.t,
-                gradient=grads,
+                gradient=grads if with_gradient else None,  # None: the moments' decay
                 optimizer=kind,
                 replay_interval=interval,
             )
@@ -503,7 +505,7 @@ def test_bad_replay_requests_are_refused(tmp_path: Path) -> None:
     trainer = Trainer()
     grads = trainer.step()
     state = trainer.snapshot_state()
-    with pytest.raises(InvalidInputError, match=r"both gradient= .* and optimizer="):
+    with pytest.raises(InvalidInputError, match=r"needs optimizer= .* with gradient="):
         gp.snapshot(store, "run", state, step=1, gradient=grads)
     with pytest.raises(InvalidInputError, match="RUN:AGGREGATE@STEP"):
         gp.snapshot(store, "run", state, step=1, gradient="nope", optimizer="adam")
@@ -700,3 +702,33 @@ def test_xarray_reads_a_replayed_array_whole_once_a_version(tmp_path: Path) -> N
     w = ds["model.w"]
     chunks = w.encoding["preferred_chunks"]
     assert [chunks[d] for d in w.dims[1:]] == list(w.shape[1:])  # read whole, once a version
+
+
+def test_without_a_gradient_the_moments_are_stored_against_their_decay(tmp_path: Path) -> None:
+    """``optimizer=`` alone: each moment chunk against ``beta * previous`` where that is the
+    smallest, else as before; never larger than the chain without it."""
+    saved = {}
+    sizes = {}
+    for mode in ("plain", "decay"):
+        store = gp.open_store(tmp_path / mode, mode="w")
+        trainer = Trainer(shapes={"w": (256, 256), "b": (256,)}, noise=True)
+        with dask.config.set({**SMALL, "gradpipe.chunk-bytes": 65536}):
+            for _ in range(5):
+                trainer.step()
+                state = trainer.snapshot_state()
+                optimizer = "adamw" if mode == "decay" else None
+                write_snapshot(store, "run", state, step=trainer.t, optimizer=optimizer)
+                saved[mode, trainer.t] = state
+        log = gp.snapshot_log(store, "run")
+        sizes[mode] = sum(v.stored_bytes for v in log)
+        if mode == "decay":
+            assert log[2].gradient == "moments' decay (no gradient)"
+            assert log[2].encoding["replay"] > 0
+            _, head = find_snapshot(store, "run")
+            links = [link.source for t in head.embedded.values() for link in t.replays.values()]
+            assert set(links) <= {"decay", "previous"}
+            assert gp.prune(store, "run", keep_last=1).kept_for_replay == [1, 2, 3, 4]
+        for step in range(1, 6):
+            assert bits_equal(gp.restore(store, "run", step=step), saved[mode, step])
+        assert gp.verify(store).ok
+    assert sizes["decay"] < sizes["plain"]

@@ -85,11 +85,12 @@ class ReplayLink:
     """How a chunk of a replay version is stored: a residual against a prediction.
 
     ``source`` is ``"step"`` (the prediction replays the optimizer step from the previous
-    version's chunks and the gradient) or ``"previous"`` (the prediction is the previous
-    version's same chunk, unchanged: a parameter the step skipped). ``predicted`` is the
-    hash of the prediction's bytes, so a reader whose arithmetic drifted says so instead
-    of rebuilding other values. ``block`` is the residual (``kind``: ``"int"`` or ``"xor"``
-    of the bit patterns), None when the prediction was exact.
+    version's chunks and the gradient), ``"previous"`` (the prediction is the previous
+    version's same chunk, unchanged: a parameter the step skipped) or ``"decay"`` (a moment
+    kept without the gradient: the previous version's chunk times its decay factor).
+    ``predicted`` is the hash of the prediction's bytes, so a reader whose arithmetic
+    drifted says so instead of rebuilding other values. ``block`` is the residual
+    (``kind``: ``"int"`` or ``"xor"`` of the bit patterns), None when the prediction was exact.
     """
 
     block: str | None
@@ -103,7 +104,7 @@ class ReplayLink:
         parse_id(self.predicted)
         if self.kind not in ("int", "xor"):
             raise InvalidInputError(f"unknown replay residual kind {printable(self.kind)}")
-        if self.source not in ("step", "previous"):
+        if self.source not in ("step", "previous", "decay"):
             raise InvalidInputError(f"unknown replay source {printable(self.source)}")
 
     def to_list(self) -> list[str | None]:

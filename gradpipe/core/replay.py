@@ -48,6 +48,8 @@ __all__ = [
     "KINDS",
     "VARIANTS",
     "OptimizerStep",
+    "decay",
+    "decay_factors",
     "replay",
     "roles",
     "scalars_from_json",
@@ -206,6 +208,27 @@ def roles(step: OptimizerStep) -> tuple[str, ...]:
         return ("param", "momentum_buffer") if step.momentum != 0 else ("param",)
     extra = ("max_exp_avg_sq",) if step.amsgrad else ()
     return ("param", "exp_avg", "exp_avg_sq", *extra)
+
+
+def decay_factors(step: OptimizerStep, dtype: np.dtype) -> dict[str, np.generic]:
+    """Each moment's decay per step, rounded to the computation dtype: what a moment becomes
+    with no gradient (``exp_avg`` times ``beta1``, ``exp_avg_sq`` times ``beta2``, SGD's
+    ``momentum_buffer`` times ``momentum``), the prediction of a snapshot kept without its
+    gradient (design note 016)."""
+    work = work_dtype(dtype)
+    if step.kind == "sgd":
+        return {"momentum_buffer": work.type(step.momentum)} if step.momentum != 0 else {}
+    return {"exp_avg": work.type(step.beta1), "exp_avg_sq": work.type(step.beta2)}
+
+
+def decay(previous: np.ndarray, factor: np.generic) -> np.ndarray:
+    """``previous`` times ``factor`` (a :func:`decay_factors` value): one multiply in the
+    computation dtype, rounded to ``previous``'s dtype, NaN canonical (the arithmetic rule)."""
+    values = np.asarray(previous)
+    _check_subnormals()
+    ops = _Ops(values.dtype, "plain")
+    with np.errstate(all="ignore"):
+        return ops.store({"x": ops.round(ops.load(values) * factor)})["x"]
 
 
 def replay(

@@ -109,12 +109,15 @@ class ReplayGroup:
     ``params`` maps each parameter's gradient name to its state arrays, by role
     (:func:`~gradpipe.core.replay.roles`: ``param``, ``exp_avg``, ...); ``scalars`` holds
     the step's scalars per computation dtype, as bit patterns
-    (:func:`~gradpipe.core.replay.scalars_to_json`), so a reader never computes them.
+    (:func:`~gradpipe.core.replay.scalars_to_json`), so a reader never computes them;
+    ``decay`` the moments' decay factors the same way (a version kept without a gradient
+    predicts its moments from them: :func:`~gradpipe.core.replay.decay_factors`).
     """
 
     step: OptimizerStep
     scalars: Mapping[str, Mapping[str, str]]
     params: Mapping[str, Mapping[str, str]]
+    decay: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         needed = set(roles(self.step))
@@ -126,11 +129,14 @@ class ReplayGroup:
                 )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "step": self.step.to_dict(),
             "scalars": {d: dict(s) for d, s in self.scalars.items()},
             "params": {g: dict(r) for g, r in self.params.items()},
         }
+        if self.decay:
+            out["decay"] = {d: dict(s) for d, s in self.decay.items()}
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ReplayGroup:
@@ -138,6 +144,10 @@ class ReplayGroup:
             OptimizerStep.from_dict(data["step"]),
             {str(d): {str(k): str(v) for k, v in s.items()} for d, s in data["scalars"].items()},
             {str(g): {str(k): str(v) for k, v in r.items()} for g, r in data["params"].items()},
+            {
+                str(d): {str(k): str(v) for k, v in s.items()}
+                for d, s in (data.get("decay") or {}).items()
+            },
         )
 
 
@@ -157,9 +167,13 @@ class ReplayTarget:
 
 @dataclass(frozen=True)
 class ReplayRecord:
-    """The gradient and the optimizer steps a replay version was predicted with."""
+    """The gradient and the optimizer steps a replay version was predicted with.
 
-    gradient: GradientRef
+    ``gradient`` is None for a version kept without its gradient: only its moments are
+    predicted, from their decay.
+    """
+
+    gradient: GradientRef | None
     groups: tuple[ReplayGroup, ...]
 
     def __post_init__(self) -> None:
@@ -168,7 +182,7 @@ class ReplayRecord:
             if key in seen:
                 raise InvalidInputError(f"replay lists state array {printable(key)} twice")
             seen.add(key)
-        if self.gradient.recorded:
+        if self.gradient is not None and self.gradient.recorded:
             missing = sorted(self.grad_names() - set(self.gradient.recorded))
             if missing:
                 raise InvalidInputError(f"replay's recorded gradient lacks {printable(missing)}")
@@ -191,15 +205,22 @@ class ReplayRecord:
             for role, key in by_role.items()
         }
 
+    def describe(self) -> str:
+        """Where its predictions came from, for ``gradpipe log``."""
+        if self.gradient is None:
+            return "moments' decay (no gradient)"
+        return self.gradient.describe()
+
     def to_dict(self) -> dict[str, Any]:
         return {
-            "gradient": self.gradient.to_dict(),
+            "gradient": None if self.gradient is None else self.gradient.to_dict(),
             "groups": [g.to_dict() for g in self.groups],
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ReplayRecord:
+        gradient = data.get("gradient")
         return cls(
-            GradientRef.from_dict(data["gradient"]),
+            None if gradient is None else GradientRef.from_dict(gradient),
             tuple(ReplayGroup.from_dict(g) for g in data["groups"]),
         )

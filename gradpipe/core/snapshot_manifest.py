@@ -83,7 +83,7 @@ class SnapshotManifest(EmbeddedTensors, Manifest):
     @property
     def gradient_tensors(self) -> tuple[str, ...]:
         """Ids of the recorded gradient tensors (embedded; not part of the state)."""
-        if self.replay is None:
+        if self.replay is None or self.replay.gradient is None:
             return ()
         return tuple(dict.fromkeys(self.replay.gradient.recorded.values()))
 
@@ -156,7 +156,7 @@ class SnapshotManifest(EmbeddedTensors, Manifest):
         if self.previous is not None:
             yield self.previous
         yield from (t for t in dict.fromkeys(self.tensors.values()) if t not in self.embedded)
-        if self.replay is not None:
+        if self.replay is not None and self.replay.gradient is not None:
             yield from self.replay.gradient.children()  # gc keeps the gradient a replay needs
 
     def format_needed(self) -> int:

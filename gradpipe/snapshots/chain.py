@@ -108,7 +108,7 @@ class SnapshotInfo:
             dict(manifest.metadata),
             _encoding(manifest),
             manifest.replay_depth,
-            "" if manifest.replay is None else manifest.replay.gradient.describe(),
+            "" if manifest.replay is None else manifest.replay.describe(),
             manifest.gradient_bytes,
         )
 

@@ -25,6 +25,7 @@ from gradpipe.core.replay import (
     KINDS,
     OptimizerStep,
     Variant,
+    decay_factors,
     roles,
     scalars_to_json,
     work_dtype,
@@ -35,7 +36,7 @@ from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import InvalidInputError
 from gradpipe.snapshots.gradient import GivenGradient
 from gradpipe.storage.chains import Predictor
-from gradpipe.storage.replays import predict_chunk
+from gradpipe.storage.replays import predict_chunk, predict_decay
 from gradpipe.storage.versioner import Prediction
 
 __all__ = [
@@ -203,14 +204,16 @@ class ReplayPlan:
     ``values`` are the private copies the version is written from (every role of every
     replayed parameter), ``previous`` the previous version's (from the process cache or
     read back), ``head`` the previous version's tensor manifests (their replay depths),
-    ``skipped`` the parameters written without replay and why.
+    ``skipped`` the parameters written without replay and why. Without a gradient
+    (``gradient`` None) only the moments are predicted, from their decay
+    (:func:`~gradpipe.core.replay.decay_factors`).
     """
 
     groups: list[OptimizerGroup]
     values: dict[str, np.ndarray]
     previous: Mapping[str, np.ndarray]
     head: Mapping[str, TensorManifest]
-    gradient: Mapping[str, Callable[[], np.ndarray]]
+    gradient: Mapping[str, Callable[[], np.ndarray]] | None
     interval: int
     skipped: dict[str, str] = field(default_factory=dict)
     _grads: dict[str, np.ndarray] = field(default_factory=dict)
@@ -223,7 +226,7 @@ class ReplayPlan:
         head: Mapping[str, TensorManifest],
         *,
         previous: Callable[[list[str]], Mapping[str, np.ndarray]],
-        gradient: GivenGradient,
+        gradient: GivenGradient | None,
         interval: int,
     ) -> ReplayPlan:
         """Check every parameter; copy the arrays of those kept; find their previous values.
@@ -236,9 +239,9 @@ class ReplayPlan:
         for group in groups:
             params = {}
             for name, by_role in group.params.items():
-                reason = _refusal(by_role, arrays, head) or _gradient_refusal(
-                    name, arrays[by_role["param"]], gradient.shapes
-                )
+                reason = _refusal(by_role, arrays, head)
+                if not reason and gradient is not None:
+                    reason = _gradient_refusal(name, arrays[by_role["param"]], gradient.shapes)
                 shared = sorted(set(by_role.values()) & taken)
                 if not reason and (shared or len(set(by_role.values())) < len(by_role)):
                     reason = f"its arrays {printable(shared or sorted(by_role.values()))} are "
@@ -250,10 +253,17 @@ class ReplayPlan:
                     taken |= set(by_role.values())
             if params:
                 kept_groups.append(OptimizerGroup(group.step, params))
-        keys = [k for g in kept_groups for by_role in g.params.values() for k in by_role.values()]
+        keys = [
+            key
+            for g in kept_groups
+            for by_role in g.params.values()
+            for role, key in by_role.items()
+            if gradient is not None or role in _decaying(g.step)
+        ]
         values = {k: np.array(arrays[k], copy=True, order="C") for k in keys}
         before = previous(keys) if keys else {}
-        return cls(kept_groups, values, before, dict(head), gradient.arrays, interval, skipped)
+        given = None if gradient is None else gradient.arrays
+        return cls(kept_groups, values, before, dict(head), given, interval, skipped)
 
     @property
     def keys(self) -> set[str]:
@@ -262,12 +272,14 @@ class ReplayPlan:
 
     def grad_array(self, name: str) -> np.ndarray:
         """Parameter ``name``'s gradient as given (for a recorded gradient: to write it)."""
+        assert self.gradient is not None
         return np.asarray(self.gradient[name]())
 
     def grad(self, name: str) -> np.ndarray:
         """Parameter ``name``'s gradient, flat (read once, on first use)."""
         found = self._grads.get(name)
         if found is None:
+            assert self.gradient is not None
             found = np.ascontiguousarray(self.gradient[name]()).reshape(-1)
             self._grads[name] = found
         return found
@@ -277,8 +289,11 @@ class ReplayPlan:
 
         ``lr_hints`` are, by parameter name, other learning rates its step may have applied
         (the one the previous save was given: a state taken after the scheduler's step holds
-        the next one). Ties keep the given lr and ``variant_hint``.
+        the next one). Ties keep the given lr and ``variant_hint``. Without a gradient
+        there is no step to replay: nothing to choose.
         """
+        if self.gradient is None:
+            return
         params = [(g, name) for g, group in enumerate(self.groups) for name in group.params]
         params.sort(key=lambda p: -self.values[self.groups[p[0]].params[p[1]]["param"]].size)
         sample = params[:_PROBE_PARAMS]
@@ -337,11 +352,34 @@ class ReplayPlan:
         out: dict[str, Predictor] = {}
         for group in self.groups:
             for name, by_role in group.params.items():
+                if self.gradient is None:  # each moment from its own previous values
+                    for role in _decaying(group.step):
+                        key = by_role[role]
+                        out[key] = self._decay_predictor(group.step, key, _depths(self.head[key]))
+                    continue
                 depths = [_depths(self.head[k]) for k in by_role.values()]
                 param = _Param(group.step, by_role, name)
                 for role, key in by_role.items():
                     out[key] = self._predictor(param, role, depths)
         return out
+
+    def _decay_predictor(self, step: OptimizerStep, key: str, depths: tuple[int, ...]) -> Predictor:
+        role = next(r for r, k in self._roles(key).items() if k == key)
+        dtype = self.values[key].dtype
+        factor = scalars_to_json(decay_factors(step, dtype))[role]
+
+        def predict(i: int, start: int, stop: int) -> Prediction | None:
+            depth = 1 + (depths[i] if depths else 0)
+            if depth >= self.interval:
+                return None
+            before = self.previous[key].reshape(-1)[start:stop]
+            values = predict_decay(before, factor, dtype, stop - start)
+            return Prediction(values, depth, "decay")
+
+        return predict
+
+    def _roles(self, key: str) -> Mapping[str, str]:
+        return next(r for g in self.groups for r in g.params.values() if key in r.values())
 
     def _predictor(self, param: _Param, role: str, depths: list[tuple[int, ...]]) -> Predictor:
         def predict(i: int, start: int, stop: int) -> Prediction | None:
@@ -352,15 +390,25 @@ class ReplayPlan:
 
         return predict
 
-    def record(self, gradient: GradientRef) -> ReplayRecord:
-        """The manifest's record of the plan (the steps as probed, their scalars)."""
+    def record(self, gradient: GradientRef | None) -> ReplayRecord:
+        """The manifest's record of the plan (the steps as probed, their scalars; without a
+        gradient, the moments' decay factors)."""
         groups = []
         for group in self.groups:
-            dtypes = {self.values[by_role["param"]].dtype for by_role in group.params.values()}
+            dtypes = {
+                np.dtype(self.values[k].dtype) for r in group.params.values() for k in r.values()
+                if k in self.values
+            }  # fmt: skip
             scalars = {
                 dtype_name(work_dtype(d)): scalars_to_json(group.step.scalars(d)) for d in dtypes
             }
-            groups.append(ReplayGroup(group.step, scalars, group.params))
+            decays = {}
+            if gradient is None:
+                decays = {
+                    dtype_name(work_dtype(d)): scalars_to_json(decay_factors(group.step, d))
+                    for d in dtypes
+                }
+            groups.append(ReplayGroup(group.step, scalars, group.params, decays))
         return ReplayRecord(gradient, tuple(groups))
 
 
@@ -376,6 +424,11 @@ class _Param:
 def _hint(group: OptimizerGroup, hints: Mapping[str, float]) -> float | None:
     """The learning rate the previous save gave one of the group's parameters, if any."""
     return next((hints[name] for name in group.params if name in hints), None)
+
+
+def _decaying(step: OptimizerStep) -> tuple[str, ...]:
+    """The roles a version without a gradient predicts from their decay."""
+    return tuple(decay_factors(step, np.dtype(np.float32)))
 
 
 def _with(step: OptimizerStep, variant: Variant, lr: float | None) -> OptimizerStep:

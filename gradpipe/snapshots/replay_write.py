@@ -57,7 +57,7 @@ class ReplayRequest:
     """What ``gradient=`` and ``optimizer=`` asked for, resolved once per write."""
 
     groups: list[OptimizerGroup]
-    gradient: GivenGradient
+    gradient: GivenGradient | None  # None: the moments predicted from their decay alone
     interval: int
 
     @property
@@ -88,17 +88,19 @@ def replay_request(
     interval = parse_replay_interval(interval)
     if gradient is None and optimizer is None:
         return None
-    if gradient is None or optimizer is None:
+    if optimizer is None:
         raise InvalidInputError(
-            "optimizer replay needs both gradient= (what the step applied) and optimizer= "
-            "(its kind and hyperparameters); pass both or neither"
+            "optimizer replay needs optimizer= (its kind and hyperparameters) with gradient= "
+            "(what the step applied); without gradient=, optimizer= alone predicts the "
+            "moments from their decay"
         )
     if delta == "sparse":  # a lossy moment would make the parameters' prediction another
         raise InvalidInputError(
             "optimizer replay is exact: it does not go with delta='sparse' (a lossy delta)"
         )
     groups = parse_optimizer(optimizer, state)
-    return ReplayRequest(groups, given_gradient(store, gradient), interval)
+    given = None if gradient is None else given_gradient(store, gradient)
+    return ReplayRequest(groups, given, interval)
 
 
 # The values of the replayed arrays of the last version each process wrote of a name.
@@ -154,7 +156,7 @@ def gradient_record(
     store: Store,
     name: str,
     plan: ReplayPlan,
-    given: GivenGradient,
+    given: GivenGradient | None,
     written: Mapping[str, TensorManifest],
 ) -> tuple[ReplayRecord | None, dict[str, TensorManifest]]:
     """The manifest's replay record, and the recorded gradient's tensors to embed.
@@ -165,13 +167,15 @@ def gradient_record(
     for the parameters the plan replays.
     """
     stepped = any(
-        link.source == "step"
+        link.source in ("step", "decay")
         for k in plan.keys
         if k in written
         for link in written[k].replays.values()
     )
     if not plan.groups or not stepped:  # "previous" links need no gradient
         return None, {}
+    if given is None:
+        return plan.record(None), {}
     if given.ref is not None:
         return plan.record(given.ref), {}
     names = sorted({n for g in plan.groups for n in g.params})

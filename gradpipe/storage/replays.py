@@ -32,7 +32,14 @@ from gradpipe.core.display import printable
 from gradpipe.core.dtypes import dtype_name, parse_dtype
 from gradpipe.core.ids import hash_bytes
 from gradpipe.core.manifest import manifest_id
-from gradpipe.core.replay import OptimizerStep, replay, roles, scalars_from_json, work_dtype
+from gradpipe.core.replay import (
+    OptimizerStep,
+    decay,
+    replay,
+    roles,
+    scalars_from_json,
+    work_dtype,
+)
 from gradpipe.core.replay_record import ReplayTarget
 from gradpipe.core.run_manifest import DumpManifest
 from gradpipe.core.snapshot_manifest import SnapshotManifest
@@ -52,6 +59,7 @@ __all__ = [
     "combine_gradients",
     "gradient_range",
     "predict_chunk",
+    "predict_decay",
     "rebuild_replay_chunk",
     "snapshot_version",
 ]
@@ -324,6 +332,16 @@ class ReplayGraph:
         target = self.targets(version_id).get(key)
         if target is None:
             raise IntegrityError(f"{where}: is replayed, but its snapshot names no optimizer step")
+        if link.source == "decay":  # a moment without the gradient: its previous times decay
+            factor = target.group.decay.get(dtype_name(work_dtype(parse_dtype(manifest.dtype))))
+            if factor is None or target.role not in factor:
+                raise IntegrityError(f"{where}: its snapshot records no decay for it")
+            start, stop = manifest.chunk_ranges()[i]
+            spec = _DecaySpec(
+                self.store, link, block, manifest.dtype, stop - start, factor[target.role], where
+            )
+            self.graph[done] = (_decay_task, spec, self.chunk(previous.id, key, i))
+            return done
         self.graph[done] = self._replay(version, manifest, i, (link, target), previous)
         return done
 
@@ -428,6 +446,36 @@ class _ReplaySpec:
     target: ReplayTarget
     moments: tuple[str, ...]
     where: str
+
+
+@dataclass(frozen=True)
+class _DecaySpec:
+    """What a decay task needs besides the previous chunk (picklable)."""
+
+    store: Store
+    link: ReplayLink
+    block: str
+    dtype: str
+    count: int  # elements of the chunk
+    factor: str  # the decay factor's bit pattern (hex)
+    where: str
+
+
+def predict_decay(
+    previous: np.ndarray | None, factor: str, dtype: np.dtype, count: int
+) -> np.ndarray:
+    """A moment chunk predicted from its previous values (None: all zero) and decay factor."""
+    values = np.zeros(count, dtype=dtype) if previous is None else previous.view(dtype)
+    [scalar] = scalars_from_json({"f": factor}, dtype).values()
+    return decay(values, scalar)
+
+
+def _decay_task(spec: _DecaySpec, previous: np.ndarray | None) -> np.ndarray:
+    """One decay-predicted chunk's logical bytes (uint8), checked against its id."""
+    predicted = predict_decay(previous, spec.factor, parse_dtype(spec.dtype), spec.count)
+    return rebuild_replay_chunk(
+        spec.store, spec.link, predicted, block=spec.block, where=spec.where
+    )
 
 
 def _replay_task(

@@ -76,6 +76,7 @@ class Prediction:
 
     values: np.ndarray
     depth: int  # >= 1: this replay and those its inputs need
+    source: str = "step"  # or "decay": a moment predicted without the gradient
 
 
 @dataclass
@@ -161,6 +162,8 @@ class ChunkVersioner:
         full_item = BlockToWrite(block_id, chunk, None, nonzero)
         if prediction is not None:
             replayed = self._replayed(full_item, record_stats, parent, prediction)
+            if replayed is not None and prediction.source == "decay" and parent is not None:
+                replayed = self._smallest(replayed, parent, find_keyframe, full_item, record_stats)
             if replayed is not None:
                 return replayed
         if chunk.nbytes <= self.inline_max * _SMALL_FACTOR:
@@ -200,6 +203,25 @@ class ChunkVersioner:
             return self._previous(parent, chunk)
         return None
 
+    def _smallest(
+        self,
+        replayed: VersionChunk,
+        parent: ParentChunk,
+        find_keyframe: KeyframeValues,
+        full: BlockToWrite,
+        record_stats: ChunkStats,
+    ) -> VersionChunk:
+        """A decay residual against the delta its keyframe gives: the smaller (a decay
+        prediction is often no better than the keyframe's values, and costs reads)."""
+        if replayed.write is None or parent.keyframe is None:
+            return replayed
+        base = find_keyframe(parent)
+        if base is None:
+            return replayed
+        delta = self._smaller(parent, full.data, (parent.keyframe, base), full=full,
+                              record_stats=record_stats)  # fmt: skip
+        return delta if delta.links and delta.stored < replayed.stored else replayed
+
     def _previous(self, parent: ParentChunk, chunk: np.ndarray) -> VersionChunk:
         """A chunk equal to its parent's replayed one: read through the previous version.
 
@@ -226,8 +248,9 @@ class ChunkVersioner:
 
         An exact prediction costs no block (a small chunk takes only that). Otherwise the
         residual is kept when at most :data:`_CLEAR_WIN` of the parent's full size (which moves
-        little between versions), or :data:`_MIN_GAIN` of the chunk's own full encoding;
-        else None, and the chunk is decided as without a prediction.
+        little between versions), or :data:`_MIN_GAIN` of the chunk's own full encoding (a
+        decay residual: smaller than it, and then than the keyframe's delta); else None, and
+        the chunk is decided as without a prediction.
         """
         chunk = full.data
         predicted = np.ascontiguousarray(prediction.values)
@@ -249,13 +272,17 @@ class ChunkVersioner:
             size = len(frame)
             if size > _CLEAR_WIN * full_size:
                 full_size = len(self._encode(full))
-                if size > _MIN_GAIN * full_size:
+                # A decay residual needs only beat full here: the delta is tried next.
+                if size > (_MIN_GAIN if prediction.source == "step" else 1.0) * full_size:
                     return None
             residual_item = BlockToWrite(
                 residual_item.block_id, residual, None, residual_item.nonzero, frame
             )
         link = ReplayLink(
-            None if residual_item is None else residual_item.block_id, predicted_id, kind
+            None if residual_item is None else residual_item.block_id,
+            predicted_id,
+            kind,
+            prediction.source,
         )
         return VersionChunk(
             full.block_id, record_stats, None, (), size, full_size or size, 0,
