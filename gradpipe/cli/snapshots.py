@@ -64,7 +64,8 @@ def register(commands: Commands) -> None:
         "--optimizer",
         choices=REPLAY_KINDS,
         help="the optimizer of a PyTorch checkpoint {'model': ..., 'optimizer': ...} "
-        "(a state file does not say Adam from AdamW)",
+        "(a state file does not say Adam from AdamW); without --gradient, the moments are "
+        "coded against their decay where that is smaller",
     )
     p.add_argument(
         "--replay-interval",

@@ -227,7 +227,11 @@ STAGES: Final[dict[str, StageSpec]] = {
                 "against that step replayed",
                 r"[A-Za-z0-9][A-Za-z0-9._-]*(:[A-Za-z0-9][A-Za-z0-9._-]*)?@\{step\}",
             ),
-            "optimizer": Choice(REPLAY_KINDS, "the optimizer of the state files (with gradient)"),
+            "optimizer": Choice(
+                REPLAY_KINDS,
+                "the optimizer of the state files: with gradient, replayed; alone, the "
+                "moments coded against their decay",
+            ),
             "replay_interval": Int(
                 "with gradient, a chunk is stored self-contained again every this many versions "
                 f"(default {DEFAULT_REPLAY_INTERVAL})",

@@ -150,8 +150,8 @@ def _snapshot(ctx: StageContext, p: dict[str, Any]) -> Report:
             f"snapshot stage: state files are read from local disk, not {printable(pattern)}"
         )
     gradient, optimizer = p.get("gradient"), p.get("optimizer")
-    if (gradient is None) != (optimizer is None):
-        raise InvalidInputError("snapshot stage: gradient and optimizer go together")
+    if gradient is not None and optimizer is None:
+        raise InvalidInputError("snapshot stage: a gradient needs the optimizer")
     interval = p.get("replay_interval", DEFAULT_REPLAY_INTERVAL)
     replay = {"optimizer": optimizer, "replay_interval": interval}
     report = SnapshotStageReport(name)
