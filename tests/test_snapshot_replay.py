@@ -732,3 +732,33 @@ def test_without_a_gradient_the_moments_are_stored_against_their_decay(tmp_path:
             assert bits_equal(gp.restore(store, "run", step=step), saved[mode, step])
         assert gp.verify(store).ok
     assert sizes["decay"] < sizes["plain"]
+
+
+@pytest.mark.parametrize("mode", ["frozen", "decay"])
+def test_every_kth_version_is_self_contained_so_prune_frees_the_rest(
+    tmp_path: Path, mode: str
+) -> None:
+    """One depth per version: a parameter frozen for a step, or a decay residual that lost to
+    a delta, must not put the chunks out of step (prune would then keep the whole chain)."""
+    store = gp.open_store(tmp_path / "s", mode="w")
+    trainer = Trainer(noise=True)
+    saved = {}
+    with dask.config.set(SMALL):
+        for _ in range(12):
+            grads = trainer.step(frozen=("b",) if trainer.t + 1 == 2 else ())
+            state = trainer.snapshot_state()
+            gradient = grads if mode == "frozen" else None
+            write_snapshot(
+                store, "run", state, step=trainer.t, gradient=gradient, optimizer="adamw",
+                replay_interval=4,
+            )  # fmt: skip
+            saved[trainer.t] = state
+    depths = [v.replay_depth for v in gp.snapshot_log(store, "run")]
+    assert max(depths) <= 3
+    report = gp.prune(store, "run", keep_last=1)
+    assert len(report.kept_steps) <= 4
+    assert len(report.dropped_steps) >= 8
+    gp.gc(store, grace=0)
+    for step in report.kept_steps:
+        assert bits_equal(gp.restore(store, "run", step=step), saved[step])
+    assert gp.verify(store).ok

@@ -71,8 +71,8 @@ def register(commands: Commands) -> None:
         "--replay-interval",
         type=positive_int,
         metavar="K",
-        help=f"with --gradient, store a chunk self-contained again every K snapshots "
-        f"(default {DEFAULT_REPLAY_INTERVAL}: a restore replays at most K-1 steps)",
+        help=f"with --gradient or --optimizer, a version is stored self-contained every K "
+        f"snapshots (default {DEFAULT_REPLAY_INTERVAL}: a restore replays at most K-1 steps)",
     )
 
     p = commands.add("restore", run_restore, "write a snapshot back as a file, bit-exact")
@@ -175,7 +175,7 @@ def run_snapshot(args: argparse.Namespace) -> CommandResult:
         f"of state, stored {info_doc.stored_bytes / 2**20:.1f} MiB "
         f"({info_doc.ratio:.2f} of a full copy), chain depth {info_doc.depth}, id {snapshot_id}"
     )
-    if args.gradient is not None:
+    if args.optimizer is not None:
         text += (
             f"\nreplayed {done.replayed} parameter(s) with {info_doc.gradient or 'no gradient'}"
             f" (replay depth {info_doc.replay_depth})"

@@ -216,6 +216,9 @@ class ReplayPlan:
     gradient: Mapping[str, Callable[[], np.ndarray]] | None
     interval: int
     skipped: dict[str, str] = field(default_factory=dict)
+    #: The replays a read of this version's replayed chunks makes: one more than the
+    #: previous version's deepest, for every chunk alike; 0 at the interval (none replayed).
+    depth: int = 0
     _grads: dict[str, np.ndarray] = field(default_factory=dict)
 
     @classmethod
@@ -228,10 +231,12 @@ class ReplayPlan:
         previous: Callable[[list[str]], Mapping[str, np.ndarray]],
         gradient: GivenGradient | None,
         interval: int,
+        head_depth: int,
     ) -> ReplayPlan:
         """Check every parameter; copy the arrays of those kept; find their previous values.
 
-        ``previous`` reads the previous version's values of the given array keys.
+        ``previous`` reads the previous version's values of the given array keys;
+        ``head_depth`` is the previous version's replay depth.
         """
         skipped: dict[str, str] = {}
         kept_groups = []
@@ -242,6 +247,8 @@ class ReplayPlan:
                 reason = _refusal(by_role, arrays, head)
                 if not reason and gradient is not None:
                     reason = _gradient_refusal(name, arrays[by_role["param"]], gradient.shapes)
+                if not reason and gradient is None and not _decaying(group.step):
+                    reason = "without its gradient, nothing of it is predictable"
                 shared = sorted(set(by_role.values()) & taken)
                 if not reason and (shared or len(set(by_role.values())) < len(by_role)):
                     reason = f"its arrays {printable(shared or sorted(by_role.values()))} are "
@@ -263,7 +270,10 @@ class ReplayPlan:
         values = {k: np.array(arrays[k], copy=True, order="C") for k in keys}
         before = previous(keys) if keys else {}
         given = None if gradient is None else gradient.arrays
-        return cls(kept_groups, values, before, dict(head), given, interval, skipped)
+        depth = 1 + head_depth
+        plan = cls(kept_groups, values, before, dict(head), given, interval, skipped)
+        plan.depth = depth if depth < interval else 0
+        return plan
 
     @property
     def keys(self) -> set[str]:
@@ -348,45 +358,38 @@ class ReplayPlan:
         )
 
     def predictors(self) -> dict[str, Predictor]:
-        """Each predicted array's chunk predictor, for ``write_version(predict=)``."""
+        """Each predicted array's chunk predictor, for ``write_version(predict=)``; none when
+        this version reaches the interval (it is then self-contained, whole)."""
         out: dict[str, Predictor] = {}
+        if self.depth == 0:
+            return out
         for group in self.groups:
             for name, by_role in group.params.items():
                 if self.gradient is None:  # each moment from its own previous values
                     for role in _decaying(group.step):
-                        key = by_role[role]
-                        out[key] = self._decay_predictor(group.step, key, _depths(self.head[key]))
+                        out[by_role[role]] = self._decay_predictor(group.step, role, by_role)
                     continue
-                depths = [_depths(self.head[k]) for k in by_role.values()]
                 param = _Param(group.step, by_role, name)
                 for role, key in by_role.items():
-                    out[key] = self._predictor(param, role, depths)
+                    out[key] = self._predictor(param, role)
         return out
 
-    def _decay_predictor(self, step: OptimizerStep, key: str, depths: tuple[int, ...]) -> Predictor:
-        role = next(r for r, k in self._roles(key).items() if k == key)
+    def _decay_predictor(
+        self, step: OptimizerStep, role: str, by_role: Mapping[str, str]
+    ) -> Predictor:
+        key = by_role[role]
         dtype = self.values[key].dtype
         factor = scalars_to_json(decay_factors(step, dtype))[role]
 
         def predict(i: int, start: int, stop: int) -> Prediction | None:
-            depth = 1 + (depths[i] if depths else 0)
-            if depth >= self.interval:
-                return None
             before = self.previous[key].reshape(-1)[start:stop]
-            values = predict_decay(before, factor, dtype, stop - start)
-            return Prediction(values, depth, "decay")
+            return Prediction(predict_decay(before, factor, dtype, stop - start), "decay")
 
         return predict
 
-    def _roles(self, key: str) -> Mapping[str, str]:
-        return next(r for g in self.groups for r in g.params.values() if key in r.values())
-
-    def _predictor(self, param: _Param, role: str, depths: list[tuple[int, ...]]) -> Predictor:
+    def _predictor(self, param: _Param, role: str) -> Predictor:
         def predict(i: int, start: int, stop: int) -> Prediction | None:
-            depth = 1 + max((d[i] if d else 0) for d in depths)
-            if depth >= self.interval:
-                return None  # this chunk is stored self-contained again
-            return Prediction(self.predict(param, role, start, stop), depth)
+            return Prediction(self.predict(param, role, start, stop))
 
         return predict
 
@@ -443,10 +446,6 @@ def _scalars(step: OptimizerStep, dtype: np.dtype) -> dict[str, str]:
 
 def _bits(values: np.ndarray) -> np.ndarray:
     return values.reshape(-1).view(f"u{values.dtype.itemsize}")
-
-
-def _depths(manifest: TensorManifest) -> tuple[int, ...]:
-    return manifest.chain.replay_depths if manifest.chain is not None else ()
 
 
 def _refusal(

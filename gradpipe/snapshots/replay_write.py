@@ -144,6 +144,7 @@ def plan_replay(
         previous=previous,
         gradient=request.gradient,
         interval=request.interval,
+        head_depth=manifest.replay_depth,
     )
     variant = None
     if manifest.replay is not None and manifest.replay.groups:

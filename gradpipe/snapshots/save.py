@@ -461,15 +461,15 @@ def _write(
         if key in parents and head is not None:
             parent = ChainParent(parents[key], head.tensors[key], keyframes=keyframes)
         where = f"snapshot {shown}, {printable(key)}"
-        if key in predictors and plan is not None:
+        if plan is not None and key in plan.values:  # the copy the next write predicts from
             return write_version(
                 store,
                 plan.values[key],
                 parent,
                 where=where,
                 parallel=parallel,
-                predict=predictors[key],
-                replay_interval=plan.interval,
+                predict=predictors.get(key),
+                replay_depth=plan.depth if key in predictors else 0,
                 **options,
             )
         array = flat.arrays[key]

@@ -170,7 +170,7 @@ def write_version(
     where: str = "",
     parallel: bool = True,
     predict: Predictor | None = None,
-    replay_interval: int = 1,
+    replay_depth: int = 0,
 ) -> TensorManifest:
     """Write ``array`` as the next version after ``parent`` (None: the first, all full).
 
@@ -183,8 +183,8 @@ def write_version(
     :func:`version_manifest`.
 
     ``predict`` (a snapshot written with optimizer replay) gives a chunk's predicted values
-    by its index and element range on the parent's grid, or None; a read then replays at
-    most ``replay_interval - 1`` steps (design note 016).
+    by its index and element range on the parent's grid, or None; ``replay_depth`` is the
+    version's depth (the replays a read of it makes, > 0 with ``predict``; design note 016).
     """
     store.check_writable()
     kind, threshold = parse_version_kind(delta, threshold, array.dtype)
@@ -208,9 +208,9 @@ def write_version(
         parents = parent_chunks(base, interval=interval, present=present)
         finder = _KeyframeFinder(store, parent, where)
     if base is None:
-        predict = None  # a prediction is made on the parent's grid
+        predict, replay_depth = None, 0  # a prediction is made on the parent's grid
     writer = ChunkVersioner(
-        store, kind=kind, threshold=threshold, interval=interval, replay_interval=replay_interval
+        store, kind=kind, threshold=threshold, interval=interval, replay_depth=replay_depth
     )
     ranges = list(chunk_ranges(array.shape, chunk_shape))
     writes = _Writes(store, stats)

@@ -75,7 +75,6 @@ class Prediction:
     """A chunk's values predicted by an optimizer replay, and the replays a read will make."""
 
     values: np.ndarray
-    depth: int  # >= 1: this replay and those its inputs need
     source: str = "step"  # or "decay": a moment predicted without the gradient
 
 
@@ -124,11 +123,13 @@ class ChunkVersioner:
         kind: str,
         threshold: float,
         interval: int,
-        replay_interval: int = 1,
+        replay_depth: int = 0,
     ) -> None:
         self.store = store
         self.kind, self.threshold, self.interval = kind, threshold, interval
-        self.replay_interval = replay_interval  # replays a read may make, plus one
+        # The depth of this version's replayed chunks (0: none): one for the whole version,
+        # so that every K-th version is self-contained and prune can drop what is before it.
+        self.replay_depth = replay_depth
         self.inline_max = get_bytes("inline-bytes")
         self.level = int(get_setting("codec-level"))
 
@@ -143,8 +144,8 @@ class ChunkVersioner:
     ) -> VersionChunk:
         """Decide how to store ``chunk``, the new values of ``parent`` (None: a first version).
 
-        With a ``prediction`` (an optimizer replay, whose depth the caller keeps below the
-        replay interval), the chunk is stored as its residual when that is clearly the
+        With a ``prediction`` (an optimizer replay; the versioner's ``replay_depth`` is then
+        the version's, > 0), the chunk is stored as its residual when that is clearly the
         smallest, and as nothing at all when the prediction is exact.
         """
         check_values(chunk, where=where or "tensor")
@@ -196,10 +197,11 @@ class ChunkVersioner:
         )  # fmt: skip
 
     def _same(self, parent: ParentChunk, chunk: np.ndarray, nonzero: int) -> VersionChunk | None:
-        """A chunk equal to its parent's; None when it must be stored anew (a replay too deep)."""
+        """A chunk equal to its parent's; None when it must be stored anew (a replayed parent
+        and a version that replays nothing: it is self-contained)."""
         if parent.replay is None:
             return self._unchanged(parent, chunk, nonzero)
-        if parent.replay_depth + 1 < self.replay_interval:
+        if self.replay_depth > 0:
             return self._previous(parent, chunk)
         return None
 
@@ -226,15 +228,14 @@ class ChunkVersioner:
         """A chunk equal to its parent's replayed one: read through the previous version.
 
         The parent's link predicts from the version before it, so it cannot be copied; this
-        link's prediction is the previous version's chunk itself, and the read costs one
-        level more of depth.
+        link's prediction is the previous version's chunk itself, at this version's depth.
         """
         assert parent.block is not None  # an all-zero chunk is never replayed
         link = ReplayLink(None, parent.block, "int", "previous")
         return VersionChunk(
             parent.block, parent.stats, None, (), 0, parent.full or 0, 0,
             logical=chunk.nbytes, outcome="unchanged", replay=link,
-            replay_depth=parent.replay_depth + 1,
+            replay_depth=self.replay_depth,
         )  # fmt: skip
 
     def _replayed(
@@ -287,7 +288,7 @@ class ChunkVersioner:
         return VersionChunk(
             full.block_id, record_stats, None, (), size, full_size or size, 0,
             logical=chunk.nbytes, write=residual_item, replay=link,
-            replay_depth=prediction.depth,
+            replay_depth=self.replay_depth,
         )  # fmt: skip
 
     def _small(self, item: BlockToWrite, record_stats: ChunkStats) -> VersionChunk:

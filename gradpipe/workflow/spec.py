@@ -233,7 +233,7 @@ STAGES: Final[dict[str, StageSpec]] = {
                 "moments coded against their decay",
             ),
             "replay_interval": Int(
-                "with gradient, a chunk is stored self-contained again every this many versions "
+                "with optimizer, a version is stored self-contained every this many versions "
                 f"(default {DEFAULT_REPLAY_INTERVAL})",
                 low=1,
             ),
