@@ -47,16 +47,13 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
 from gradpipe.core.display import printable
-from gradpipe.core.replay import roles
 from gradpipe.errors import InvalidInputError
 from gradpipe.formats.state_file import check_torch, from_torch, to_torch
 from gradpipe.snapshots.api import SnapshotInfo, find_snapshot, snapshot
 from gradpipe.snapshots.replay_plan import (
     DEFAULT_REPLAY_INTERVAL,
     OptimizerGroup,
-)
-from gradpipe.snapshots.replay_plan import (
-    torch_step as _torch_step,
+    torch_groups,
 )
 from gradpipe.snapshots.restore import restore_manifest
 
@@ -292,12 +289,7 @@ def replay_groups(
         hyper = dict(group)
         if applied is not None and g < len(applied):
             hyper["lr"] = applied[g]
-        for count, params in by_count.items():
-            step = _torch_step(kind, hyper, count)
-            wanted = set(roles(step))
-            kept = {n: a for n, a in params.items() if set(a) == wanted}
-            if kept:
-                groups.append(OptimizerGroup(step, kept))
+        groups += torch_groups(kind, hyper, by_count)
     return groups, grads
 
 

@@ -61,6 +61,24 @@ def _blocks(store: Path) -> int:
     return sum(len(files) for _, _, files in os.walk(store / "blocks"))
 
 
+def _kill_at(command: list[str], store: Path, moment: float | str) -> None:
+    """Run ``command`` and SIGKILL it: as soon as a new block lands ("first block"), as soon
+    as the ref moved ("landed"), or after ``moment`` seconds."""
+    before, ref = _blocks(store), _ref(store)
+    proc = subprocess.Popen(command, env=ENV)
+    if moment == "first block":
+        while _blocks(store) == before and proc.poll() is None:
+            time.sleep(0.001)
+    elif moment == "landed":
+        while _ref(store) == ref and proc.poll() is None:
+            time.sleep(0.001)
+    else:
+        assert isinstance(moment, float)
+        time.sleep(moment)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
 @pytest.mark.slow
 def test_sigkill_mid_snapshot_leaves_the_previous_one(tmp_path: Path) -> None:
     files = _state_files(tmp_path)
@@ -79,19 +97,7 @@ def test_sigkill_mid_snapshot_leaves_the_previous_one(tmp_path: Path) -> None:
         store_path = tmp_path / f"store{n}"
         gp.open_store(str(store_path), mode="w")
         subprocess.run(_snapshot_cmd(store_path, files[0], 0), check=True, env=ENV)
-        before, ref = _blocks(store_path), _ref(store_path)
-        proc = subprocess.Popen(_snapshot_cmd(store_path, files[1], 1), env=ENV)
-        if moment == "first block":
-            while _blocks(store_path) == before and proc.poll() is None:
-                time.sleep(0.001)
-        elif moment == "landed":
-            while _ref(store_path) == ref and proc.poll() is None:
-                time.sleep(0.001)
-        else:
-            assert isinstance(moment, float)
-            time.sleep(moment)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        _kill_at(_snapshot_cmd(store_path, files[1], 1), store_path, moment)
         what = f"kill {n} at {moment} s of {wall:.2f} s (seed {SEED})"
         store = gp.open_store(store_path, mode="r")
         steps = [v.step for v in gp.snapshot_log(store, "ckpt")]
@@ -180,19 +186,7 @@ def test_sigkill_mid_replay_snapshot_leaves_the_previous_one(tmp_path: Path) -> 
         store_path = tmp_path / f"store{n}"
         gp.open_store(str(store_path), mode="w")
         subprocess.run(_replay_cmd(store_path, files[0], 0), check=True, env=ENV)
-        before, ref = _blocks(store_path), _ref(store_path)
-        proc = subprocess.Popen(_replay_cmd(store_path, files[1], 1), env=ENV)
-        if moment == "first block":
-            while _blocks(store_path) == before and proc.poll() is None:
-                time.sleep(0.001)
-        elif moment == "landed":
-            while _ref(store_path) == ref and proc.poll() is None:
-                time.sleep(0.001)
-        else:
-            assert isinstance(moment, float)
-            time.sleep(moment)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        _kill_at(_replay_cmd(store_path, files[1], 1), store_path, moment)
         what = f"kill {n} at {moment} (seed {SEED})"
         store = gp.open_store(store_path, mode="r")
         steps = [v.step for v in gp.snapshot_log(store, "ckpt")]

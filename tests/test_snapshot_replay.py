@@ -405,21 +405,8 @@ def test_prune_keeps_what_a_kept_replay_reads_and_gc_keeps_the_rest_exact(
 
 
 def _dump_run(root: Path, trainer: Trainer, steps: int) -> dict[int, dict[str, np.ndarray]]:
-    """Two peers' gradient dumps per step (npz), named by parameter."""
-    grads = {}
-    for step in range(1, steps + 1):
-        per_peer = []
-        for peer in ("p0", "p1"):
-            g = {
-                k: (trainer.rng.standard_normal(s) * 0.1).astype(np.float32)
-                for k, s in trainer.shapes.items()
-            }
-            path = root / f"step={step}" / f"peer={peer}.npz"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            np.savez(path, **cast(dict[str, Any], g))
-            per_peer.append(g)
-        grads[step] = per_peer[0]
-    return grads
+    """Two peers' gradient dumps per step (npz), named by parameter; the first peer's."""
+    return {step: peers[0] for step, peers in _dump_run_peers(root, trainer, steps).items()}
 
 
 def test_an_aggregate_as_the_gradient_is_kept_checked_and_named_when_lost(
@@ -612,6 +599,7 @@ def test_the_dumps_of_a_step_as_the_gradient(tmp_path: Path) -> None:
 def _dump_run_peers(
     root: Path, trainer: Trainer, steps: int
 ) -> dict[int, list[dict[str, np.ndarray]]]:
+    """Two peers' gradient dumps per step (npz), named by parameter; each step's, by peer."""
     out = {}
     for step in range(1, steps + 1):
         per_peer = []
@@ -667,7 +655,7 @@ def test_the_replay_cache_stays_within_one_budget_per_process(tmp_path: Path) ->
     with dask.config.set({**SMALL, "gradpipe.snapshot-cache-bytes": budget}):
         for name in ("a", "b", "c", "d"):
             run_chain(store, Trainer(shapes={"w": (40, 100)}), 2, name=name)
-    held = replay_write.held_bytes() + save_module._keyframe_bytes()
+    held = replay_write._PREVIOUS.held_bytes() + save_module._KEYFRAMES.held_bytes()
     assert 0 < held <= budget
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "ReplayPlan",
     "parse_optimizer",
     "parse_replay_interval",
+    "torch_groups",
     "torch_step",
 ]
 
@@ -159,13 +160,23 @@ def groups_from_torch_state(state: Mapping[Any, Any], kind: str) -> list[Optimiz
             count = int(np.asarray(entry.get("step", 1)).item())  # SGD keeps no count
             params = steps.setdefault(count, {})
             params[name] = arrays
-        for count, params in steps.items():
-            step = torch_step(kind, group, count)
-            wanted = set(roles(step))
-            kept = {n: a for n, a in params.items() if set(a) == wanted}
-            if kept:
-                groups.append(OptimizerGroup(step, kept))
+        groups += torch_groups(kind, group, steps)
     return groups
+
+
+def torch_groups(
+    kind: str, group: Mapping[str, Any], by_count: Mapping[int, Mapping[str, Mapping[str, str]]]
+) -> list[OptimizerGroup]:
+    """The replay groups of one torch parameter group: one per step count (torch creates
+    state lazily, so counts can differ), each parameter with every role its step needs."""
+    out = []
+    for count, params in by_count.items():
+        step = torch_step(kind, group, count)
+        wanted = set(roles(step))
+        kept = {n: a for n, a in params.items() if set(a) == wanted}
+        if kept:
+            out.append(OptimizerGroup(step, kept))
+    return out
 
 
 def _same_kind(a: Any, b: Any) -> bool:

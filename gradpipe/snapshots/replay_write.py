@@ -12,15 +12,12 @@ store (design note 016).
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradpipe.config import get_bytes
 from gradpipe.core.display import printable
 from gradpipe.core.ids import hash_bytes
 from gradpipe.core.manifest import manifest_id
@@ -29,6 +26,7 @@ from gradpipe.core.snapshot_manifest import SnapshotManifest
 from gradpipe.core.state import FlatState
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import InvalidInputError
+from gradpipe.snapshots.cache import VersionCache
 from gradpipe.snapshots.chain import snapshot_tensor
 from gradpipe.snapshots.gradient import GivenGradient, given_gradient
 from gradpipe.snapshots.replay_plan import (
@@ -103,17 +101,9 @@ def replay_request(
     return ReplayRequest(groups, given, interval)
 
 
-# The values of the replayed arrays of the last version each process wrote of a name.
-_PREVIOUS: dict[tuple[str, str], tuple[str, dict[str, np.ndarray], dict[str, float]]] = {}
-_PREVIOUS_LOCK = threading.Lock()
-
-
-def _after_fork_in_child() -> None:  # a lock held by a parent's thread would never be released
-    global _PREVIOUS_LOCK  # noqa: PLW0603 - replacing the lock is the point
-    _PREVIOUS_LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+# The values of the replayed arrays of the last version this process wrote of each name,
+# noted with the learning rates it was given (hints for the next write's probe).
+_PREVIOUS = VersionCache()
 
 
 def plan_replay(
@@ -127,12 +117,9 @@ def plan_replay(
     head_id, manifest = head
     wanted = [k for k in sorted(request.keys) if k in manifest.tensors]
     head_tensors = {k: snapshot_tensor(store, manifest, k) for k in wanted}
-    with _PREVIOUS_LOCK:
-        cached = _PREVIOUS.get((store.url, name))
-    hit = cached is not None and cached[0] == head_id
+    held, hints = _PREVIOUS.recall(store, name, head_id) or ({}, {})
 
     def previous(keys: list[str]) -> Mapping[str, np.ndarray]:
-        held = cached[1] if cached is not None and hit else {}
         missing = [k for k in keys if k not in held]
         read = read_arrays(store, head_id, manifest, missing) if missing else {}
         return {**held, **read}
@@ -149,7 +136,7 @@ def plan_replay(
     variant = None
     if manifest.replay is not None and manifest.replay.groups:
         variant = manifest.replay.groups[0].step.variant
-    plan.probe(variant, cached[2] if cached is not None and hit else {})
+    plan.probe(variant, hints)
     return plan
 
 
@@ -200,20 +187,13 @@ def remember_values(
     arrays: Mapping[str, np.ndarray],
     plan: ReplayPlan | None,
     request: ReplayRequest,
-    other_bytes: int = 0,
 ) -> None:
     """Keep the replayed arrays' values of version ``snapshot_id`` for the next write.
-
-    ``other_bytes`` is what the process's other snapshot caches hold (the keyframes): all of
-    them share ``gradpipe.snapshot-cache-bytes``.
 
     The plan's copies are what was written; any other array is copied and kept only if its
     every chunk still has the id it was written with (a training thread may have moved it).
     """
-    key = (store.url, name)
-    with _PREVIOUS_LOCK:  # free the old copy first; one budget per process, with the others
-        _PREVIOUS.pop(key, None)
-        limit = get_bytes("snapshot-cache-bytes") - other_bytes - held_bytes()
+    limit = _PREVIOUS.forget(store, name)  # the old copy first: one budget per process
     kept: dict[str, np.ndarray] = {}
     for array_key in sorted(request.keys & set(written)):
         values = plan.values.get(array_key) if plan is not None else None
@@ -225,13 +205,7 @@ def remember_values(
         if limit < 0:
             return  # too large to keep: the next write reads the values back
         kept[array_key] = values
-    with _PREVIOUS_LOCK:
-        _PREVIOUS[key] = (snapshot_id, kept, request.lrs)
-
-
-def held_bytes() -> int:
-    """Bytes every name's kept values take (callers hold ``_PREVIOUS_LOCK`` or accept a race)."""
-    return sum(a.nbytes for _, held, _ in list(_PREVIOUS.values()) for a in held.values())
+    _PREVIOUS.keep(store, name, snapshot_id, kept, request.lrs)
 
 
 def _checked_copy(array: np.ndarray, manifest: TensorManifest) -> np.ndarray | None:

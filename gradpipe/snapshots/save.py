@@ -20,7 +20,6 @@ mostly nothing at all.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -44,12 +43,12 @@ from gradpipe.core.state import (
 )
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import ConflictError, IntegrityError, InvalidInputError
+from gradpipe.snapshots.cache import VersionCache
 from gradpipe.snapshots.chain import chain_head, read_version, snapshot_ref, snapshot_tensor
 from gradpipe.snapshots.content import holds_state, written_content
 from gradpipe.snapshots.replay_plan import DEFAULT_REPLAY_INTERVAL, ReplayPlan
 from gradpipe.snapshots.replay_write import (
     gradient_record,
-    held_bytes,
     plan_replay,
     remember_values,
     replay_request,
@@ -66,24 +65,9 @@ __all__ = ["SnapshotWrite", "commit_snapshot", "snapshot", "write_snapshot"]
 _MAX_ATTEMPTS: Final = 8
 
 
-# Every delta is taken against its chunk's keyframe. A process keeps a private
-# copy of the keyframe chunks of the last snapshot it wrote of each name (the
-# caller's arrays may be changed in place by the next optimizer step), so the
-# next snapshot reads nothing back; another process, or keyframes that would
-# take more than gradpipe.snapshot-cache-bytes, reads the keyframes it needs
-# from the store (one block per chunk).
-_KEYFRAMES: dict[tuple[str, str], tuple[str, dict[str, np.ndarray]]] = {}
-
-
-_KEYFRAMES_LOCK = threading.Lock()
-
-
-def _after_fork_in_child() -> None:  # a lock held by a parent's thread would never be released
-    global _KEYFRAMES_LOCK  # noqa: PLW0603 - replacing the lock is the point
-    _KEYFRAMES_LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+# The keyframe chunks of the last snapshot this process wrote of each name: the next
+# snapshot's deltas are taken against them without reading them back (gradpipe.snapshots.cache).
+_KEYFRAMES = VersionCache()
 
 
 def _remember(
@@ -96,11 +80,7 @@ def _remember(
     known: Mapping[str, np.ndarray],
 ) -> None:
     """Keep the keyframe chunks snapshot ``snapshot_id`` uses (copies of its own, or ``known``)."""
-    key = (store.url, name)
-    with _KEYFRAMES_LOCK:  # free the old copy first, and stay within one budget per process
-        _KEYFRAMES.pop(key, None)
-        limit = get_bytes("snapshot-cache-bytes") - held_bytes()
-        limit -= sum(a.nbytes for _, held in _KEYFRAMES.values() for a in held.values())
+    limit = _KEYFRAMES.forget(store, name)  # the old copy first: one budget per process
     kept: dict[str, np.ndarray] = {}
     for keyframe, values in _keyframes(written, arrays, known):
         if keyframe not in kept:
@@ -109,8 +89,7 @@ def _remember(
             if limit < 0:
                 kept = {}  # too large to keep: the next snapshot reads its keyframes
                 break
-    with _KEYFRAMES_LOCK:
-        _KEYFRAMES[key] = (snapshot_id, kept)
+    _KEYFRAMES.keep(store, name, snapshot_id, kept)
 
 
 def _keyframes(
@@ -134,15 +113,9 @@ def _keyframes(
                 yield links[-1].base, known[links[-1].base]
 
 
-def _keyframe_bytes() -> int:
-    with _KEYFRAMES_LOCK:
-        return sum(a.nbytes for _, held in _KEYFRAMES.values() for a in held.values())
-
-
 def _recalled(store: Store, name: str, snapshot_id: str | None) -> dict[str, np.ndarray]:
-    with _KEYFRAMES_LOCK:
-        found = _KEYFRAMES.get((store.url, name))
-    return found[1] if found is not None and found[0] == snapshot_id else {}
+    found = _KEYFRAMES.recall(store, name, snapshot_id)
+    return {} if found is None else found[0]
 
 
 @dataclass(frozen=True)
@@ -342,7 +315,6 @@ def write_snapshot(
                         arrays=flat.arrays,
                         plan=plan,
                         request=replay,
-                        other_bytes=_keyframe_bytes(),
                     )
             if plan is None:
                 return SnapshotWrite(snapshot_id, written=True)
