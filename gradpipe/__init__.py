@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from gradpipe.aggregation.api import AggregateReport, aggregate
     from gradpipe.aggregation.rounds import RoundsReport, rounds
     from gradpipe.aggregation.server_update import apply_server_update
+    from gradpipe.analytics.api import first_nonfinite, gradient_norms, norms_by, spikes
     from gradpipe.core.aggregate_manifest import AggregateManifest
     from gradpipe.core.chunk_stats import ChunkStats
     from gradpipe.core.ref_entry import RefEntry
@@ -115,9 +116,12 @@ _LAZY: Final[dict[str, str]] = {
     "evaluate_codecs": "gradpipe.evaluation.api",
     "export_aggregate": "gradpipe.runs",
     "export_dump": "gradpipe.runs",
+    "first_nonfinite": "gradpipe.analytics.api",
     "gc": "gradpipe.storage.gc",
+    "gradient_norms": "gradpipe.analytics.api",
     "ingest": "gradpipe.ingestion.api",
     "list_runs": "gradpipe.runs",
+    "norms_by": "gradpipe.analytics.api",
     "open_dataset": "gradpipe.xarray.backend",
     "open_run": "gradpipe.runs",
     "open_store": "gradpipe.storage",
@@ -129,6 +133,7 @@ _LAZY: Final[dict[str, str]] = {
     "runner": "gradpipe.graph.runner",
     "snapshot": "gradpipe.snapshots.api",
     "snapshot_log": "gradpipe.snapshots.api",
+    "spikes": "gradpipe.analytics.api",
     "run_workflow": "gradpipe.workflow",
     "summarize_stats": "gradpipe.statistics.api",
     "verify": "gradpipe.storage.verify",
@@ -182,9 +187,12 @@ __all__ = [
     "evaluate_codecs",
     "export_aggregate",
     "export_dump",
+    "first_nonfinite",
     "gc",
+    "gradient_norms",
     "ingest",
     "list_runs",
+    "norms_by",
     "open_dataset",
     "open_run",
     "open_store",
@@ -197,6 +205,7 @@ __all__ = [
     "runner",
     "snapshot",
     "snapshot_log",
+    "spikes",
     "summarize_stats",
     "verify",
 ]

@@ -26,6 +26,7 @@ __all__ = [
     "SERVER_PARAMS",
     "Method",
     "Param",
+    "check_param",
     "check_value",
     "markdown_tables",
     "params_of",
@@ -107,7 +108,7 @@ class Param:
     type: type
     methods: tuple[str, ...]
     help: str
-    default: float | int | bool | None = None
+    default: float | int | bool | str | None = None
     low: float = -math.inf
     high: float = math.inf
     low_open: bool = False
@@ -337,7 +338,12 @@ def check_value(name: str, value: object) -> float | int | bool | str:
     ...
     gradpipe.errors.InvalidInputError: trim 0.5 must be a finite number in [0, 0.5)
     """
-    param = _BY_NAME[name]
+    return check_param(_BY_NAME[name], value)
+
+
+def check_param(param: Param, value: object) -> float | int | bool | str:
+    """``value`` checked against ``param``'s type and range (any table's :class:`Param`)."""
+    name = param.name
     if param.type is bool:
         if not isinstance(value, bool):
             raise InvalidInputError(f"{name} {printable(value)} must be true or false")

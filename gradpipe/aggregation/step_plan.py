@@ -23,8 +23,9 @@ from gradpipe.core.aggregate_manifest import AggregateInput, AggregateManifest, 
 from gradpipe.core.display import printable
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.run_manifest import DumpManifest, RunManifest
-from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.core.tensor_manifest import TensorManifest, resolve_tensor
 from gradpipe.errors import InvalidInputError
+from gradpipe.storage.catalog import named_tensors
 
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
@@ -284,9 +285,7 @@ def _recorded_clip_norm(
 
 def _infos(store: Store, dump: DumpManifest) -> dict[str, TensorManifest]:
     """Every tensor's manifest (dumps of format 1 keep them apart: one batched read)."""
-    apart = [t for _, t in dump.tensors if t not in dump.embedded]
-    fetched = store.get_typed_many(
-        apart, TensorManifest, context=where(step=dump.step, peer=dump.peer)
+    found = named_tensors(
+        store, dump.tensors, dump.embedded, where=where(step=dump.step, peer=dump.peer)
     )
-    manifests = {**dict(zip(apart, fetched, strict=True)), **dump.embedded}
-    return {tensor: manifests[tensor_id] for tensor, tensor_id in dump.tensors}
+    return {name: resolve_tensor(tensor) for name, tensor in found.items()}

@@ -41,15 +41,18 @@ __all__ = [
 #: dump manifests. 3: delta chains in tensor manifests, snapshots, aggregates. 4: tensors
 #: stored with a lossy codec (and the runs that list their dumps as lossy), and runs whose
 #: entries live in shards (``run-shard`` manifests). 5: snapshot versions written with
-#: optimizer replay (tensors with replay links, docs/design/016). A manifest
+#: optimizer replay (tensors with replay links, docs/design/016). 6: analyses and the
+#: index of a run's analyses (``analytics/<run>``, docs/design/017). A manifest
 #: is written in the oldest format that can hold it (see
 #: :meth:`Manifest.format_needed`), so an older gradpipe still reads every
 #: manifest that uses nothing new, and an id never changes with a version bump.
-FORMAT_VERSION: Final = 5
+FORMAT_VERSION: Final = 6
 
 #: Every manifest type, by its stored ``type``: ``"module:Class"``, imported on first use.
 MANIFEST_TYPES: Final[dict[str, str]] = {
     "aggregate": "gradpipe.core.aggregate_manifest:AggregateManifest",
+    "analysis": "gradpipe.core.analysis_manifest:AnalysisManifest",
+    "analytics": "gradpipe.core.analytics_index:AnalyticsIndex",
     "dump": "gradpipe.core.run_manifest:DumpManifest",
     "ref": "gradpipe.core.ref_entry:RefEntry",
     "rounds": "gradpipe.core.rounds:RoundsManifest",

@@ -16,6 +16,7 @@ __all__ = ["REF_TARGET_TYPES", "RefEntry", "target_type"]
 #: may point at anything. A ref moved by hand to another kind of object is
 #: damage that verify reports and readers refuse.
 REF_TARGET_TYPES: dict[str, str] = {
+    "analytics": "analytics",
     "rounds": "rounds",
     "runs": "run",
     "snapshots": "snapshot",

@@ -1,9 +1,10 @@
-"""The entries of a run: its tensor schema, its recorded dumps and its recorded aggregates.
+"""The entries of a run: its tensor schema, its recorded dumps, aggregates and analyses.
 
 A run lists each dump under its key ``(step, peer)`` and each aggregate under
 ``(step, name)``; both kinds are kept in step order, in the run's manifest
 itself while they are few and in shards once they are many
-(:mod:`gradpipe.core.run_shards`).
+(:mod:`gradpipe.core.run_shards`). Its analyses are listed the same way, under
+``(step, name)``, in an index of their own (:mod:`gradpipe.core.analytics_index`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 from gradpipe.core.dtypes import parse_dtype
 from gradpipe.core.ids import parse_id
 
-__all__ = ["AggregateEntry", "DumpEntry", "EntryKey", "TensorSchema"]
+__all__ = ["AggregateEntry", "AnalysisEntry", "DumpEntry", "EntryKey", "TensorSchema"]
 
 #: Where an entry sorts in its run: ``(step, peer)`` for a dump, ``(step, name)``
 #: for an aggregate.
@@ -115,4 +116,37 @@ class AggregateEntry:
     def from_dict(cls, data: dict[str, Any]) -> AggregateEntry:
         return cls(
             int(data["step"]), str(data["name"]), parse_id(data["aggregate"]), parse_id(data["key"])
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AnalysisEntry:
+    """One memoised analysis of a run: (step, name) → its result's manifest, under its key.
+
+    ``name`` says which analysis of what: ``norms`` (the step's dumps) or
+    ``norms:fedavg`` (the step's aggregate ``fedavg``).
+    """
+
+    step: int
+    name: str
+    analysis: str
+    key: str
+
+    @property
+    def sort_key(self) -> EntryKey:
+        """``(step, name)``: where the entry sorts in its index."""
+        return (self.step, self.name)
+
+    @property
+    def target(self) -> str:
+        """The id of the analysis' manifest."""
+        return self.analysis
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "name": self.name, "analysis": self.analysis, "key": self.key}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AnalysisEntry:
+        return cls(
+            int(data["step"]), str(data["name"]), parse_id(data["analysis"]), parse_id(data["key"])
         )

@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Final
 from gradpipe.core.display import printable
 from gradpipe.core.ids import parse_id
 from gradpipe.core.manifest import Manifest, ManifestSource, manifest_id
-from gradpipe.core.run_entries import AggregateEntry, DumpEntry, EntryKey
+from gradpipe.core.run_entries import AggregateEntry, AnalysisEntry, DumpEntry, EntryKey
 from gradpipe.errors import IntegrityError, InvalidInputError
 
 __all__ = [
@@ -45,12 +45,14 @@ __all__ = [
     "upsert",
 ]
 
-Entry = DumpEntry | AggregateEntry
+Entry = DumpEntry | AggregateEntry | AnalysisEntry
 
-#: The two trees of a run, by the ``kind`` their shards carry, and their entries' class.
-KINDS: Final[dict[str, type[DumpEntry] | type[AggregateEntry]]] = {
+#: The trees, by the ``kind`` their shards carry, and their entries' class: a run's dumps
+#: and aggregates, and the analyses of a run's index (format 6).
+KINDS: Final[dict[str, type[DumpEntry] | type[AggregateEntry] | type[AnalysisEntry]]] = {
     "dumps": DumpEntry,
     "aggregates": AggregateEntry,
+    "analyses": AnalysisEntry,
 }
 
 #: Shards read per batched round trip (a leaf is tens of KB: 64 still hide S3's latency).
@@ -153,7 +155,7 @@ class RunShard(Manifest):
         return (c.id for c in self.children)
 
     def format_needed(self) -> int:
-        return 4
+        return 6 if self.kind == "analyses" else 4
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "level": self.level}

@@ -351,6 +351,28 @@ class TensorRef:
                 self._decoded, self._raw = decoded, None
         return decoded
 
+    def chunk_stats(self) -> tuple[ChunkStats, ...]:
+        """Each chunk's statistics, decoded from the stats columns alone.
+
+        What ``manifest().stats`` holds, without decoding block ids, deltas or
+        inline frames (most of the cost) and without keeping a decoded manifest:
+        a pass over the norms of a long run reads nothing else.
+        """
+        decoded = self._decoded
+        if decoded is not None:
+            return decoded.stats
+        with _DECODING:
+            raw = self._raw
+        if raw is None:
+            return self.manifest().stats
+        try:
+            return stats_from_columns(raw["chunks"], _chunk_counts(self.shape, self.chunk_shape))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise IntegrityError(
+                f"tensor {self.tensor_id}, kept in a stored manifest, has malformed chunk "
+                f"statistics: {printable_error(exc)}"
+            ) from None
+
     def __reduce__(self) -> tuple[Any, ...]:
         with _DECODING:
             raw = self._raw

@@ -40,7 +40,7 @@ from gradpipe.core.gc_pause import gc_paused
 from gradpipe.core.ids import id_from_block_key
 from gradpipe.core.names import parse_name
 from gradpipe.core.run_manifest import DumpManifest
-from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.core.tensor_manifest import TensorManifest, resolve_tensor
 from gradpipe.errors import InvalidInputError, NotFoundError
 from gradpipe.statistics.tensor_stats import (
     ADDITIVE,
@@ -53,7 +53,7 @@ from gradpipe.statistics.tensor_stats import (
     tensor_stats,
 )
 from gradpipe.storage.blocks import frame_codec_ids
-from gradpipe.storage.catalog import read_run
+from gradpipe.storage.catalog import named_tensors, read_many, read_run
 
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
@@ -134,8 +134,6 @@ _DESCRIPTIONS: Final[dict[str, tuple[str, str]]] = {
     "sum_squares": ("sum of squares of the finite elements (l2_norm squared; additive)", ""),
     "missing_blocks": ("referenced blocks absent from the store (ratio unknown; run verify)", "1"),
 }
-# Dump manifests fetched per batched round trip.
-_READ_BATCH: Final = 256
 
 
 @dataclass(frozen=True)
@@ -268,13 +266,11 @@ def _read_many(
 ) -> list[dict[str, TensorManifest]]:
     """The tensor manifests of each dump or aggregate, read in batched round trips."""
     out: list[dict[str, TensorManifest]] = []
-    for lo in range(0, len(ids), _READ_BATCH):
-        batch = ids[lo : lo + _READ_BATCH]
-        for manifest in store.get_typed_many(batch, cls, context=label):
-            where = f"{label}, step {manifest.step}"
-            if isinstance(manifest, DumpManifest):
-                where += f", peer {printable(manifest.peer)}"
-            out.append(_tensors_of(store, manifest.tensors, manifest.embedded, where))
+    for manifest in read_many(store, ids, cls, context=label):
+        where = f"{label}, step {manifest.step}"
+        if isinstance(manifest, DumpManifest):
+            where += f", peer {printable(manifest.peer)}"
+        out.append(_tensors_of(store, manifest.tensors, manifest.embedded, where))
     return out
 
 
@@ -284,14 +280,8 @@ def _tensors_of(
     embedded: Mapping[str, TensorManifest],
     where: str,
 ) -> dict[str, TensorManifest]:
-    """Name → tensor manifest; those not embedded (format 1 stores) fetched in one batch."""
-    pairs = list(tensors)
-    elsewhere = sorted({t for _, t in pairs if t not in embedded})
-    fetched = dict(embedded)
-    if elsewhere:
-        found = store.get_typed_many(elsewhere, TensorManifest, context=where)
-        fetched.update(zip(elsewhere, found, strict=True))
-    return {name: fetched[t] for name, t in pairs}
+    found = named_tensors(store, tensors, embedded, where=where)
+    return {name: resolve_tensor(tensor) for name, tensor in found.items()}
 
 
 # --- counting -----------------------------------------------------------------------

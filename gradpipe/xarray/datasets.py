@@ -52,6 +52,7 @@ from gradpipe.core.tensor_manifest import (
     resolve_tensor,
 )
 from gradpipe.errors import NotFoundError
+from gradpipe.storage.catalog import read_many
 from gradpipe.xarray.array import ReplayedTensor, TensorStack
 from gradpipe.xarray.view_names import coordinate_name, dim_name, variable_name
 
@@ -61,8 +62,6 @@ if TYPE_CHECKING:
 
 __all__ = ["aggregate_dataset", "run_dataset", "snapshot_dataset"]
 
-#: Manifests asked for per batched read: a few MiB of JSON at most per batch.
-MANIFEST_BATCH: Final = 256
 #: Names a tensor of a run or an aggregate is not shown as: their coordinates and
 #: dimensions. One set for both, so a tensor has one name in a run and its aggregates.
 RUN_RESERVED: Final = frozenset(
@@ -80,7 +79,7 @@ def run_dataset(store: Store, run: Run, *, drop: Iterable[str] = ()) -> xr.Datas
     """The dataset of a run: one variable per tensor name over ``(step, peer)``."""
     steps, peers = run.steps, run.peers
     entries = list(run)
-    dumps = _read_many(
+    dumps = read_many(
         store, [e.dump for e in entries], DumpManifest, context=f"run {printable(run.name)}"
     )
     where = {(e.step, e.peer): i for i, e in enumerate(entries)}
@@ -130,7 +129,7 @@ def aggregate_dataset(store: Store, run: Run, name: str, *, drop: Iterable[str] 
             f"run {printable(run.name)} has no aggregate {printable(name)} (aggregates: "
             f"{printable_names(known) or 'none'}); compute it with gradpipe aggregate"
         )
-    found = _read_many(
+    found = read_many(
         store,
         [a.aggregate for a in entries],
         AggregateManifest,
@@ -446,11 +445,3 @@ def _without(coords: dict[str, xr.Variable], drop: Iterable[str]) -> dict[str, x
 def _attrs(kind: str, store: Store, **fields: str) -> dict[str, str]:
     """Dataset attributes: what this is and where it came from."""
     return {"kind": kind, "store": store.url, **fields, "gradpipe_version": __version__}
-
-
-def _read_many(store: Store, ids: Sequence[str], cls: type[Any], *, context: str) -> list[Any]:
-    """Manifests ``ids`` in batches of :data:`MANIFEST_BATCH` (one round trip each)."""
-    out: list[Any] = []
-    for lo in range(0, len(ids), MANIFEST_BATCH):
-        out.extend(store.get_typed_many(ids[lo : lo + MANIFEST_BATCH], cls, context=context))
-    return out

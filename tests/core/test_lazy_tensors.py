@@ -8,6 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xarray as xr
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 import gradpipe as gp
 from gradpipe.core.encoding import to_json_bytes
@@ -191,3 +194,33 @@ def test_concurrent_reads_decode_a_tensor_once(monkeypatch: pytest.MonkeyPatch) 
     assert len(got) == 8
     assert all(m is got[0] for m in got)
     assert pickle.loads(pickle.dumps(ref)).manifest() == got[0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    values=hnp.arrays(
+        np.float32,
+        hnp.array_shapes(min_dims=1, max_dims=2, min_side=1, max_side=40),
+        elements=st.floats(width=32, allow_nan=True, allow_infinity=True),
+    ),
+    chunk_bytes=st.integers(4, 256),
+)
+def test_chunk_stats_decode_the_stats_columns_alone(values: np.ndarray, chunk_bytes: int) -> None:
+    manifest = gp.open_store("memory://", mode="w").write_tensor(values, chunk_bytes=chunk_bytes)
+    ref = TensorRef("b3:" + "0" * 64, manifest.to_dict())
+    assert ref.chunk_stats() == manifest.stats
+    assert ref._decoded is None  # nothing else was decoded, nor kept
+    ref.manifest()
+    assert ref.chunk_stats() == manifest.stats
+
+
+def test_malformed_chunk_stats_name_the_tensor(tmp_path: Path) -> None:
+    store, dump_id = _store(tmp_path)
+    raw, tensor_id = _with_a_malformed_chunk_list(store, dump_id)
+    doc = decode_manifest(raw)
+    assert isinstance(doc, DumpManifest)
+    ref = doc.embedded.ref(tensor_id)
+    assert ref is not None
+    ref._raw["chunks"]["sumsq"] = []  # type: ignore[index]
+    with pytest.raises(IntegrityError, match=f"tensor {tensor_id}.*chunk statistics"):
+        ref.chunk_stats()

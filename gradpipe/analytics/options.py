@@ -1,0 +1,179 @@
+"""The analyses and their parameters: one table, read by everything that lists them.
+
+The Python functions check their keywords against :data:`PARAMS`, and the
+documentation prints its table from here (:func:`markdown_tables`). Each
+analysis has a ``version`` that enters its memo key: bump it when its math
+changes, and stored results are recomputed rather than reused.
+
+This module imports no numpy, so ``gradpipe --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from gradpipe.aggregation.options import Param, check_param
+from gradpipe.core.display import printable
+from gradpipe.errors import InvalidInputError
+
+__all__ = [
+    "ANALYSES",
+    "ANALYSIS_TABLE",
+    "DEFAULT_ANALYSES",
+    "PARAMS",
+    "Analysis",
+    "markdown_tables",
+    "parse_params",
+]
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """One analysis: what it computes, what it reads, what it is stored as."""
+
+    name: str
+    help: str
+    #: What it reads: ``manifests`` (chunk statistics only) or ``chunks``.
+    reads: str
+    #: The stored result it is computed from (its memo unit), or "" if derived on read.
+    stored_as: str
+    #: Runs when no analysis is named.
+    default: bool = True
+    #: Enters the memo key of ``stored_as``: bumped when the math changes.
+    version: int = 1
+
+
+#: Every analysis, in the order reports list them.
+ANALYSIS_TABLE: Final = (
+    Analysis(
+        "norms",
+        "per (step, peer, tensor): L2 norm, max |g|, non-zero, NaN and infinity counts; per "
+        "layer and in total by exact sums",
+        "manifests",
+        "norms",
+    ),
+    Analysis(
+        "spikes",
+        "steps whose norm is far above its trailing window: a robust z-score of log(norm) "
+        "against the window's median and MAD",
+        "manifests",
+        "",
+    ),
+    Analysis(
+        "nonfinite",
+        "the earliest (step, peer, tensor, element) holding a NaN or an infinity; only the "
+        "chunks the manifests flag are read",
+        "flagged chunks",
+        "",
+    ),
+)
+
+ANALYSES: Final = tuple(a.name for a in ANALYSIS_TABLE)
+DEFAULT_ANALYSES: Final = tuple(a.name for a in ANALYSIS_TABLE if a.default)
+_BY_ANALYSIS: Final = {a.name: a for a in ANALYSIS_TABLE}
+
+#: Every analysis parameter (``methods``: the analyses that take it).
+PARAMS: Final = (
+    Param(
+        "window",
+        int,
+        ("spikes",),
+        "steps in the trailing window a step's norm is compared with",
+        default=50,
+        low=2,
+        metavar="W",
+    ),
+    Param(
+        "threshold",
+        float,
+        ("spikes",),
+        "the robust z-score above which a step is a spike",
+        default=6.0,
+        low=0.0,
+        low_open=True,
+        metavar="Z",
+    ),
+    Param(
+        "two_sided",
+        bool,
+        ("spikes",),
+        "also flag steps whose norm falls below -threshold",
+        default=False,
+    ),
+    Param(
+        "by",
+        str,
+        ("spikes",),
+        "the series spikes are looked for in: total, layer or tensor",
+        default="total",
+        metavar="LEVEL",
+    ),
+    Param(
+        "first_only",
+        bool,
+        ("nonfinite",),
+        "examine only the earliest step that holds a non-finite value (else every such step)",
+        default=True,
+    ),
+)
+_BY_NAME: Final = {p.name: p for p in PARAMS}
+_CHOICES: Final = {"by": ("total", "layer", "tensor")}
+
+
+def analysis(name: str) -> Analysis:
+    """The analysis named ``name`` (an error listing them all otherwise)."""
+    found = _BY_ANALYSIS.get(name)
+    if found is None:
+        raise InvalidInputError(
+            f"no analysis {printable(name)}; the analyses are {', '.join(ANALYSES)}"
+        )
+    return found
+
+
+def parse_params(name: str, given: dict[str, object]) -> dict[str, object]:
+    """``given`` checked for analysis ``name``, with the defaults of what it leaves out."""
+    analysis(name)
+    out: dict[str, object] = {}
+    for param in PARAMS:
+        if name not in param.methods:
+            continue
+        value = given.get(param.name, param.default)
+        if value is not None:
+            value = check_param(param, value)
+            choices = _CHOICES.get(param.name)
+            if choices is not None and value not in choices:
+                raise InvalidInputError(
+                    f"{param.name} {printable(value)} must be one of {', '.join(choices)}"
+                )
+        out[param.name] = value
+    unknown = sorted(set(given) - set(out))
+    if unknown:
+        raise InvalidInputError(
+            f"{name} takes no {', '.join(unknown)} (it takes: {', '.join(out) or 'nothing'})"
+        )
+    return out
+
+
+def markdown_tables() -> str:
+    """The analyses and their parameters as two Markdown tables (the documentation's)."""
+    lines = ["| analysis | reads | default | computes |", "|---|---|---|---|"]
+    lines += [
+        f"| `{a.name}` | {a.reads} | {'yes' if a.default else 'no'} | {a.help} |"
+        for a in ANALYSIS_TABLE
+    ]
+    lines += ["", "| parameter | type | range | default | analyses | what it does |"]
+    lines.append("|---|---|---|---|---|---|")
+    for p in PARAMS:
+        default = "" if p.default is None else f"`{p.default!r}`".replace("'", "")
+        choices = _CHOICES.get(p.name)
+        range_text = " / ".join(choices) if choices else p.range_text
+        lines.append(
+            f"| `{p.name}` | {p.type.__name__} | {range_text} | {default} "
+            f"| {', '.join(p.methods)} | {p.help} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # python -m gradpipe.analytics.options: the docs' tables
+    print(markdown_tables(), end="")
