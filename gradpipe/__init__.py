@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from gradpipe.aggregation.rounds import RoundsReport, rounds
     from gradpipe.aggregation.server_update import apply_server_update
     from gradpipe.analytics.api import first_nonfinite, gradient_norms, norms_by, spikes
+    from gradpipe.analytics.peers import noise_scale, peer_agreement
     from gradpipe.core.aggregate_manifest import AggregateManifest
     from gradpipe.core.chunk_stats import ChunkStats
     from gradpipe.core.ref_entry import RefEntry
@@ -121,10 +122,12 @@ _LAZY: Final[dict[str, str]] = {
     "gradient_norms": "gradpipe.analytics.api",
     "ingest": "gradpipe.ingestion.api",
     "list_runs": "gradpipe.runs",
+    "noise_scale": "gradpipe.analytics.peers",
     "norms_by": "gradpipe.analytics.api",
     "open_dataset": "gradpipe.xarray.backend",
     "open_run": "gradpipe.runs",
     "open_store": "gradpipe.storage",
+    "peer_agreement": "gradpipe.analytics.peers",
     "plot_stats": "gradpipe.statistics.plot",
     "prune": "gradpipe.snapshots.prune",
     "restore": "gradpipe.snapshots.api",
@@ -192,10 +195,12 @@ __all__ = [
     "gradient_norms",
     "ingest",
     "list_runs",
+    "noise_scale",
     "norms_by",
     "open_dataset",
     "open_run",
     "open_store",
+    "peer_agreement",
     "plot_stats",
     "prune",
     "restore",

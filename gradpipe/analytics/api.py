@@ -24,7 +24,7 @@ from gradpipe.analytics.layers import LayerRule, layers_of, model_order
 from gradpipe.analytics.nonfinite import FlaggedCell, NonFinite, locate_nonfinite
 from gradpipe.analytics.norm_figures import FIGURES
 from gradpipe.analytics.norms import norms_graph
-from gradpipe.analytics.options import analysis, parse_params
+from gradpipe.analytics.options import STORED_VERSIONS, parse_params
 from gradpipe.analytics.passes import PassOutcome, run_pass
 from gradpipe.analytics.selection import Steps, step_sources
 from gradpipe.analytics.spikes import robust_z
@@ -110,7 +110,7 @@ def _norms_pass(
         run,
         sources,
         analysis="norms",
-        version=analysis("norms").version,
+        version=STORED_VERSIONS["norms"],
         params={},
         aggregate=aggregate,
         build=norms_graph,

@@ -1,9 +1,11 @@
 """The analyses and their parameters: one table, read by everything that lists them.
 
 The Python functions check their keywords against :data:`PARAMS`, and the
-documentation prints its table from here (:func:`markdown_tables`). Each
-analysis has a ``version`` that enters its memo key: bump it when its math
-changes, and stored results are recomputed rather than reused.
+documentation prints its table from here (:func:`markdown_tables`).
+
+Each stored result has a version (:data:`STORED_VERSIONS`) that enters its memo
+key: bump it when its math changes, and stored results are recomputed rather
+than reused.
 
 This module imports no numpy, so ``gradpipe --help`` stays fast.
 """
@@ -40,8 +42,6 @@ class Analysis:
     stored_as: str
     #: Runs when no analysis is named.
     default: bool = True
-    #: Enters the memo key of ``stored_as``: bumped when the math changes.
-    version: int = 1
 
 
 #: Every analysis, in the order reports list them.
@@ -67,7 +67,25 @@ ANALYSIS_TABLE: Final = (
         "flagged chunks",
         "",
     ),
+    Analysis(
+        "agreement",
+        "per step, per layer and in total: the peers' cosine matrix, sign agreement, distance "
+        "to the weighted mean, Krum scores, the norm of the mean against the mean of the norms, "
+        "and outlier peers",
+        "chunks",
+        "peers",
+    ),
+    Analysis(
+        "gns",
+        "the gradient noise scale B_simple = tr(Σ)/|G|² per step and layer from the peers' "
+        "batch sizes (McCandlish et al. 2018, A.1), raw and smoothed",
+        "chunks",
+        "peers",
+    ),
 )
+
+#: The version of each stored result, in its memo key: bumped when its math changes.
+STORED_VERSIONS: Final = {"norms": 1, "peers": 1}
 
 ANALYSES: Final = tuple(a.name for a in ANALYSIS_TABLE)
 DEFAULT_ANALYSES: Final = tuple(a.name for a in ANALYSIS_TABLE if a.default)
@@ -104,10 +122,49 @@ PARAMS: Final = (
     Param(
         "by",
         str,
-        ("spikes",),
-        "the series spikes are looked for in: total, layer or tensor",
+        ("spikes", "agreement", "gns"),
+        "the level figures are given at: total, layer or tensor",
         default="total",
         metavar="LEVEL",
+    ),
+    Param(
+        "outlier_z",
+        float,
+        ("agreement",),
+        "a peer is an outlier at a step when its distance to the mean, or its cosine with the "
+        "others' mean, lies this many robust standard deviations out (scale pooled over steps)",
+        default=6.0,
+        low=0.0,
+        low_open=True,
+        metavar="Z",
+    ),
+    Param(
+        "byzantine",
+        int,
+        ("agreement",),
+        "faulty peers Krum's scores tolerate (each score sums the n-F-2 nearest)",
+        default=0,
+        low=0,
+        metavar="F",
+    ),
+    Param(
+        "ema",
+        float,
+        ("gns",),
+        "the smoothing over steps of tr(Σ) and |G|², each bias-corrected, before their ratio",
+        default=0.9,
+        low=0.0,
+        high=1.0,
+        high_open=True,
+        metavar="BETA",
+    ),
+    Param(
+        "batch_size",
+        int,
+        ("gns",),
+        "every peer's batch size, where dumps record no num_examples (needs equal weights)",
+        low=1,
+        metavar="B",
     ),
     Param(
         "first_only",
