@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from gradpipe.aggregation.rounds import RoundsReport, rounds
     from gradpipe.aggregation.server_update import apply_server_update
     from gradpipe.analytics.api import first_nonfinite, gradient_norms, norms_by, spikes
+    from gradpipe.analytics.histograms import gradient_histograms
     from gradpipe.analytics.peers import noise_scale, peer_agreement
     from gradpipe.core.aggregate_manifest import AggregateManifest
     from gradpipe.core.chunk_stats import ChunkStats
@@ -119,6 +120,7 @@ _LAZY: Final[dict[str, str]] = {
     "export_dump": "gradpipe.runs",
     "first_nonfinite": "gradpipe.analytics.api",
     "gc": "gradpipe.storage.gc",
+    "gradient_histograms": "gradpipe.analytics.histograms",
     "gradient_norms": "gradpipe.analytics.api",
     "ingest": "gradpipe.ingestion.api",
     "list_runs": "gradpipe.runs",
@@ -192,6 +194,7 @@ __all__ = [
     "export_dump",
     "first_nonfinite",
     "gc",
+    "gradient_histograms",
     "gradient_norms",
     "ingest",
     "list_runs",

@@ -64,6 +64,7 @@ PUBLIC = [
     "export_dump",
     "first_nonfinite",
     "gc",
+    "gradient_histograms",
     "gradient_norms",
     "ingest",
     "list_runs",

@@ -82,10 +82,18 @@ ANALYSIS_TABLE: Final = (
         "chunks",
         "peers",
     ),
+    Analysis(
+        "histograms",
+        "per (step, tensor): counts in log-spaced magnitude bins (both signs, zero, under- and "
+        "overflow, infinities, NaN), summed over peers; TensorBoard's histograms",
+        "chunks",
+        "histograms",
+        default=False,
+    ),
 )
 
 #: The version of each stored result, in its memo key: bumped when its math changes.
-STORED_VERSIONS: Final = {"norms": 1, "peers": 1}
+STORED_VERSIONS: Final = {"norms": 1, "peers": 1, "histograms": 1}
 
 ANALYSES: Final = tuple(a.name for a in ANALYSIS_TABLE)
 DEFAULT_ANALYSES: Final = tuple(a.name for a in ANALYSIS_TABLE if a.default)
@@ -165,6 +173,43 @@ PARAMS: Final = (
         "every peer's batch size, where dumps record no num_examples (needs equal weights)",
         low=1,
         metavar="B",
+    ),
+    Param(
+        "bins_per_octave",
+        int,
+        ("histograms",),
+        "histogram bins per factor of two of magnitude",
+        default=2,
+        low=1,
+        high=16,
+        metavar="M",
+    ),
+    Param(
+        "low_exp",
+        int,
+        ("histograms",),
+        "the smallest magnitude binned is 2**low_exp (smaller ones: underflow)",
+        default=-32,
+        low=-1022,
+        high=1022,
+        metavar="E",
+    ),
+    Param(
+        "high_exp",
+        int,
+        ("histograms",),
+        "magnitudes from 2**high_exp up count as overflow",
+        default=16,
+        low=-1021,
+        high=1023,
+        metavar="E",
+    ),
+    Param(
+        "per_peer",
+        bool,
+        ("histograms",),
+        "keep each peer's counts instead of their sum",
+        default=False,
     ),
     Param(
         "first_only",
