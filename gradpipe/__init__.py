@@ -40,7 +40,9 @@ if TYPE_CHECKING:
     from gradpipe.aggregation.server_update import apply_server_update
     from gradpipe.analytics.api import first_nonfinite, gradient_norms, norms_by, spikes
     from gradpipe.analytics.histograms import gradient_histograms
+    from gradpipe.analytics.influence import influence
     from gradpipe.analytics.peers import noise_scale, peer_agreement
+    from gradpipe.analytics.projections import project_gradients
     from gradpipe.core.aggregate_manifest import AggregateManifest
     from gradpipe.core.chunk_stats import ChunkStats
     from gradpipe.core.ref_entry import RefEntry
@@ -122,6 +124,7 @@ _LAZY: Final[dict[str, str]] = {
     "gc": "gradpipe.storage.gc",
     "gradient_histograms": "gradpipe.analytics.histograms",
     "gradient_norms": "gradpipe.analytics.api",
+    "influence": "gradpipe.analytics.influence",
     "ingest": "gradpipe.ingestion.api",
     "list_runs": "gradpipe.runs",
     "noise_scale": "gradpipe.analytics.peers",
@@ -131,6 +134,7 @@ _LAZY: Final[dict[str, str]] = {
     "open_store": "gradpipe.storage",
     "peer_agreement": "gradpipe.analytics.peers",
     "plot_stats": "gradpipe.statistics.plot",
+    "project_gradients": "gradpipe.analytics.projections",
     "prune": "gradpipe.snapshots.prune",
     "restore": "gradpipe.snapshots.api",
     "restore_steps": "gradpipe.snapshots.api",
@@ -196,6 +200,7 @@ __all__ = [
     "gc",
     "gradient_histograms",
     "gradient_norms",
+    "influence",
     "ingest",
     "list_runs",
     "noise_scale",
@@ -205,6 +210,7 @@ __all__ = [
     "open_store",
     "peer_agreement",
     "plot_stats",
+    "project_gradients",
     "prune",
     "restore",
     "restore_steps",

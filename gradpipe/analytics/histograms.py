@@ -11,18 +11,19 @@ mirrored for negative values, plus zero, under- and overflow per sign, the
 infinities and NaN. Counts are summed over the step's peers (``per_peer``
 keeps them apart), stored per step under ``analytics/<run>``, and returned as a
 DataArray ``(step, tensor, bin)`` with the bins' ``lower`` and ``upper`` edges.
-A task holds one window of decoded chunks (``WINDOW_BYTES``), never a whole dump.
+A task holds one window of decoded chunks (:mod:`gradpipe.analytics.dump_chunks`),
+never a whole dump.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xarray as xr
 
-from gradpipe.aggregation.inputs import where
+from gradpipe.analytics.dump_chunks import DumpChunks
 from gradpipe.analytics.histogram_bins import BinLayout, bin_layout, histogram_counts
 from gradpipe.analytics.layers import model_order
 from gradpipe.analytics.options import STORED_VERSIONS, parse_params
@@ -30,21 +31,13 @@ from gradpipe.analytics.passes import run_pass
 from gradpipe.analytics.selection import Steps, StepSources, step_sources
 from gradpipe.analytics.step_figures import StepFailure, StepFigures
 from gradpipe.core.display import printable
-from gradpipe.core.dtypes import is_float, parse_dtype
-from gradpipe.core.run_manifest import DumpManifest
-from gradpipe.core.tensor_manifest import resolve_tensor
 from gradpipe.errors import GradpipeError, NotFoundError
 from gradpipe.graph.runner import Runner
-from gradpipe.storage.catalog import named_tensors
-from gradpipe.storage.reads import ChunkRead, decode_chunks
 
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
 
-__all__ = ["WINDOW_BYTES", "gradient_histograms"]
-
-#: Decoded bytes a task holds at once.
-WINDOW_BYTES: Final = 64 << 20
+__all__ = ["gradient_histograms"]
 
 
 def gradient_histograms(
@@ -178,56 +171,19 @@ def _dump_counts(
     store: Store, step: int, peer: str, dump_id: str, layout: BinLayout
 ) -> _DumpCounts:
     """Counts of every float tensor of one dump, ``(tensor, bin)``; and chunks read."""
+    zero = layout.labels.index("zero")
     try:
-        dump = store.get_typed(dump_id, DumpManifest, context=where(step=step, peer=peer))
-        tensors = named_tensors(
-            store, dump.tensors, dump.embedded, where=where(step=step, peer=peer)
-        )
-        names = [n for n in model_order(tensors) if is_float(parse_dtype(tensors[n].dtype))]
-        counts = np.zeros((len(names), layout.size), np.int64)
-        reads = 0
-        window: list[tuple[int, ChunkRead]] = []
-        held = 0
-        for j, name in enumerate(names):
-            manifest = resolve_tensor(tensors[name])
-            dtype = parse_dtype(manifest.dtype)
-            context = where(step=step, peer=peer, tensor=name)
-            for i, (block, (start, stop)) in enumerate(
-                zip(manifest.blocks, manifest.chunk_ranges(), strict=True)
-            ):
-                if block is None:  # an all-zero chunk: counted without a read
-                    counts[j, layout.labels.index("zero")] += stop - start
-                    continue
-                out = np.empty(stop - start, dtype)
-                window.append(
-                    (
-                        j,
-                        ChunkRead(
-                            block,
-                            out,
-                            f"{context}, chunk {i}",
-                            manifest.inline.get(i),
-                            manifest.deltas.get(i, ()),
-                        ),
-                    )
-                )
-                held += out.nbytes
-                reads += 1
-                if held >= WINDOW_BYTES:
-                    _count(store, window, counts, layout)
-                    window, held = [], 0
-        _count(store, window, counts, layout)
+        chunks = DumpChunks(store, step, peer, dump_id)
+        at = {name: j for j, name in enumerate(chunks.names)}
+        counts = np.zeros((len(chunks.names), layout.size), np.int64)
+        for chunk in chunks:
+            if chunk.values is None:  # an all-zero chunk: counted without a read
+                counts[at[chunk.tensor], zero] += chunk.stop - chunk.start
+            else:
+                counts[at[chunk.tensor]] += histogram_counts(chunk.values, layout)
     except GradpipeError as exc:
         return StepFailure(step, str(exc))
-    return names, counts, reads
-
-
-def _count(
-    store: Store, window: list[tuple[int, ChunkRead]], counts: np.ndarray, layout: BinLayout
-) -> None:
-    decode_chunks(store, [read for _, read in window])
-    for j, read in window:
-        counts[j] += histogram_counts(read.out, layout)
+    return chunks.names, counts, chunks.reads
 
 
 def _step_counts(

@@ -90,10 +90,26 @@ ANALYSIS_TABLE: Final = (
         "histograms",
         default=False,
     ),
+    Analysis(
+        "projection",
+        "per (step, peer, layer): a seeded k-dimensional sparse sign projection of the "
+        "gradient, reproducible from (seed, tensor, element); what influence reads",
+        "chunks",
+        "projection",
+        default=False,
+    ),
+    Analysis(
+        "influence",
+        "TracIn-style scores lr * <P g_query, P g_(step, peer)> of query gradients against "
+        "every stored dump, per layer and in total (needs a query)",
+        "projections",
+        "",
+        default=False,
+    ),
 )
 
 #: The version of each stored result, in its memo key: bumped when its math changes.
-STORED_VERSIONS: Final = {"norms": 1, "peers": 1, "histograms": 1}
+STORED_VERSIONS: Final = {"norms": 1, "peers": 1, "histograms": 1, "projection": 1}
 
 ANALYSES: Final = tuple(a.name for a in ANALYSIS_TABLE)
 DEFAULT_ANALYSES: Final = tuple(a.name for a in ANALYSIS_TABLE if a.default)
@@ -210,6 +226,35 @@ PARAMS: Final = (
         ("histograms",),
         "keep each peer's counts instead of their sum",
         default=False,
+    ),
+    Param(
+        "k",
+        int,
+        ("projection", "influence"),
+        "dimensions of the random projection (error std <= |x||y| * sqrt(2/k))",
+        default=8192,
+        low=1,
+        high=2**20,
+        metavar="K",
+    ),
+    Param(
+        "seed",
+        int,
+        ("projection", "influence"),
+        "the projection's seed: projections of one seed share a space",
+        default=0,
+        low=0,
+        metavar="S",
+    ),
+    Param(
+        "s",
+        int,
+        ("projection", "influence"),
+        "non-zeros per column of the projection (a divisor of k, at most 64)",
+        default=4,
+        low=1,
+        high=64,
+        metavar="N",
     ),
     Param(
         "first_only",
