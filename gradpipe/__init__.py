@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from gradpipe.aggregation.rounds import RoundsReport, rounds
     from gradpipe.aggregation.server_update import apply_server_update
     from gradpipe.analytics.api import first_nonfinite, gradient_norms, norms_by, spikes
+    from gradpipe.analytics.diff import DiffReport, diff
     from gradpipe.analytics.histograms import gradient_histograms
     from gradpipe.analytics.influence import influence
     from gradpipe.analytics.peers import noise_scale, peer_agreement
@@ -91,6 +92,7 @@ _LAZY: Final[dict[str, str]] = {
     "ChunkStats": "gradpipe.core.chunk_stats",
     "Dump": "gradpipe.runs",
     "EvaluationReport": "gradpipe.evaluation.api",
+    "DiffReport": "gradpipe.analytics.diff",
     "DumpEntry": "gradpipe.core.run_manifest",
     "DumpManifest": "gradpipe.core.run_manifest",
     "Failure": "gradpipe.ingestion.discover",
@@ -117,6 +119,7 @@ _LAZY: Final[dict[str, str]] = {
     "aggregate": "gradpipe.aggregation.api",
     "apply_server_update": "gradpipe.aggregation.server_update",
     "compression_stats": "gradpipe.statistics.api",
+    "diff": "gradpipe.analytics.diff",
     "evaluate_codecs": "gradpipe.evaluation.api",
     "export_aggregate": "gradpipe.runs",
     "export_dump": "gradpipe.runs",
@@ -155,6 +158,7 @@ __all__ = [
     "AggregateReport",
     "ChunkStats",
     "ConflictError",
+    "DiffReport",
     "Dump",
     "DumpEntry",
     "DumpManifest",
@@ -193,6 +197,7 @@ __all__ = [
     "aggregate",
     "apply_server_update",
     "compression_stats",
+    "diff",
     "evaluate_codecs",
     "export_aggregate",
     "export_dump",

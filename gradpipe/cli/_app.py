@@ -39,6 +39,7 @@ COMMAND_GROUPS: Final[tuple[str, ...]] = (
     "snapshots",  # snapshot, restore, log, prune
     "workflow",  # run
     "stats",
+    "analyze",  # analyze, diff
     "demo",
 )
 
@@ -92,7 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except Exception as exc:  # the contract: a message (and JSON), never a traceback
         _report(prog, _message(exc), _public_type(exc), as_json=args.json)
-        return exit_status(exc)
+        # A command whose exit 1 means something else (gradpipe diff: "different") fails with 2.
+        return getattr(args, "error_status", None) or exit_status(exc)
     if args.json:
         print(json_text(result.doc))
     elif result.verbatim:

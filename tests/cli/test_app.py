@@ -38,6 +38,7 @@ COMMANDS = [
     "prune",
     "run",
     "stats",
+    "diff",
     "demo",
 ]
 HEAVY = ("numpy", "dask", "distributed", "xarray", "fsspec", "numcodecs")

@@ -1,0 +1,188 @@
+"""gp.diff and gradpipe diff: ids first, then only the differing chunks."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gradpipe as gp
+from gradpipe.cli import main
+from gradpipe.core.ids import block_key
+from gradpipe.core.replay import OptimizerStep, replay
+from gradpipe.formats.safetensors import write_safetensors
+from gradpipe.runs import open_run
+from gradpipe.testing.faults import faulty_store
+
+CHUNK_BYTES = 16384  # 4,096 float32 per chunk: blocks of their own
+
+
+def _tensors(step: int, peer: str) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(10 * step + ord(peer))
+    return {
+        "layer.0.w": rng.standard_normal((64, 256)).astype(np.float32),  # 4 chunks
+        "layer.0.b": rng.standard_normal(32).astype(np.float32),  # inline
+        "head.w": rng.standard_normal(5000).astype(np.float64),
+    }
+
+
+def _write_run(
+    root: Path, change: dict[tuple[int, str], dict[str, np.ndarray]] | None = None
+) -> str:
+    for step in range(2):
+        for peer in ("a", "b"):
+            tensors = _tensors(step, peer) | (change or {}).get((step, peer), {})
+            path = root / f"step={step}" / f"peer={peer}.safetensors"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("wb") as f:
+                write_safetensors(f, tensors, {})
+    return str(root / "step={step}" / "peer={peer}.safetensors")
+
+
+def _chunk_keys(store: gp.Store, run: str) -> set[str]:
+    view = open_run(store, run)
+    return {
+        block_key(b)
+        for e in view
+        for n in view.dump(e.step, e.peer).names
+        for i, b in enumerate(view.dump(e.step, e.peer).info(n).blocks)
+        if b and i not in view.dump(e.step, e.peer).info(n).inline
+    }
+
+
+def _cli(store: gp.Store, *args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, dict]:
+    status = main(["diff", store.url, *args, "--json"])
+    out = capsys.readouterr().out
+    return status, json.loads(out) if out.strip() else {}
+
+
+def test_equal_runs_read_no_chunk(store: gp.Store, tmp_path: Path, capsys) -> None:
+    pattern = _write_run(tmp_path / "one")
+    assert gp.ingest(store, pattern, run="x", chunk_bytes=CHUNK_BYTES).ok
+    assert gp.ingest(store, pattern, run="y", chunk_bytes=CHUNK_BYTES).ok
+    counted, backend = faulty_store(store)
+    report = gp.diff(counted, "x", "y")
+    assert report.equal
+    assert report.dims == ("step", "peer")
+    assert report.counts()["identical"] == 12
+    assert report.chunks_read == 0
+    chunks = _chunk_keys(store, "x")
+    assert chunks
+    assert not {k for op, k in backend.calls if op == "read"} & chunks
+    status, doc = _cli(store, "x", "y", capsys=capsys)
+    assert (status, doc["equal"]) == (0, True)
+    assert gp.diff(store, "x@1", "y@1").equal
+    assert gp.diff(store, "x@1/a", "y@1/a").equal
+
+
+def test_one_ulp_is_found_reading_one_pair_of_chunks(
+    store: gp.Store, tmp_path: Path, capsys
+) -> None:
+    changed = _tensors(1, "b")["layer.0.w"].copy()
+    changed[40, 3] = np.nextafter(changed[40, 3], np.float32(np.inf))
+    assert gp.ingest(store, _write_run(tmp_path / "x"), run="x", chunk_bytes=CHUNK_BYTES).ok
+    pattern = _write_run(tmp_path / "y", {(1, "b"): {"layer.0.w": changed}})
+    assert gp.ingest(store, pattern, run="y", chunk_bytes=CHUNK_BYTES).ok
+    report = gp.diff(store, "x", "y")
+    assert not report.equal
+    [different] = [t for t in report.tensors if t.status == "different"]
+    assert different.position == (1, "b")
+    assert different.tensor == "layer.0.w"
+    assert different.max_ulp == 1
+    assert different.first_element == 40 * 256 + 3
+    assert different.first_chunk == (40 * 256 + 3) // 4096
+    assert different.chunks_read == 2
+    gap = abs(float(changed[40, 3]) - float(_tensors(1, "b")["layer.0.w"][40, 3]))
+    assert different.max_abs_diff == gap
+    norm = math.sqrt(math.fsum((_tensors(1, "b")["layer.0.w"].astype(float) ** 2).ravel()))
+    assert different.rel_l2 == pytest.approx(gap / norm, rel=1e-12)
+    status, doc = _cli(store, "x", "y", capsys=capsys)
+    assert (status, doc["equal"]) == (1, False)
+    assert doc["tensors"][0]["max_ulp"] == 1
+    quick = gp.diff(store, "x", "y", quick=True)
+    assert quick.chunks_read == 0
+    assert [t.status for t in quick.tensors if t.status != "identical"] == ["different"]
+
+
+def test_signed_zeros_and_nans_differ_in_bits_only(store: gp.Store, tmp_path: Path) -> None:
+    a = np.array([0.0, 1.0, np.nan, 2.0], np.float32)
+    b = np.array([-0.0, 1.0, np.nan, np.nan], np.float32)
+    for name, values in (("a", a), ("b", b)):
+        store.put_tensor(values, name=name)
+    report = gp.diff(store, store.refs.get("tensors/a"), store.refs.get("tensors/b"))
+    [record] = report.tensors
+    assert record.status == "different"
+    assert record.max_ulp == 0  # -0 and +0 are one value; the NaN pair is left out
+    assert record.nan_mismatch == 1
+    assert record.first_element == 0
+    assert record.max_abs_diff == np.inf
+
+
+def test_different_dumps_and_kinds_mixed(store: gp.Store, tmp_path: Path) -> None:
+    assert gp.ingest(store, _write_run(tmp_path / "x"), run="x", chunk_bytes=CHUNK_BYTES).ok
+    report = gp.diff(store, "x@0/a", "x@0/b")
+    for record in report.tensors:
+        a, b = _tensors(0, "a")[record.tensor], _tensors(0, "b")[record.tensor]
+        d = a.astype(np.float64) - b.astype(np.float64)
+        assert record.max_abs_diff == float(np.abs(d).max())
+        want = math.sqrt(math.fsum((d * d).ravel()) / math.fsum((a.astype(float) ** 2).ravel()))
+        assert record.rel_l2 == pytest.approx(want, rel=1e-12)
+    assert gp.aggregate(store, run="x", method="mean", name="avg", steps=[0]).ok
+    mixed = gp.diff(store, "x@0/a", "x:avg@0")
+    assert {t.status for t in mixed.tensors} == {"different"}
+    with pytest.raises(gp.InvalidInputError, match="like with like"):
+        gp.diff(store, "x", "x@0/a")
+
+
+def test_another_grid_is_compared_by_value(store: gp.Store, tmp_path: Path) -> None:
+    pattern = _write_run(tmp_path / "x")
+    assert gp.ingest(store, pattern, run="fine", chunk_bytes=CHUNK_BYTES).ok
+    assert gp.ingest(store, pattern, run="coarse", chunk_bytes=1 << 20).ok
+    report = gp.diff(store, "fine@0", "coarse@0")
+    assert report.equal
+    assert report.chunks_read > 0
+
+
+def test_snapshots_across_a_prune_and_through_replays(store: gp.Store) -> None:
+    w = np.ones((300, 200), np.float32)
+    m, v = np.zeros_like(w), np.zeros_like(w)
+    rng = np.random.default_rng(0)
+    for step in range(1, 6):
+        grad = rng.standard_normal(w.shape, dtype=np.float32)
+        adam = OptimizerStep("adam", lr=1e-3, step=step)
+        new = replay(adam, {"param": w, "exp_avg": m, "exp_avg_sq": v}, grad)
+        w, m, v = new["param"], new["exp_avg"], new["exp_avg_sq"]
+        slots = {"param": "w", "exp_avg": "m", "exp_avg_sq": "v"}
+        groups = [{"step": adam, "params": {"w": slots}}]
+        gp.snapshot(store, "s", {"w": w, "m": m, "v": v}, step=step, gradient={"w": grad},
+                    optimizer=groups)  # fmt: skip
+    before = {info.step: info.id for info in gp.snapshot_log(store, "s")}
+    counted, _ = faulty_store(store)
+    report = gp.diff(counted, "snapshots/s@4", "snapshots/s@5")
+    assert not report.equal
+    old = gp.restore(store, "s", step=4)
+    for record in report.tensors:
+        want = np.abs(old[record.tensor].astype(float) - {"w": w, "m": m, "v": v}[record.tensor])
+        assert record.max_abs_diff == float(want.max())
+    gp.prune(store, "s", keep_last=2)
+    assert gp.diff(store, before[5], "snapshots/s@latest").equal
+    assert gp.diff(store, before[5], "snapshots/s@5").chunks_read == 0
+
+
+def test_errors_exit_2_not_1(store: gp.Store, tmp_path: Path, capsys) -> None:
+    assert gp.ingest(store, _write_run(tmp_path / "x"), run="x", chunk_bytes=CHUNK_BYTES).ok
+    changed = {(0, "a"): {"layer.0.w": _tensors(0, "a")["layer.0.w"] + 1}}
+    assert gp.ingest(
+        store, _write_run(tmp_path / "y", changed), run="y", chunk_bytes=CHUNK_BYTES
+    ).ok
+    view = open_run(store, "y")
+    victim = view.dump(0, "a").info("layer.0.w").blocks[0]
+    store.backend.delete(block_key(victim))
+    assert main(["diff", store.url, "x", "y"]) == 2
+    assert victim in capsys.readouterr().err
+    assert main(["diff", store.url, "x", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "no run 'nope'" in err
