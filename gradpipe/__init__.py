@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from gradpipe.aggregation.api import AggregateReport, aggregate
     from gradpipe.aggregation.rounds import RoundsReport, rounds
     from gradpipe.aggregation.server_update import apply_server_update
+    from gradpipe.analytics.analyze import AnalysisReport, analyze
     from gradpipe.analytics.api import first_nonfinite, gradient_norms, norms_by, spikes
     from gradpipe.analytics.diff import DiffReport, diff
     from gradpipe.analytics.histograms import gradient_histograms
@@ -89,6 +90,7 @@ _LAZY: Final[dict[str, str]] = {
     "AggregateEntry": "gradpipe.core.run_manifest",
     "AggregateManifest": "gradpipe.core.aggregate_manifest",
     "AggregateReport": "gradpipe.aggregation.api",
+    "AnalysisReport": "gradpipe.analytics.analyze",
     "ChunkStats": "gradpipe.core.chunk_stats",
     "Dump": "gradpipe.runs",
     "EvaluationReport": "gradpipe.evaluation.api",
@@ -117,6 +119,7 @@ _LAZY: Final[dict[str, str]] = {
     "WorkflowReport": "gradpipe.workflow",
     "WriteStats": "gradpipe.storage",
     "aggregate": "gradpipe.aggregation.api",
+    "analyze": "gradpipe.analytics.analyze",
     "apply_server_update": "gradpipe.aggregation.server_update",
     "compression_stats": "gradpipe.statistics.api",
     "diff": "gradpipe.analytics.diff",
@@ -156,6 +159,7 @@ __all__ = [
     "AggregateEntry",
     "AggregateManifest",
     "AggregateReport",
+    "AnalysisReport",
     "ChunkStats",
     "ConflictError",
     "DiffReport",
@@ -195,6 +199,7 @@ __all__ = [
     "WriteStats",
     "__version__",
     "aggregate",
+    "analyze",
     "apply_server_update",
     "compression_stats",
     "diff",

@@ -12,8 +12,9 @@ This module imports no numpy, so ``gradpipe --help`` stays fast.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from gradpipe.aggregation.options import Param, check_param
 from gradpipe.core.display import printable
@@ -21,6 +22,7 @@ from gradpipe.errors import InvalidInputError
 
 __all__ = [
     "ANALYSES",
+    "ANALYSIS_CHOICES",
     "ANALYSIS_TABLE",
     "DEFAULT_ANALYSES",
     "PARAMS",
@@ -265,7 +267,9 @@ PARAMS: Final = (
     ),
 )
 _BY_NAME: Final = {p.name: p for p in PARAMS}
-_CHOICES: Final = {"by": ("total", "layer", "tensor")}
+#: The values of the text parameters.
+ANALYSIS_CHOICES: Final = {"by": ("total", "layer", "tensor")}
+_CHOICES: Final = ANALYSIS_CHOICES
 
 
 def analysis(name: str) -> Analysis:
@@ -300,6 +304,55 @@ def parse_params(name: str, given: dict[str, object]) -> dict[str, object]:
             f"{name} takes no {', '.join(unknown)} (it takes: {', '.join(out) or 'nothing'})"
         )
     return out
+
+
+def check_request(
+    what: Sequence[str] | None, aggregate: str | None, params: Mapping[str, Any]
+) -> list[str]:
+    """The analyses a request runs, in table order; raises for what none of them takes."""
+    chosen = _chosen(what, aggregate)
+    unknown = sorted(set(params) - {p.name for p in PARAMS})
+    if unknown:
+        raise InvalidInputError(
+            f"analyze takes no {', '.join(unknown)} (see gradpipe analyze --help)"
+        )
+    for name in params:
+        taken_by = takers(name)
+        if not set(taken_by) & set(chosen):
+            raise InvalidInputError(
+                f"{name} is a parameter of {', '.join(taken_by)}, which this call does not run"
+            )
+    return chosen
+
+
+#: The analyses that apply to an aggregate (the others compare or read peers' dumps).
+_OF_AGGREGATES: Final = ("norms", "spikes", "nonfinite")
+
+
+def _chosen(what: Sequence[str] | None, aggregate: str | None) -> list[str]:
+    names = list(DEFAULT_ANALYSES if what is None else what)
+    for name in names:
+        analysis(name)  # an error listing the analyses for an unknown one
+    if "influence" in names:
+        raise InvalidInputError(
+            "influence needs a query: call gp.influence(store, run, query) (or gradpipe "
+            "analyze --what projection to project the run ahead of queries)"
+        )
+    if aggregate is not None:
+        needs_peers = [n for n in names if n not in _OF_AGGREGATES]
+        if what is None:
+            names = [n for n in names if n not in needs_peers]
+        elif needs_peers:
+            raise InvalidInputError(
+                f"{', '.join(needs_peers)} compare or read the peers' dumps; with aggregate= "
+                "only norms, spikes and nonfinite apply"
+            )
+    return [n for n in ANALYSES if n in names]
+
+
+def takers(param: str) -> tuple[str, ...]:
+    """The analyses that take parameter ``param``."""
+    return _BY_NAME[param].methods
 
 
 def markdown_tables() -> str:

@@ -25,10 +25,21 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["plot_agreement", "plot_histograms", "plot_noise_scale", "plot_norms", "save"]
+    from gradpipe.analytics.analyze import AnalysisReport
+
+__all__ = [
+    "figure",
+    "plot_agreement",
+    "plot_histograms",
+    "plot_noise_scale",
+    "plot_norms",
+    "plot_report",
+    "save",
+]
 
 
-def _figure(size: tuple[float, float]) -> Figure:
+def figure(size: tuple[float, float]) -> Figure:
+    """An empty figure on matplotlib's Agg canvas (an error naming the extra without it)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -172,8 +183,29 @@ def _position(counts: xr.DataArray, i: int, low: float) -> float:
 
 def _axes(ax: Axes | None, size: tuple[float, float]) -> tuple[Figure, Axes]:
     if ax is not None:
-        figure = ax.get_figure()
-        assert figure is not None
-        return figure, ax  # type: ignore[return-value]
-    fig = _figure(size)
+        owner = ax.get_figure()
+        assert owner is not None
+        return owner, ax  # type: ignore[return-value]
+    fig = figure(size)
     return fig, fig.subplots()
+
+
+def plot_report(report: AnalysisReport, path: str | os.PathLike[str]) -> Figure:
+    """One figure of an :func:`~gradpipe.analyze` report (norms with spikes, the noise
+    scale, the latest step's agreement, as ran), written as PNG to ``path``."""
+    panels = [n for n in ("spikes", "gns", "agreement") if n in report.results]
+    if not panels:
+        raise InvalidInputError("the plot draws spikes, gns or agreement; none of them ran")
+    fig = figure((9, 3.6 * len(panels)))
+    axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
+    for ax, name in zip(axes, panels, strict=True):
+        result = report.results[name]
+        assert isinstance(result, xr.Dataset)
+        if name == "spikes":
+            plot_norms(result, ax=ax)
+        elif name == "gns":
+            plot_noise_scale(result, ax=ax)
+        else:
+            plot_agreement(result, int(result["step"].values[-1]), ax=ax)
+    save(fig, path)
+    return fig

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from gradpipe.aggregation.options import METHODS, PARAMS
+from gradpipe.aggregation.options import METHODS, PARAMS, Param
+from gradpipe.analytics.options import ANALYSES, ANALYSIS_CHOICES, check_request
+from gradpipe.analytics.options import PARAMS as ANALYSIS_PARAMS
 from gradpipe.core.display import printable
 from gradpipe.core.replay_options import DEFAULT_REPLAY_INTERVAL, REPLAY_KINDS
 from gradpipe.errors import GradpipeError
@@ -92,12 +94,16 @@ class StageSpec:
     check: Callable[[dict[str, Any]], None] | None = None
 
 
-def _method_param_fields() -> dict[str, Field]:
-    """The aggregation methods' parameters as keys of the aggregate stage, from the table."""
+def _param_fields(
+    table: Sequence[Param], choices: Mapping[str, tuple[str, ...]] | None = None
+) -> dict[str, Field]:
+    """A table's parameters (aggregation methods', analyses') as keys of a stage."""
     fields: dict[str, Field] = {}
-    for param in PARAMS:
+    for param in table:
         text = f"{param.methods_text}: {param.help}"
-        if param.type is float:
+        if param.name in (choices or {}):
+            fields[param.name] = Choice((choices or {})[param.name], text)
+        elif param.type is float:
             fields[param.name] = Float(
                 text,
                 low=param.low,
@@ -124,6 +130,13 @@ def _check_aggregate(params: dict[str, Any]) -> None:
 
     keys = {p.name for p in PARAMS} | {"method", "name", "split_every"}
     check_request(**{k: v for k, v in params.items() if k in keys})
+
+
+def _check_analyze(params: dict[str, Any]) -> None:
+    """The analyses named exist, and each parameter goes to one of them."""
+    names = {p.name for p in ANALYSIS_PARAMS}
+    given = {k: v for k, v in params.items() if k in names}
+    check_request(params.get("what"), params.get("aggregate"), given)
 
 
 class _Quorum(Field):
@@ -193,7 +206,7 @@ STAGES: Final[dict[str, StageSpec]] = {
             "weights": NumberMap("explicit peer weights"),
             "split_every": Int("partials per combine task, a power of two", low=2),
             "force": Bool("recompute recorded steps and aggregate steps that are not ready"),
-            **_method_param_fields(),
+            **_param_fields(PARAMS),
         },
         ("run", "method"),
         _check_aggregate,
@@ -213,6 +226,27 @@ STAGES: Final[dict[str, StageSpec]] = {
             ),
         },
         ("run",),
+    ),
+    "analyze": StageSpec(
+        "gradient analytics of a run, memoised in the store (gradpipe analyze): norms, spikes, "
+        "the first non-finite value, peer agreement, the noise scale; written as CSV, JSON "
+        "and a plot",
+        {
+            "run": _RUN,
+            "what": StrList(f"the analyses (default: the defaults of {', '.join(ANALYSES)})"),
+            "steps": StepRange('half-open step range, e.g. "0:10" (default: every step)'),
+            "aggregate": Str("an aggregate of the run instead of its dumps", _NAME),
+            "csv": LocalPath("a CSV file of per-(step, peer) headline records"),
+            "json": LocalPath("a JSON file of the report"),
+            "plot": LocalPath(
+                "a PNG of norms with spikes, the noise scale and the agreement (needs matplotlib)",
+                needs="matplotlib",
+                extra="plot",
+            ),
+            **_param_fields(ANALYSIS_PARAMS, ANALYSIS_CHOICES),
+        },
+        ("run",),
+        _check_analyze,
     ),
     "snapshot": StageSpec(
         "snapshot training-state files matching a pattern with {step}, one version per step, "

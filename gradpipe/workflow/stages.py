@@ -22,7 +22,14 @@ if TYPE_CHECKING:
     from gradpipe.graph.runner import Runner
     from gradpipe.storage.store import Store
 
-__all__ = ["RUNNERS", "SampleReport", "SnapshotStageReport", "StageContext", "StatsStageReport"]
+__all__ = [
+    "RUNNERS",
+    "AnalyzeStageReport",
+    "SampleReport",
+    "SnapshotStageReport",
+    "StageContext",
+    "StatsStageReport",
+]
 
 
 @dataclass(frozen=True)
@@ -273,6 +280,46 @@ def _stats(ctx: StageContext, p: dict[str, Any]) -> Report:
     return StatsStageReport(totals, written, int(ds.attrs["missing_blocks"]))
 
 
+@dataclass
+class AnalyzeStageReport(ReportHtml):
+    """What the ``analyze`` stage wrote, and the analyses' report."""
+
+    report: Report
+    written: dict[str, str]
+
+    @property
+    def ok(self) -> bool:
+        return self.report.ok
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.report.to_dict(), "written": self.written}
+
+    def summary(self) -> str:
+        files = ", ".join(f"{k} {printable(v, limit=PATH_LIMIT)}" for k, v in self.written.items())
+        return self.report.summary() + (f"\nwrote {files}" if files else "")
+
+
+def _analyze(ctx: StageContext, p: dict[str, Any]) -> Report:
+    from gradpipe.analytics.analyze import analyze
+    from gradpipe.statistics.api import records_csv
+
+    outputs = {k: p.pop(k) for k in ("csv", "json", "plot") if k in p}
+    report = analyze(ctx.store, p.pop("run"), runner=ctx.runner, **p)
+    written = {}
+    if "csv" in outputs:
+        Path(outputs["csv"]).write_text(records_csv(list(report.records())))
+        written["csv"] = outputs["csv"]
+    if "json" in outputs:
+        Path(outputs["json"]).write_text(json.dumps(report.to_dict(), default=str))
+        written["json"] = outputs["json"]
+    if "plot" in outputs:
+        from gradpipe.analytics.plot import plot_report
+
+        plot_report(report, outputs["plot"])
+        written["plot"] = outputs["plot"]
+    return AnalyzeStageReport(report, written)
+
+
 def _prune(ctx: StageContext, p: dict[str, Any]) -> Report:
     from gradpipe.snapshots.prune import prune
 
@@ -298,6 +345,7 @@ RUNNERS: Final[dict[str, Callable[[StageContext, dict[str, Any]], Report]]] = {
     "rounds": _rounds,
     "aggregate": _aggregate,
     "stats": _stats,
+    "analyze": _analyze,
     "snapshot": _snapshot,
     "prune": _prune,
     "gc": _gc,

@@ -38,6 +38,7 @@ COMMANDS = [
     "prune",
     "run",
     "stats",
+    "analyze",
     "diff",
     "demo",
 ]

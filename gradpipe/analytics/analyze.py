@@ -1,0 +1,231 @@
+"""``gp.analyze``: several analyses of a run in one call, one report.
+
+The batch entry point of ``gradpipe analyze``, the workflow's ``analyze`` stage
+and the dashboard: it runs the analyses asked for (by default every one that
+needs no extra input: norms, spikes, first non-finite, agreement and the noise
+scale) over shared passes (the norms serve spikes and the non-finite search;
+one peers' pass serves agreement and the noise scale), isolates a failing
+analysis from the others, and reports headline figures. In a notebook, the
+per-analysis functions (:func:`gradpipe.gradient_norms`, ...) read better.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+import xarray as xr
+
+from gradpipe.analytics.options import check_request, takers
+from gradpipe.analytics.selection import Steps
+from gradpipe.core.display import printable
+from gradpipe.core.html import ReportHtml
+from gradpipe.errors import GradpipeError
+from gradpipe.graph.runner import Runner, use_runner
+
+if TYPE_CHECKING:
+    from gradpipe.storage.store import Store
+
+__all__ = ["AnalysisReport", "analyze"]
+
+
+@dataclass
+class AnalysisReport(ReportHtml):
+    """What :func:`analyze` computed: a Dataset per analysis, failures, headline figures.
+
+    ``report["norms"]`` is the analysis' Dataset (a DataArray for
+    ``histograms``); ``failures`` maps an analysis that failed to why.
+    """
+
+    run: str
+    results: dict[str, xr.Dataset | xr.DataArray] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> xr.Dataset | xr.DataArray:
+        if name not in self.results:
+            raise KeyError(f"no {name!r} in this report (it has {', '.join(self.results)})")
+        return self.results[name]
+
+    @property
+    def ok(self) -> bool:
+        """No analysis failed, and none left a step out."""
+        return not self.failures and not any(r.attrs.get("failed") for r in self.results.values())
+
+    @property
+    def chunks_read(self) -> int:
+        return sum(int(r.attrs.get("chunks_read", 0)) for r in self.results.values())
+
+    def headlines(self) -> dict[str, Any]:
+        """The scalar figures a dashboard shows (numbers and text only)."""
+        out: dict[str, Any] = {"chunks_read": self.chunks_read}
+        if "spikes" in self.results:
+            out["spike_count"] = int(self.results["spikes"]["spike"].sum())
+        if "nonfinite" in self.results:
+            out["first_nonfinite"] = str(self.results["nonfinite"].attrs.get("first", ""))
+        if "agreement" in self.results:
+            flagged = self.results["agreement"]["outlier"]
+            counts = flagged.sum("step") if "step" in flagged.dims else flagged
+            while counts.ndim > 1:
+                counts = counts.sum(str(next(d for d in counts.dims if d != "peer")))
+            peers = [str(p) for p, n in zip(counts["peer"].values, counts.values, strict=True) if n]
+            out["outlier_peers"] = ", ".join(peers)
+        if "gns" in self.results:
+            latest = self.results["gns"]["b_simple_ema"]
+            while latest.ndim > 1:
+                latest = latest.isel({next(d for d in latest.dims if d != "step"): 0})
+            values = latest.values[~np.isnan(latest.values)]
+            out["gns_latest"] = float(values[-1]) if values.size else None
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "run": self.run,
+            **self.headlines(),
+            "analyses": {
+                name: {
+                    k: r.attrs.get(k)
+                    for k in ("computed_steps", "memoised_steps", "failed", "not_recorded")
+                    if k in r.attrs
+                }
+                for name, r in self.results.items()
+            },
+            "failures": dict(self.failures),
+        }
+
+    def summary(self) -> str:
+        head = self.headlines()
+        lines = [f"run {printable(self.run)}: {', '.join(self.results) or 'nothing'} analysed"]
+        for name, r in self.results.items():
+            done = r.attrs.get("computed_steps")
+            memo = r.attrs.get("memoised_steps")
+            counts = f" ({done} steps computed, {memo} memoised)" if done is not None else ""
+            lines.append(f"  {name}{counts}")
+            lines += [f"    failed: {f}" for f in r.attrs.get("failed", [])[:5]]
+        if "spike_count" in head:
+            lines.append(f"spikes: {head['spike_count']}")
+        if head.get("first_nonfinite"):
+            lines.append(f"first non-finite: {head['first_nonfinite']}")
+        if "outlier_peers" in head:
+            lines.append(f"outlier peers: {head['outlier_peers'] or 'none'}")
+        if head.get("gns_latest") is not None:
+            lines.append(f"gradient noise scale (latest, smoothed): {head['gns_latest']:.4g}")
+        lines += [f"FAILED {name}: {why}" for name, why in self.failures.items()]
+        lines.append(f"{head['chunks_read']} chunks read")
+        return "\n".join(lines)
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        """One record per (step, peer): the headline figures of every analysis run."""
+        rows: dict[tuple[int, str], dict[str, Any]] = {}
+
+        def put(step: Any, peer: Any, values: Mapping[str, Any]) -> None:
+            row = rows.setdefault((int(step), str(peer)), {"step": int(step), "peer": str(peer)})
+            row.update({k: _plain(v) for k, v in values.items()})
+
+        if "spikes" in self.results and "peer" in self.results["spikes"].dims:
+            sp = self.results["spikes"]
+            for s in sp["step"].values:
+                for p in sp["peer"].values:
+                    cell = sp.sel(step=s, peer=p)
+                    put(s, p, {"l2_norm": cell["l2_norm"], "z": cell["z"], "spike": cell["spike"]})
+        if "agreement" in self.results:
+            ag = self.results["agreement"]
+            if "layer" not in ag.dims and "tensor" not in ag.dims:
+                for s in ag["step"].values:
+                    for p in ag["peer"].values:
+                        cell = ag.sel(step=s, peer=p)
+                        put(s, p, {k: cell[k] for k in ("distance", "loo_cosine", "outlier")})
+        if "gns" in self.results and self.results["gns"]["b_simple"].ndim == 1:
+            gns = self.results["gns"]
+            for row in rows.values():
+                if row["step"] in gns["step"].values:
+                    cell = gns.sel(step=row["step"])
+                    row.update({k: _plain(cell[k]) for k in ("b_simple", "b_simple_ema")})
+        yield from (rows[k] for k in sorted(rows))
+
+
+def _plain(value: Any) -> Any:
+    item = value.item() if hasattr(value, "item") else value
+    if isinstance(item, float) and math.isnan(item):
+        return None
+    return item
+
+
+def analyze(
+    store: Store,
+    run: str,
+    *,
+    what: Sequence[str] | None = None,
+    steps: Steps = None,
+    aggregate: str | None = None,
+    runner: Runner | None = None,
+    **params: Any,
+) -> AnalysisReport:
+    """Run several analyses of a run (see :mod:`gradpipe.analytics.options` for the table).
+
+    Parameters
+    ----------
+    store, run
+        The store and the run.
+    what : sequence of str, optional
+        The analyses (default: every one needing no extra input: norms, spikes,
+        nonfinite, agreement, gns). ``influence`` needs a query: call
+        :func:`gradpipe.influence`.
+    steps : range or sequence of int, optional
+        The steps (default: all).
+    aggregate : str, optional
+        Norms, spikes and non-finite values of this aggregate instead of the dumps.
+    **params
+        The analyses' parameters (``window``, ``threshold``, ``outlier_z``,
+        ``ema``, ``bins_per_octave``, ``k``...), each going to the analyses
+        that take it.
+
+    Returns
+    -------
+    AnalysisReport
+    """
+    chosen = check_request(what, aggregate, params)
+    report = AnalysisReport(run)
+    with use_runner(runner) as active:
+        for name in chosen:
+            try:
+                report.results[name] = _run_one(
+                    store,
+                    run,
+                    name,
+                    params=params,
+                    steps=steps,
+                    aggregate=aggregate,
+                    runner=active,
+                )
+            except GradpipeError as exc:
+                report.failures[name] = str(exc)
+    return report
+
+
+#: Each analysis' function (imported when run), and whether it takes ``aggregate=``.
+_FUNCTIONS: Final = {
+    "norms": ("gradpipe.analytics.api:gradient_norms", True),
+    "spikes": ("gradpipe.analytics.api:spikes", True),
+    "nonfinite": ("gradpipe.analytics.api:first_nonfinite", True),
+    "agreement": ("gradpipe.analytics.peers:peer_agreement", False),
+    "gns": ("gradpipe.analytics.peers:noise_scale", False),
+    "histograms": ("gradpipe.analytics.histograms:gradient_histograms", False),
+    "projection": ("gradpipe.analytics.projections:project_gradients", False),
+}
+
+
+def _run_one(
+    store: Store, run: str, name: str, *, params: Mapping[str, Any], **common: Any
+) -> xr.Dataset | xr.DataArray:
+    module, _, function = _FUNCTIONS[name][0].partition(":")
+    call = getattr(importlib.import_module(module), function)
+    if not _FUNCTIONS[name][1]:
+        common.pop("aggregate")
+    mine = {k: v for k, v in params.items() if name in takers(k)}
+    result: xr.Dataset | xr.DataArray = call(store, run, **common, **mine)
+    return result

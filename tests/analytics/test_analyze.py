@@ -1,0 +1,140 @@
+"""gp.analyze, gradpipe analyze and the workflow's analyze stage."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import gradpipe as gp
+from gradpipe.analytics.options import ANALYSES, PARAMS, markdown_tables
+from gradpipe.cli import main
+from gradpipe.cli._app import build_parser
+from gradpipe.testing.training import SampleRun, TrainingConfig, write_sample_run
+from gradpipe.workflow.spec import STAGES
+
+TINY = TrainingConfig(vocab_size=500, embed_dim=8, hidden=16, peers=4, steps=4)
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory: pytest.TempPathFactory) -> SampleRun:
+    return write_sample_run(tmp_path_factory.mktemp("sample"), TINY)
+
+
+@pytest.fixture
+def demo(sample: SampleRun, tmp_path: Path) -> gp.Store:
+    store = gp.open_store(tmp_path / "store", mode="w")
+    assert gp.ingest(store, sample.dump_pattern, run="demo").ok
+    return store
+
+
+def test_the_defaults_run_in_shared_passes(demo: gp.Store) -> None:
+    report = gp.analyze(demo, "demo", window=2)
+    assert isinstance(report, gp.AnalysisReport)
+    assert list(report.results) == ["norms", "spikes", "nonfinite", "agreement", "gns"]
+    assert report.ok, report.summary()
+    head = report.headlines()
+    assert head["spike_count"] == int(report["spikes"].spike.sum())
+    assert head["first_nonfinite"] == ""
+    assert isinstance(head["gns_latest"], float | None)
+    assert report.to_dict()["ok"] is True
+    rows = list(report.records())
+    assert len(rows) == TINY.steps * TINY.peers
+    assert {"l2_norm", "distance", "b_simple"} <= set(rows[0])
+    again = gp.analyze(demo, "demo", window=2)
+    assert again.chunks_read == 0
+    assert all(r.attrs.get("computed_steps", 0) == 0 for r in again.results.values())
+
+
+def test_parameters_go_to_the_analyses_that_take_them(demo: gp.Store) -> None:
+    report = gp.analyze(demo, "demo", what=["spikes", "histograms"], threshold=2.0)
+    assert report["spikes"].attrs["threshold"] == 2.0
+    with pytest.raises(gp.InvalidInputError, match="takes no nope"):
+        gp.analyze(demo, "demo", nope=1)
+    with pytest.raises(gp.InvalidInputError, match="ema is a parameter of gns"):
+        gp.analyze(demo, "demo", what=["norms"], ema=0.5)
+    with pytest.raises(gp.InvalidInputError, match="influence needs a query"):
+        gp.analyze(demo, "demo", what=["influence"])
+    with pytest.raises(gp.InvalidInputError, match="the analyses are"):
+        gp.analyze(demo, "demo", what=["nope"])
+
+
+def test_one_failing_analysis_leaves_the_others(demo: gp.Store, tmp_path: Path) -> None:
+    assert gp.aggregate(demo, run="demo", method="fedavg").ok
+    report = gp.analyze(demo, "demo", aggregate="fedavg")
+    assert list(report.results) == ["norms", "spikes", "nonfinite"]  # no peers to compare
+    with pytest.raises(gp.InvalidInputError, match="only norms, spikes and nonfinite apply"):
+        gp.analyze(demo, "demo", aggregate="fedavg", what=["agreement"])
+    single = gp.open_store(tmp_path / "single", mode="w")
+    one = tmp_path / "one" / "step=0" / "peer=a.npz"
+    one.parent.mkdir(parents=True)
+    import numpy as np
+
+    np.savez(one, w=np.ones(4, np.float32))
+    assert gp.ingest(single, str(tmp_path / "one" / "step={step}" / "peer={peer}.npz"), run="r").ok
+    partial = gp.analyze(single, "r")
+    assert "norms" in partial.results
+    assert "agreement" in partial.failures
+    assert not partial.ok
+    assert "FAILED agreement" in partial.summary()
+
+
+def test_the_command(demo: gp.Store, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["analyze", demo.url, "--run", "demo", "--window", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "step" in out
+    assert "B_simple" in out
+    assert "outlier peers" in out
+    assert main(["analyze", demo.url, "--run", "demo", "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"]
+    assert doc["store"] == demo.url
+    assert "spike_count" in doc
+    assert main(["analyze", demo.url, "--run", "demo", "--format", "csv", "--steps", "1:3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("step,peer,")
+    assert len(lines) == 1 + 2 * TINY.peers
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "a.png"
+    assert main(["analyze", demo.url, "--run", "demo", "--plot", str(plot)]) == 0
+    assert plot.read_bytes().startswith(b"\x89PNG")
+    capsys.readouterr()
+    assert main(["analyze", demo.url, "--run", "demo", "--what", "nope"]) == 2
+    assert "the analyses are" in capsys.readouterr().err
+
+
+def test_the_table_the_flags_and_the_stage_agree() -> None:
+    parser = build_parser()
+    [sub] = [a for a in parser._actions if a.dest == "command"]
+    flags = {o for a in sub.choices["analyze"]._actions for o in a.option_strings}  # type: ignore[union-attr]
+    for param in PARAMS:
+        assert param.flag in flags
+        assert param.name in STAGES["analyze"].fields
+        assert param.name in markdown_tables()
+    assert all(f"`{name}`" in markdown_tables() for name in ANALYSES)
+
+
+def test_the_workflow_stage(sample: SampleRun, tmp_path: Path) -> None:
+    path = tmp_path / "w.yaml"
+    path.write_text(
+        textwrap.dedent(
+            f"""
+            version: 1
+            store: {{url: archive, create: true}}
+            backoff: 0
+            stages:
+              - ingest: {{pattern: "{sample.dump_pattern}", run: exp}}
+              - analyze: {{run: exp, window: 2, csv: a.csv, json: a.json}}
+            """
+        )
+    )
+    report = gp.run_workflow(path)
+    assert report.exit_status == 0, report.summary()
+    assert (tmp_path / "a.csv").read_text().startswith("step,peer,")
+    assert json.loads((tmp_path / "a.json").read_text())["ok"] is True
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(path.read_text().replace("window: 2", "ema: 0.5, what: [norms]"))
+    with pytest.raises(gp.GradpipeError, match="ema is a parameter of gns"):
+        gp.run_workflow(bad, dry_run=True)  # refused on load, before anything runs
