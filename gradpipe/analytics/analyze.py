@@ -26,6 +26,7 @@ from gradpipe.core.display import printable
 from gradpipe.core.html import ReportHtml
 from gradpipe.errors import GradpipeError
 from gradpipe.graph.runner import Runner, use_runner
+from gradpipe.graph.telemetry import operation
 
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
@@ -118,6 +119,13 @@ class AnalysisReport(ReportHtml):
         lines.append(f"{head['chunks_read']} chunks read")
         return "\n".join(lines)
 
+    def failure_lines(self) -> list[str]:
+        """One line per failed analysis, and per step an analysis left out."""
+        lines = [f"{name}: {why}" for name, why in self.failures.items()]
+        for name, result in self.results.items():
+            lines += [f"{name}: {line}" for line in result.attrs.get("failed", [])]
+        return lines
+
     def records(self) -> Iterator[dict[str, Any]]:
         """One record per (step, peer): the headline figures of every analysis run."""
         rows: dict[tuple[int, str], dict[str, Any]] = {}
@@ -190,7 +198,10 @@ def analyze(
     """
     chosen = check_request(what, aggregate, params)
     report = AnalysisReport(run)
-    with use_runner(runner) as active:
+    with (
+        use_runner(runner) as active,
+        operation(active, "analyze", run=run, store=store.url) as reporting,
+    ):
         for name in chosen:
             try:
                 report.results[name] = _run_one(
@@ -204,6 +215,7 @@ def analyze(
                 )
             except GradpipeError as exc:
                 report.failures[name] = str(exc)
+        reporting.finish(report, failures=report.failure_lines(), commit=None)
     return report
 
 

@@ -35,7 +35,7 @@ from gradpipe.graph.runner import Runner, use_runner
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
 
-__all__ = ["first_nonfinite", "gradient_norms", "norms_by", "spikes"]
+__all__ = ["first_nonfinite", "gradient_norms", "norms_by", "norms_dataset", "spikes"]
 
 #: The Dataset's name of each stored figure.
 _VARIABLES: Final = {
@@ -98,7 +98,7 @@ def gradient_norms(
         and in total: :func:`norms_by`.
     """
     outcome = _norms_pass(store, run, steps=steps, aggregate=aggregate, runner=runner)
-    return _norms_dataset(outcome, run=run, aggregate=aggregate, layers=layers)
+    return norms_dataset(outcome, run=run, aggregate=aggregate, layers=layers)
 
 
 def _norms_pass(
@@ -118,9 +118,10 @@ def _norms_pass(
     )
 
 
-def _norms_dataset(
+def norms_dataset(
     outcome: PassOutcome, *, run: str, aggregate: str | None, layers: LayerRule
 ) -> xr.Dataset:
+    """:func:`gradient_norms`' Dataset from the pass (computed or read back)."""
     if not outcome.results:
         reasons = "; ".join(f"step {f.step}: {f.reason}" for f in outcome.failures[:3])
         raise NotFoundError(f"no step of run {printable(run)} could be analysed: {reasons}")

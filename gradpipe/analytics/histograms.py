@@ -17,7 +17,7 @@ never a whole dump.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,7 +27,7 @@ from gradpipe.analytics.dump_chunks import DumpChunks
 from gradpipe.analytics.histogram_bins import BinLayout, bin_layout, histogram_counts
 from gradpipe.analytics.layers import model_order
 from gradpipe.analytics.options import STORED_VERSIONS, parse_params
-from gradpipe.analytics.passes import run_pass
+from gradpipe.analytics.passes import PassOutcome, run_pass
 from gradpipe.analytics.selection import Steps, StepSources, step_sources
 from gradpipe.analytics.step_figures import StepFailure, StepFigures
 from gradpipe.core.display import printable
@@ -37,7 +37,7 @@ from gradpipe.graph.runner import Runner
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
 
-__all__ = ["gradient_histograms"]
+__all__ = ["gradient_histograms", "histograms_array"]
 
 
 def gradient_histograms(
@@ -105,6 +105,15 @@ def gradient_histograms(
     if not outcome.results:
         reasons = "; ".join(f"step {f.step}: {f.reason}" for f in outcome.failures[:3])
         raise NotFoundError(f"no step of run {printable(run)} could be analysed: {reasons}")
+    return histograms_array(outcome, run=run, params=params)
+
+
+def histograms_array(outcome: PassOutcome, *, run: str, params: Mapping[str, Any]) -> xr.DataArray:
+    """:func:`gradient_histograms`' DataArray from the pass (computed or read back)."""
+    layout = bin_layout(
+        int(params["bins_per_octave"]), int(params["low_exp"]), int(params["high_exp"])
+    )
+    per_peer = bool(params["per_peer"])
     tensors = model_order(t for r in outcome.results for t in r.tensors)
     peers = list(dict.fromkeys(x for r in outcome.results for x in r.labels))
     shape = (len(peers),) if per_peer else ()

@@ -350,6 +350,11 @@ def _chosen(what: Sequence[str] | None, aggregate: str | None) -> list[str]:
     return [n for n in ANALYSES if n in names]
 
 
+def default(param: str) -> Any:
+    """Parameter ``param``'s default value."""
+    return _BY_NAME[param].default
+
+
 def takers(param: str) -> tuple[str, ...]:
     """The analyses that take parameter ``param``."""
     return _BY_NAME[param].methods

@@ -40,7 +40,7 @@ from gradpipe.graph.runner import Runner
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
 
-__all__ = ["noise_scale", "peer_agreement"]
+__all__ = ["agreement_dataset", "noise_scale", "noise_scale_dataset", "peer_agreement"]
 
 
 def peer_agreement(
@@ -87,11 +87,32 @@ def peer_agreement(
     """
     params = parse_params("agreement", {"by": by, "outlier_z": outlier_z, "byzantine": byzantine})
     outcome = _peers_pass(store, run, steps=steps, runner=runner)
+    return agreement_dataset(
+        outcome,
+        run=run,
+        by=str(params["by"]),
+        layers=layers,
+        outlier_z=float(outlier_z),
+        byzantine=int(byzantine),
+    )
+
+
+def agreement_dataset(
+    outcome: PassOutcome,
+    *,
+    run: str,
+    by: str,
+    layers: LayerRule,
+    outlier_z: float,
+    byzantine: int,
+) -> xr.Dataset:
+    """:func:`peer_agreement`'s Dataset from the peers' pass (computed or read back)."""
+    params = {"by": by, "outlier_z": outlier_z, "byzantine": byzantine}
 
     def figures(sums: dict[str, np.ndarray], weights: np.ndarray) -> dict[str, Any]:
         return agreement_figures(sums, weights, byzantine=int(byzantine))
 
-    ds = _dataset(outcome, by=str(params["by"]), layers=layers, figures=figures)
+    ds = _dataset(outcome, by=by, layers=layers, figures=figures)
     flags = outliers(
         ds["distance"].transpose(..., "peer").values,
         ds["loo_cosine"].transpose(..., "peer").values,
@@ -135,11 +156,32 @@ def noise_scale(
     """
     params = parse_params("gns", {"by": by, "ema": ema, "batch_size": batch_size})
     outcome = _peers_pass(store, run, steps=steps, runner=runner)
+    return noise_scale_dataset(
+        outcome,
+        run=run,
+        by=str(params["by"]),
+        layers=layers,
+        ema=float(ema),
+        batch_size=batch_size,
+    )
+
+
+def noise_scale_dataset(
+    outcome: PassOutcome,
+    *,
+    run: str,
+    by: str,
+    layers: LayerRule,
+    ema: float,
+    batch_size: int | None,
+) -> xr.Dataset:
+    """:func:`noise_scale`'s Dataset from the peers' pass (computed or read back)."""
+    params = {"by": by, "ema": ema, "batch_size": batch_size}
 
     def figures(sums: dict[str, np.ndarray], weights: np.ndarray) -> dict[str, Any]:
         return noise_scale_figures(sums, _batches(weights, batch_size))
 
-    ds = _dataset(outcome, by=str(params["by"]), layers=layers, figures=figures)
+    ds = _dataset(outcome, by=by, layers=layers, figures=figures)
     ds = ds.drop_dims(["peer", "peer_b"], errors="ignore")
     batches = [_batches(r.arrays["weights"], batch_size) for r in outcome.results]
     ds["batch"] = ("step", [float(b.sum()) for b in batches])
@@ -147,7 +189,7 @@ def noise_scale(
     described = {**GNS_VARIABLES, "b_simple_ema": "B_simple of the smoothed estimates"}
     for name, text in described.items():
         ds[name].attrs["description"] = text
-    ds.attrs.update(params, analysis="gns", run=run)
+    ds.attrs.update({k: v for k, v in params.items() if v is not None}, analysis="gns", run=run)
     return ds
 
 

@@ -39,7 +39,13 @@ from gradpipe.graph.runner import Runner
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
 
-__all__ = ["LR_KEYS", "dump_lr", "project_gradients", "projection_pass"]
+__all__ = [
+    "LR_KEYS",
+    "dump_lr",
+    "project_gradients",
+    "projection_dataset",
+    "projection_pass",
+]
 
 #: The metadata keys a dump's learning rate is read from, in order.
 LR_KEYS: Final = ("lr", "learning_rate")
@@ -65,6 +71,11 @@ def project_gradients(
         from the dumps' metadata; NaN where none is recorded).
     """
     outcome = projection_pass(store, run, k=k, seed=seed, s=s, steps=steps, runner=runner)
+    return projection_dataset(outcome, run=run, k=k, seed=seed, s=s)
+
+
+def projection_dataset(outcome: PassOutcome, *, run: str, k: int, seed: int, s: int) -> xr.Dataset:
+    """:func:`project_gradients`' Dataset from the pass (computed or read back)."""
     results = outcome.results
     peers = list(dict.fromkeys(x for r in results for x in r.labels))
     layers = list(dict.fromkeys(x for r in results for x in r.tensors))

@@ -119,7 +119,7 @@ class Totals:
 
 
 class Board:
-    """Operations by id, the latest commits per run, and cumulative totals per kind."""
+    """Operations by id, the latest commits and analyses per run, totals per kind."""
 
     def __init__(self, keep: int = KEEP, commits_per_run: int = COMMITS_PER_RUN) -> None:
         self.keep = keep
@@ -128,6 +128,8 @@ class Board:
             lambda: deque(maxlen=commits_per_run)
         )
         self.totals: defaultdict[str, Totals] = defaultdict(Totals)
+        #: The headline figures of the latest ``analyze`` of each run.
+        self.analyses: dict[str, dict[str, Any]] = {}
 
     def apply(self, when: float, msg: Any) -> None:
         """Take one event received at ``when``; a malformed one is ignored."""
@@ -177,6 +179,13 @@ class Board:
         totals.bytes_stored += record.bytes_stored(Live())
         totals.failures += record.failed
         totals.seconds += record.seconds(when)
+        if record.kind == "analyze" and record.run is not None:
+            self.analyses[record.run] = {
+                "time": when,
+                "operation": record.id,
+                "state": record.state,
+                **record.figures,
+            }
         if record.run is not None and record.commit is not None:
             self.commits[record.run].appendleft(
                 {
@@ -229,7 +238,15 @@ class Board:
         runs = [
             {"run": run, "commits": list(commits)} for run, commits in sorted(self.commits.items())
         ]
-        return {"time": now, **extra, "operations": operations, "totals": totals, "runs": runs}
+        analyses = [{"run": run, **figures} for run, figures in sorted(self.analyses.items())]
+        return {
+            "time": now,
+            **extra,
+            "operations": operations,
+            "totals": totals,
+            "runs": runs,
+            "analyses": analyses,
+        }
 
 
 def _text(value: Any) -> str | None:

@@ -52,6 +52,8 @@ def render_page(doc: Mapping[str, Any], *, refresh: int) -> str:
         _operations(doc.get("operations", [])),
         "<h2>Latest commits per run</h2>",
         _runs(doc.get("runs", [])),
+        "<h2>Latest analyses per run</h2>",
+        _analyses(doc.get("analyses", [])),
         "<h2>Failures</h2>",
         _failures(doc.get("operations", [])),
         "</body></html>",
@@ -140,6 +142,28 @@ def _runs(runs: Sequence[Mapping[str, Any]]) -> str:
         for c in run.get("commits", [])
     )
     return _table(["run", "committed", "by", "run manifest", "store"], rows, text=5)
+
+
+def _analyses(analyses: Sequence[Mapping[str, Any]]) -> str:
+    def cell(value: Any, fmt: str = "{}") -> str:
+        return "" if value is None or value == "" else html.escape(fmt.format(value))
+
+    rows = (
+        [
+            html.escape(str(a["run"])),
+            _clock(a.get("time")),
+            html.escape(str(a.get("state") or "")),
+            cell(a.get("spike_count")),
+            cell(a.get("first_nonfinite")),
+            cell(a.get("outlier_peers")) or "none",
+            cell(a.get("gns_latest"), "{:.4g}"),
+            cell(a.get("chunks_read")),
+        ]
+        for a in analyses
+    )
+    headers = ["run", "analysed", "state", "spikes", "first non-finite", "outlier peers",
+               "noise scale", "chunks read"]  # fmt: skip
+    return _table(headers, rows, text=6)
 
 
 def _failures(operations: Sequence[Mapping[str, Any]]) -> str:

@@ -37,9 +37,10 @@ if TYPE_CHECKING:
 
 __all__ = ["GradpipeBackendEntrypoint", "Kind", "open_dataset"]
 
-#: What a dataset is opened from: a run's dumps, one aggregate name of a run, a snapshot chain.
-Kind = Literal["run", "aggregate", "snapshot"]
-_KINDS: Final = ("run", "aggregate", "snapshot")
+#: What a dataset is opened from: a run's dumps, one aggregate name of a run, a snapshot
+#: chain, or one recorded analysis of a run.
+Kind = Literal["run", "aggregate", "snapshot", "analysis"]
+_KINDS: Final = ("run", "aggregate", "snapshot", "analysis")
 
 
 class GradpipeBackendEntrypoint(BackendEntrypoint):
@@ -74,10 +75,12 @@ class GradpipeBackendEntrypoint(BackendEntrypoint):
             manifests are still read, its chunks never.
         run : str
             The run (``kind="run"`` and ``"aggregate"``).
-        kind : {"run", "aggregate", "snapshot"}
+        kind : {"run", "aggregate", "snapshot", "analysis"}
             What to open.
         name : str
-            The aggregate's name (``"fedavg"``) or the snapshot chain's.
+            The aggregate's name (``"fedavg"``), the snapshot chain's, or the
+            recorded analysis' (``"norms"``, ``"agreement"``, ``"gns"``,
+            ``"histograms"``, ``"projection"``, ``"norms@fedavg"``).
         at : str, optional
             Open the state with this id instead of the current one: the run
             manifest's id (``gp.open_run(store, run).id``) or a snapshot
@@ -93,6 +96,12 @@ class GradpipeBackendEntrypoint(BackendEntrypoint):
         if kind == "snapshot":
             assert name is not None  # _check_target
             return snapshot_dataset(store, name, _snapshot_chain(store, name, at), drop=drop)
+        if kind == "analysis":
+            from gradpipe.analytics.stored import stored_analysis
+
+            assert run is not None  # _check_target
+            assert name is not None
+            return stored_analysis(store, run, name)
         assert run is not None  # _check_target
         found = _run(store, run, at)
         if kind == "aggregate":
@@ -253,6 +262,18 @@ def _stats_nodes(store: Store, drop: set[str]) -> dict[str, xr.Dataset]:
     return {f"stats/{r}": compression_stats(store, run=r) for r in list_runs(store)}
 
 
+def _analytics_nodes(store: Store, drop: set[str]) -> dict[str, xr.Dataset]:
+    """``analytics/<run>/<analysis>``: what the store records; never computes (docs/design/017)."""
+    from gradpipe.analytics.stored import stored_analyses
+    from gradpipe.runs import list_runs
+
+    return {
+        f"analytics/{r}/{name}": ds
+        for r in list_runs(store)
+        for name, ds in stored_analyses(store, r).items()
+    }
+
+
 #: The groups of the store's DataTree, one builder per kind of object: a new
 #: kind of node is one more function here.
 TREE_NODES: Final[tuple[Callable[[Store, set[str]], dict[str, xr.Dataset]], ...]] = (
@@ -260,6 +281,7 @@ TREE_NODES: Final[tuple[Callable[[Store, set[str]], dict[str, xr.Dataset]], ...]
     _aggregate_nodes,
     _snapshot_nodes,
     _stats_nodes,
+    _analytics_nodes,
 )
 
 
@@ -327,6 +349,11 @@ def _check_target(kind: str, run: str | None, name: str | None) -> None:
         raise InvalidInputError(
             "kind='aggregate' needs name=<aggregate name> (fedavg, ...); "
             "gp.open_run(store, run).aggregates lists them"
+        )
+    if kind == "analysis" and name is None:
+        raise InvalidInputError(
+            "kind='analysis' needs name=<analysis> (norms, agreement, gns, histograms, "
+            "projection); gradpipe analyze records them"
         )
 
 

@@ -138,3 +138,61 @@ def test_the_workflow_stage(sample: SampleRun, tmp_path: Path) -> None:
     bad.write_text(path.read_text().replace("window: 2", "ema: 0.5, what: [norms]"))
     with pytest.raises(gp.GradpipeError, match="ema is a parameter of gns"):
         gp.run_workflow(bad, dry_run=True)  # refused on load, before anything runs
+
+
+class _Recorder:
+    """Stands in for a ``distributed.Client``: keeps what ``log_event`` was given."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, object]] = []
+
+    def log_event(self, topic: str, msg: dict[str, object]) -> None:
+        self.events.append(msg)
+
+
+def test_the_dashboard_shows_the_latest_analyses(demo: gp.Store) -> None:
+    pytest.importorskip("distributed")
+    from gradpipe.dashboard.board import Board, Live
+    from gradpipe.dashboard.page import render_page
+
+    gp.analyze(demo, "demo", window=2)  # memoised: the second call computes no graph
+    client = _Recorder()
+    report = gp.analyze(demo, "demo", window=2, runner=gp.Runner(client))  # type: ignore[arg-type]
+    start, end = client.events
+    assert (start["kind"], start["run"]) == ("analyze", "demo")
+    assert end["state"] == "done"
+    figures = end["figures"]
+    assert isinstance(figures, dict)
+    assert figures["spike_count"] == report.headlines()["spike_count"]
+    board = Board()
+    for when, event in enumerate(client.events):
+        board.apply(float(when), event)
+    [latest] = board.document(10.0, lambda spans: Live())["analyses"]
+    assert latest["run"] == "demo"
+    assert latest["spike_count"] == figures["spike_count"]
+    page = render_page(board.document(10.0, lambda spans: Live()), refresh=0)
+    assert "Latest analyses per run" in page
+    assert "outlier peers" in page
+
+
+def test_the_datatree_shows_what_is_recorded_and_computes_nothing(demo: gp.Store) -> None:
+    import xarray as xr
+
+    from gradpipe.analytics.stored import stored_analyses
+    from gradpipe.core.ids import block_key
+    from gradpipe.testing.faults import faulty_store
+
+    assert "analytics" not in xr.open_datatree(demo, engine="gradpipe").children
+    gp.analyze(demo, "demo", what=["norms", "agreement"])
+    tree = xr.open_datatree(demo, engine="gradpipe")
+    assert set(tree["analytics/demo"].children) == {"norms", "agreement", "gns"}  # one pass
+    counted, backend = faulty_store(demo)
+    assert set(stored_analyses(counted, "demo")) == {"norms", "agreement", "gns"}
+    assert not [c for c in backend.calls if c[0] in ("write_if_absent", "swap")]
+    dumps = {block_key(e.dump) for e in gp.open_run(demo, "demo")}
+    assert not {k for op, k in backend.calls if op == "read"} & dumps  # results only
+    norms = xr.open_dataset(demo, engine="gradpipe", kind="analysis", run="demo", name="norms")
+    assert not norms.stale.any()
+    assert norms.l2_norm.dims == ("step", "peer", "tensor")
+    with pytest.raises(gp.NotFoundError, match="no analysis 'histograms'"):
+        xr.open_dataset(demo, engine="gradpipe", kind="analysis", run="demo", name="histograms")

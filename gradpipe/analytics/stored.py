@@ -1,0 +1,121 @@
+"""The analyses a store records, as Datasets, without computing anything.
+
+What ``xr.open_datatree(STORE, engine="gradpipe")`` shows under
+``/analytics/<run>/...`` and ``open_dataset(..., kind="analysis")`` opens: only
+results the run's index names are read (its shards and the result manifests);
+a step that was never analysed is simply absent, and a result computed from a
+dump since replaced is marked ``stale``. Read-time choices (layers, outlier
+rule, smoothing) take their defaults.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+import xarray as xr
+
+from gradpipe.analytics.memo import read_results
+from gradpipe.analytics.options import default
+from gradpipe.analytics.passes import PassOutcome, StepResult
+from gradpipe.core.display import printable
+from gradpipe.core.run_entries import AnalysisEntry
+from gradpipe.errors import NotFoundError
+from gradpipe.storage.catalog import read_analytics, read_run
+
+if TYPE_CHECKING:
+    from gradpipe.storage.store import Store
+
+__all__ = ["STORED_NODES", "stored_analyses", "stored_analysis"]
+
+#: The Datasets each stored result gives, by the result's analysis.
+STORED_NODES: Final = {
+    "norms": ("norms",),
+    "peers": ("agreement", "gns"),
+    "histograms": ("histograms",),
+    "projection": ("projection",),
+}
+
+
+def stored_analyses(store: Store, run: str) -> dict[str, xr.Dataset]:
+    """Every recorded analysis of ``run`` by node name (``norms``, ``agreement``, ``norms@avg``)."""
+    _, index = read_analytics(store, run)
+    by_name: defaultdict[str, list[AnalysisEntry]] = defaultdict(list)
+    for entry in index.entries:
+        by_name[entry.name].append(entry)
+    if not by_name:
+        return {}
+    _, manifest = read_run(store, run, missing_ok=True)
+    current = {(d.step, d.peer): d.dump for d in manifest.dumps}
+    aggregates = {(a.step, a.name): a.aggregate for a in manifest.aggregates}
+    out: dict[str, xr.Dataset] = {}
+    for name, entries in by_name.items():
+        kind, _, aggregate = name.partition(":")
+        found = read_results(store, [e.analysis for e in entries])
+        outcome = PassOutcome(kind)
+        stale = []
+        for analysis_id, result, arrays in found:
+            outcome.results.append(
+                StepResult(
+                    result.step,
+                    list(result.coords["labels"]),
+                    list(result.coords["tensors"]),
+                    arrays,
+                    analysis_id,
+                    memoised=True,
+                )
+            )
+            used = {(result.step, i.label): i.source for i in result.inputs}
+            if aggregate:
+                now = {(result.step, aggregate): aggregates.get((result.step, aggregate))}
+            else:
+                now = {k: v for k, v in current.items() if k[0] == result.step}
+            stale.append(used != now)
+        params = found[0][1].params if found else {}
+        for node, built in _datasets(kind, run, aggregate or None, outcome, params).items():
+            ds = built.assign_coords(stale=("step", np.array(stale, dtype=bool)))
+            ds["stale"].attrs["description"] = "a dump used was replaced, or a peer added, since"
+            out[node if not aggregate else f"{node}@{aggregate}"] = ds
+    return out
+
+
+def stored_analysis(store: Store, run: str, name: str) -> xr.Dataset:
+    """One recorded analysis of ``run`` (a node of :func:`stored_analyses`)."""
+    found = stored_analyses(store, run)
+    if name not in found:
+        known = ", ".join(sorted(found)) or "none (run gradpipe analyze first)"
+        raise NotFoundError(f"run {printable(run)} records no analysis {printable(name)}: {known}")
+    return found[name]
+
+
+def _datasets(
+    kind: str, run: str, aggregate: str | None, outcome: PassOutcome, params: dict[str, Any]
+) -> dict[str, xr.Dataset]:
+    outcome.results.sort(key=lambda r: r.step)
+    if kind == "norms":
+        from gradpipe.analytics.api import norms_dataset
+
+        return {"norms": norms_dataset(outcome, run=run, aggregate=aggregate, layers=None)}
+    if kind == "peers":
+        from gradpipe.analytics.peers import agreement_dataset, noise_scale_dataset
+
+        agreement = agreement_dataset(
+            outcome,
+            run=run,
+            by="total",
+            layers=None,
+            outlier_z=default("outlier_z"),
+            byzantine=default("byzantine"),
+        )
+        gns = noise_scale_dataset(
+            outcome, run=run, by="total", layers=None, ema=default("ema"), batch_size=None
+        )
+        return {"agreement": agreement, "gns": gns}
+    if kind == "histograms":
+        from gradpipe.analytics.histograms import histograms_array
+
+        return {"histograms": histograms_array(outcome, run=run, params=params).to_dataset()}
+    from gradpipe.analytics.projections import projection_dataset
+
+    return {"projection": projection_dataset(outcome, run=run, **params)}
