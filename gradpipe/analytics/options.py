@@ -364,7 +364,7 @@ def markdown_tables() -> str:
     """The analyses and their parameters as two Markdown tables (the documentation's)."""
     lines = ["| analysis | reads | default | computes |", "|---|---|---|---|"]
     lines += [
-        f"| `{a.name}` | {a.reads} | {'yes' if a.default else 'no'} | {a.help} |"
+        f"| `{a.name}` | {a.reads} | {'yes' if a.default else 'no'} | {_cell(a.help)} |"
         for a in ANALYSIS_TABLE
     ]
     lines += ["", "| parameter | type | range | default | analyses | what it does |"]
@@ -375,9 +375,14 @@ def markdown_tables() -> str:
         range_text = " / ".join(choices) if choices else p.range_text
         lines.append(
             f"| `{p.name}` | {p.type.__name__} | {range_text} | {default} "
-            f"| {', '.join(p.methods)} | {p.help} |"
+            f"| {', '.join(p.methods)} | {_cell(p.help)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    """``text`` in a Markdown table cell (a ``|`` would end the cell)."""
+    return text.replace("|", "\\|")
 
 
 if __name__ == "__main__":  # python -m gradpipe.analytics.options: the docs' tables

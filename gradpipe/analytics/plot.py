@@ -190,12 +190,19 @@ def _axes(ax: Axes | None, size: tuple[float, float]) -> tuple[Figure, Axes]:
     return fig, fig.subplots()
 
 
+def _whole(result: xr.Dataset | xr.DataArray | None) -> bool:
+    """A result of the whole gradient (no layer or tensor dim): what the report's figure shows."""
+    return result is not None and not {"layer", "tensor"} & set(result.dims)
+
+
 def plot_report(report: AnalysisReport, path: str | os.PathLike[str]) -> Figure:
     """One figure of an :func:`~gradpipe.analyze` report (norms with spikes, the noise
     scale, the latest step's agreement, as ran), written as PNG to ``path``."""
-    panels = [n for n in ("spikes", "gns", "agreement") if n in report.results]
+    panels = [n for n in ("spikes", "gns", "agreement") if _whole(report.results.get(n))]
     if not panels:
-        raise InvalidInputError("the plot draws spikes, gns or agreement; none of them ran")
+        raise InvalidInputError(
+            "the plot draws spikes, gns or agreement of the whole gradient (by total); none ran"
+        )
     fig = figure((9, 3.6 * len(panels)))
     axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
     for ax, name in zip(axes, panels, strict=True):

@@ -78,7 +78,7 @@ def run_ls(args: argparse.Namespace) -> CommandResult:
     ]
     if not rows:
         return CommandResult({"store": store.url, "refs": []}, f"{store.url}: no refs yet")
-    bad = _describe_runs(store, rows)
+    bad = _describe_runs(store, rows) + _describe_analyses(store, rows)
     width = max(len(r["ref"]) for r in rows)
     lines = [
         f"{r['ref']:<{width}}  {r['target'][:19]}…  {r['time'][:19]}  "
@@ -123,6 +123,29 @@ def _describe_runs(store: Store, rows: list[dict[str, Any]]) -> int:
             continue
         row.update(steps=len(manifest.steps), peers=len(manifest.peers), dumps=manifest.dump_count)
         row["summary"] = f"{row['steps']} steps x {row['peers']} peers"
+    return bad
+
+
+def _describe_analyses(store: Store, rows: list[dict[str, Any]]) -> int:
+    """Add what each run's analytics index records (``norms: 6 steps, peers: 6 steps``)."""
+    from collections import Counter
+
+    from gradpipe.errors import GradpipeError
+    from gradpipe.storage.catalog import read_analytics_at
+
+    bad = 0
+    for row in rows:
+        if not row["ref"].startswith("analytics/"):
+            continue
+        try:
+            index = read_analytics_at(store, row["target"], row["ref"].split("/", 1)[1])
+            counts = Counter(e.name for e in index.entries)
+        except GradpipeError as exc:
+            row["problem"] = " ".join(str(exc).split())
+            bad += 1
+            continue
+        row["analyses"] = dict(counts)
+        row["summary"] = "analyses: " + ", ".join(f"{n} ({c} steps)" for n, c in counts.items())
     return bad
 
 

@@ -103,6 +103,9 @@ def test_the_command(demo: gp.Store, tmp_path: Path, capsys: pytest.CaptureFixtu
     capsys.readouterr()
     assert main(["analyze", demo.url, "--run", "demo", "--what", "nope"]) == 2
     assert "the analyses are" in capsys.readouterr().err
+    assert main(["ls", demo.url]) == 0
+    listed = capsys.readouterr().out
+    assert f"analyses: norms ({TINY.steps} steps), peers ({TINY.steps} steps)" in listed
 
 
 def test_the_table_the_flags_and_the_stage_agree() -> None:
@@ -114,6 +117,8 @@ def test_the_table_the_flags_and_the_stage_agree() -> None:
         assert param.name in STAGES["analyze"].fields
         assert param.name in markdown_tables()
     assert all(f"`{name}`" in markdown_tables() for name in ANALYSES)
+    page = Path(__file__).parents[2] / "docs" / "user-guide" / "analytics.md"
+    assert markdown_tables() in page.read_text(), "python -m gradpipe.analytics.options"
 
 
 def test_the_workflow_stage(sample: SampleRun, tmp_path: Path) -> None:
