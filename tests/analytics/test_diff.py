@@ -107,12 +107,14 @@ def test_one_ulp_is_found_reading_one_pair_of_chunks(
     assert [t.status for t in quick.tensors if t.status != "identical"] == ["different"]
 
 
-def test_signed_zeros_and_nans_differ_in_bits_only(store: gp.Store, tmp_path: Path) -> None:
+def test_signed_zeros_and_nans_differ_in_bits_only(local_store: gp.Store, tmp_path: Path) -> None:
     a = np.array([0.0, 1.0, np.nan, 2.0], np.float32)
     b = np.array([-0.0, 1.0, np.nan, np.nan], np.float32)
     for name, values in (("a", a), ("b", b)):
-        store.put_tensor(values, name=name)
-    report = gp.diff(store, store.refs.get("tensors/a"), store.refs.get("tensors/b"))
+        local_store.put_tensor(values, name=name)
+    report = gp.diff(
+        local_store, local_store.refs.get("tensors/a"), local_store.refs.get("tensors/b")
+    )
     [record] = report.tensors
     assert record.status == "different"
     assert record.max_ulp == 0  # -0 and +0 are one value; the NaN pair is left out
@@ -121,32 +123,32 @@ def test_signed_zeros_and_nans_differ_in_bits_only(store: gp.Store, tmp_path: Pa
     assert record.max_abs_diff == np.inf
 
 
-def test_different_dumps_and_kinds_mixed(store: gp.Store, tmp_path: Path) -> None:
-    assert gp.ingest(store, _write_run(tmp_path / "x"), run="x", chunk_bytes=CHUNK_BYTES).ok
-    report = gp.diff(store, "x@0/a", "x@0/b")
+def test_different_dumps_and_kinds_mixed(local_store: gp.Store, tmp_path: Path) -> None:
+    assert gp.ingest(local_store, _write_run(tmp_path / "x"), run="x", chunk_bytes=CHUNK_BYTES).ok
+    report = gp.diff(local_store, "x@0/a", "x@0/b")
     for record in report.tensors:
         a, b = _tensors(0, "a")[record.tensor], _tensors(0, "b")[record.tensor]
         d = a.astype(np.float64) - b.astype(np.float64)
         assert record.max_abs_diff == float(np.abs(d).max())
         want = math.sqrt(math.fsum((d * d).ravel()) / math.fsum((a.astype(float) ** 2).ravel()))
         assert record.rel_l2 == pytest.approx(want, rel=1e-12)
-    assert gp.aggregate(store, run="x", method="mean", name="avg", steps=[0]).ok
-    mixed = gp.diff(store, "x@0/a", "x:avg@0")
+    assert gp.aggregate(local_store, run="x", method="mean", name="avg", steps=[0]).ok
+    mixed = gp.diff(local_store, "x@0/a", "x:avg@0")
     assert {t.status for t in mixed.tensors} == {"different"}
     with pytest.raises(gp.InvalidInputError, match="like with like"):
-        gp.diff(store, "x", "x@0/a")
+        gp.diff(local_store, "x", "x@0/a")
 
 
-def test_another_grid_is_compared_by_value(store: gp.Store, tmp_path: Path) -> None:
+def test_another_grid_is_compared_by_value(local_store: gp.Store, tmp_path: Path) -> None:
     pattern = _write_run(tmp_path / "x")
-    assert gp.ingest(store, pattern, run="fine", chunk_bytes=CHUNK_BYTES).ok
-    assert gp.ingest(store, pattern, run="coarse", chunk_bytes=1 << 20).ok
-    report = gp.diff(store, "fine@0", "coarse@0")
+    assert gp.ingest(local_store, pattern, run="fine", chunk_bytes=CHUNK_BYTES).ok
+    assert gp.ingest(local_store, pattern, run="coarse", chunk_bytes=1 << 20).ok
+    report = gp.diff(local_store, "fine@0", "coarse@0")
     assert report.equal
     assert report.chunks_read > 0
 
 
-def test_snapshots_across_a_prune_and_through_replays(store: gp.Store) -> None:
+def test_snapshots_across_a_prune_and_through_replays(local_store: gp.Store) -> None:
     w = np.ones((300, 200), np.float32)
     m, v = np.zeros_like(w), np.zeros_like(w)
     rng = np.random.default_rng(0)
@@ -157,19 +159,19 @@ def test_snapshots_across_a_prune_and_through_replays(store: gp.Store) -> None:
         w, m, v = new["param"], new["exp_avg"], new["exp_avg_sq"]
         slots = {"param": "w", "exp_avg": "m", "exp_avg_sq": "v"}
         groups = [{"step": adam, "params": {"w": slots}}]
-        gp.snapshot(store, "s", {"w": w, "m": m, "v": v}, step=step, gradient={"w": grad},
+        gp.snapshot(local_store, "s", {"w": w, "m": m, "v": v}, step=step, gradient={"w": grad},
                     optimizer=groups)  # fmt: skip
-    before = {info.step: info.id for info in gp.snapshot_log(store, "s")}
-    counted, _ = faulty_store(store)
+    before = {info.step: info.id for info in gp.snapshot_log(local_store, "s")}
+    counted, _ = faulty_store(local_store)
     report = gp.diff(counted, "snapshots/s@4", "snapshots/s@5")
     assert not report.equal
-    old = gp.restore(store, "s", step=4)
+    old = gp.restore(local_store, "s", step=4)
     for record in report.tensors:
         want = np.abs(old[record.tensor].astype(float) - {"w": w, "m": m, "v": v}[record.tensor])
         assert record.max_abs_diff == float(want.max())
-    gp.prune(store, "s", keep_last=2)
-    assert gp.diff(store, before[5], "snapshots/s@latest").equal
-    assert gp.diff(store, before[5], "snapshots/s@5").chunks_read == 0
+    gp.prune(local_store, "s", keep_last=2)
+    assert gp.diff(local_store, before[5], "snapshots/s@latest").equal
+    assert gp.diff(local_store, before[5], "snapshots/s@5").chunks_read == 0
 
 
 def test_errors_exit_2_not_1(store: gp.Store, tmp_path: Path, capsys) -> None:

@@ -21,14 +21,14 @@ STEPS = 30
 
 
 def test_the_store_gives_the_estimators_of_the_per_example_gradients(
-    store: gp.Store, tmp_path: Path
+    local_store: gp.Store, tmp_path: Path
 ) -> None:
     model = PerExampleModel()
     x, y = population(model, 400, seed=1)
     run = write_peer_dumps(tmp_path, model, x, y, steps=STEPS, batch_sizes=BATCHES, seed=2)
-    assert gp.ingest(store, run.pattern, run="pe").ok
-    gns = gp.noise_scale(store, "pe")
-    by_layer = gp.noise_scale(store, "pe", by="layer")
+    assert gp.ingest(local_store, run.pattern, run="pe").ok
+    gns = gp.noise_scale(local_store, "pe")
+    by_layer = gp.noise_scale(local_store, "pe", by="layer")
     assert list(by_layer.layer.values) == ["head", "layer.0"]
     for step in run.steps:
         trace, true_sq = gns_estimates(run.mean_gradients[step], BATCHES)

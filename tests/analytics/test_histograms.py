@@ -32,7 +32,7 @@ def _tensors(step: int, peer: str) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture
-def filled(store: gp.Store, tmp_path: Path) -> gp.Store:
+def filled(local_store: gp.Store, tmp_path: Path) -> gp.Store:
     for step in range(2):
         for peer in PEERS:
             path = tmp_path / f"step={step}" / f"peer={peer}.safetensors"
@@ -40,8 +40,8 @@ def filled(store: gp.Store, tmp_path: Path) -> gp.Store:
             with path.open("wb") as f:
                 write_safetensors(f, _tensors(step, peer), {})
     pattern = str(tmp_path / "step={step}" / "peer={peer}.safetensors")
-    assert gp.ingest(store, pattern, run="r", chunk_bytes=16384).ok
-    return store
+    assert gp.ingest(local_store, pattern, run="r", chunk_bytes=16384).ok
+    return local_store
 
 
 def test_counts_equal_the_kernel_on_the_arrays(filled: gp.Store) -> None:

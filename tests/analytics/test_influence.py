@@ -22,13 +22,15 @@ K = 2048
 
 
 @pytest.fixture
-def trained(store: gp.Store, tmp_path: Path) -> tuple[gp.Store, object, dict[str, np.ndarray]]:
+def trained(
+    local_store: gp.Store, tmp_path: Path
+) -> tuple[gp.Store, object, dict[str, np.ndarray]]:
     model = PerExampleModel()
     x, y = population(model, 200, seed=3)
     run = write_peer_dumps(tmp_path / "run", model, x, y, steps=4, batch_sizes=(4, 6, 9), seed=5)
-    assert gp.ingest(store, run.pattern, run="train", chunk_bytes=4096).ok
+    assert gp.ingest(local_store, run.pattern, run="train", chunk_bytes=4096).ok
     query = per_example_gradients(model, x[:3], y[:3])
-    return store, run, query
+    return local_store, run, query
 
 
 def _layer(name: str) -> str:
@@ -90,19 +92,21 @@ def test_a_query_run_scores_each_step_with_its_own_gradient(trained: tuple, tmp_
     np.testing.assert_allclose(by_run.score.values, fixed.score.values, rtol=1e-5, atol=1e-9)
 
 
-def test_the_learning_rate_must_be_known(store: gp.Store, tmp_path: Path) -> None:
+def test_the_learning_rate_must_be_known(local_store: gp.Store, tmp_path: Path) -> None:
     path = tmp_path / "step=0" / "peer=a.safetensors"
     path.parent.mkdir()
     with path.open("wb") as f:
         write_safetensors(f, {"w": np.ones(10, np.float32)}, {})
-    assert gp.ingest(store, str(tmp_path / "step={step}" / "peer={peer}.safetensors"), run="r").ok
+    assert gp.ingest(
+        local_store, str(tmp_path / "step={step}" / "peer={peer}.safetensors"), run="r"
+    ).ok
     query = {"w": np.ones((1, 10), np.float32)}
     with pytest.raises(gp.NotFoundError, match="step 0, peer 'a': the dump records no learning"):
-        gp.influence(store, "r", query, k=64)
-    assert gp.influence(store, "r", query, k=64, lr=0.5).score.shape == (1, 1, 1)
-    assert gp.influence(store, "r", query, k=64, lr={0: 0.5}).score.shape == (1, 1, 1)
+        gp.influence(local_store, "r", query, k=64)
+    assert gp.influence(local_store, "r", query, k=64, lr=0.5).score.shape == (1, 1, 1)
+    assert gp.influence(local_store, "r", query, k=64, lr={0: 0.5}).score.shape == (1, 1, 1)
     with pytest.raises(gp.InvalidInputError, match="leading example axis"):
-        gp.influence(store, "r", {"w": np.ones((1, 10)), "v": np.ones((2, 3))}, k=64, lr=1.0)
+        gp.influence(local_store, "r", {"w": np.ones((1, 10)), "v": np.ones((2, 3))}, k=64, lr=1.0)
 
 
 def test_projections_do_not_depend_on_the_chunk_grid(trained: tuple) -> None:

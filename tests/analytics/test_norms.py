@@ -206,7 +206,9 @@ def test_aggregate_norms(filled: gp.Store) -> None:
         gp.gradient_norms(filled, "r", aggregate="nope")
 
 
-def test_overflowed_float64_chunks_are_read_and_only_they(store: gp.Store, tmp_path: Path) -> None:
+def test_overflowed_float64_chunks_are_read_and_only_they(
+    local_store: gp.Store, tmp_path: Path
+) -> None:
     big = np.ones(4096, np.float64)
     big[100:110] = 1e200  # squares overflow in the first chunk only
     path = tmp_path / "step=0" / "peer=a.safetensors"
@@ -214,8 +216,8 @@ def test_overflowed_float64_chunks_are_read_and_only_they(store: gp.Store, tmp_p
     with path.open("wb") as f:
         write_safetensors(f, {"big": big, "small": np.ones(8)}, {})
     pattern = str(tmp_path / "step={step}" / "peer={peer}.safetensors")
-    assert gp.ingest(store, pattern, run="r", chunk_bytes=4096).ok
-    ds = gp.gradient_norms(store, "r")
+    assert gp.ingest(local_store, pattern, run="r", chunk_bytes=4096).ok
+    ds = gp.gradient_norms(local_store, "r")
     assert ds.attrs["chunks_read"] == 1
     cell = ds.sel(step=0, peer="a", tensor="big")
     assert cell.sum_squares == np.inf

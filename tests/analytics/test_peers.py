@@ -163,14 +163,18 @@ def test_processes_give_the_same_ids(filled: gp.Store, tmp_path: Path, dumps: st
     assert procs.analysis_id.values.tolist() == threads.analysis_id.values.tolist()
 
 
-def test_a_non_finite_peer_is_left_out_of_its_tensors(store: gp.Store, tmp_path: Path) -> None:
+def test_a_non_finite_peer_is_left_out_of_its_tensors(
+    local_store: gp.Store, tmp_path: Path
+) -> None:
     for peer in PEERS:
         tensors = _tensors(0, peer)
         if peer == "p2":
             tensors["head.w"][3] = np.nan
         _write(tmp_path, 0, peer, tensors, {})
-    assert gp.ingest(store, str(tmp_path / "step={step}" / "peer={peer}.safetensors"), run="r").ok
-    by_layer = gp.peer_agreement(store, "r", by="layer").sel(step=0)
+    assert gp.ingest(
+        local_store, str(tmp_path / "step={step}" / "peer={peer}.safetensors"), run="r"
+    ).ok
+    by_layer = gp.peer_agreement(local_store, "r", by="layer").sel(step=0)
     assert np.isnan(by_layer.cosine.sel(layer="head", peer="p2")).all()
     assert not np.isnan(by_layer.cosine.sel(layer="head", peer="p1", peer_b="p3"))
     assert not np.isnan(by_layer.cosine.sel(layer="layer.0")).any()
@@ -205,23 +209,25 @@ def _corrupted_run(root: Path, steps: int, bad: dict[str, float]) -> str:
     return str(root / "step={step}" / "peer={peer}.safetensors")
 
 
-def test_corrupted_peers_are_flagged_at_every_step(store: gp.Store, tmp_path: Path) -> None:
+def test_corrupted_peers_are_flagged_at_every_step(local_store: gp.Store, tmp_path: Path) -> None:
     pattern = _corrupted_run(tmp_path / "bad", 6, {"p3": 10.0, "p6": -1.0})
-    assert gp.ingest(store, pattern, run="bad").ok
-    flagged = gp.peer_agreement(store, "bad").outlier
+    assert gp.ingest(local_store, pattern, run="bad").ok
+    flagged = gp.peer_agreement(local_store, "bad").outlier
     assert flagged.sel(peer="p3").all()
     assert flagged.sel(peer="p6").all()
     assert not flagged.drop_sel(peer=["p3", "p6"]).any()
 
 
-def test_a_clean_run_flags_nobody(store: gp.Store, tmp_path: Path) -> None:
+def test_a_clean_run_flags_nobody(local_store: gp.Store, tmp_path: Path) -> None:
     pattern = _corrupted_run(tmp_path / "clean", 40, {})
-    assert gp.ingest(store, pattern, run="clean").ok
-    assert not gp.peer_agreement(store, "clean").outlier.any()
+    assert gp.ingest(local_store, pattern, run="clean").ok
+    assert not gp.peer_agreement(local_store, "clean").outlier.any()
 
 
-def test_one_peer_is_not_enough(store: gp.Store, tmp_path: Path) -> None:
+def test_one_peer_is_not_enough(local_store: gp.Store, tmp_path: Path) -> None:
     _write(tmp_path, 0, "a", {"w": np.ones(4, np.float32)}, {})
-    assert gp.ingest(store, str(tmp_path / "step={step}" / "peer={peer}.safetensors"), run="r").ok
+    assert gp.ingest(
+        local_store, str(tmp_path / "step={step}" / "peer={peer}.safetensors"), run="r"
+    ).ok
     with pytest.raises(gp.NotFoundError, match="one peer; agreement needs two"):
-        gp.peer_agreement(store, "r")
+        gp.peer_agreement(local_store, "r")

@@ -21,7 +21,7 @@ pytest.importorskip("matplotlib")
 
 
 @pytest.fixture
-def run(store: gp.Store, tmp_path: Path) -> gp.Store:
+def run(local_store: gp.Store, tmp_path: Path) -> gp.Store:
     rng = np.random.default_rng(0)
     for step in range(12):
         truth = rng.standard_normal(2048)
@@ -35,8 +35,10 @@ def run(store: gp.Store, tmp_path: Path) -> gp.Store:
                     "layer.1.w": g[:64].astype(np.float32),
                 }
                 write_safetensors(f, tensors, {"num_examples": "16"})
-    assert gp.ingest(store, str(tmp_path / "step={step}" / "peer={peer}.safetensors"), run="r").ok
-    return store
+    assert gp.ingest(
+        local_store, str(tmp_path / "step={step}" / "peer={peer}.safetensors"), run="r"
+    ).ok
+    return local_store
 
 
 def test_every_figure_draws_and_saves(run: gp.Store, tmp_path: Path) -> None:

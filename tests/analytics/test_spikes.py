@@ -53,7 +53,7 @@ def test_a_constant_series_has_z_zero_and_a_jump_is_infinite() -> None:
     assert robust_z(norms, np.ones_like(norms, bool), window=4)[10, 0] == 0  # median still 2
 
 
-def test_a_twenty_times_step_is_flagged_per_layer(store: gp.Store, tmp_path: Path) -> None:
+def test_a_twenty_times_step_is_flagged_per_layer(local_store: gp.Store, tmp_path: Path) -> None:
     rng = np.random.default_rng(1)
     for step in range(30):
         for peer in ("a", "b"):
@@ -66,8 +66,10 @@ def test_a_twenty_times_step_is_flagged_per_layer(store: gp.Store, tmp_path: Pat
             path.parent.mkdir(exist_ok=True)
             with path.open("wb") as f:
                 write_safetensors(f, tensors, {})
-    assert gp.ingest(store, str(tmp_path / "step={step}" / "peer={peer}.safetensors"), run="r").ok
-    found = gp.spikes(store, "r", by="layer", window=20)
+    assert gp.ingest(
+        local_store, str(tmp_path / "step={step}" / "peer={peer}.safetensors"), run="r"
+    ).ok
+    found = gp.spikes(local_store, "r", by="layer", window=20)
     hits = np.nonzero(found.spike.transpose("step", "peer", "layer").values)
     spots = {
         (int(found.step.values[s]), str(found.peer.values[p]), str(found.layer.values[g]))
@@ -76,15 +78,15 @@ def test_a_twenty_times_step_is_flagged_per_layer(store: gp.Store, tmp_path: Pat
     assert spots == {(24, "b", "layer.1")}
     assert found.attrs["window"] == 20
     assert found.attrs["by"] == "layer"
-    total = gp.spikes(gp.gradient_norms(store, "r"), window=20)
+    total = gp.spikes(gp.gradient_norms(local_store, "r"), window=20)
     assert bool(total.spike.sel(step=24, peer="b"))
     assert int(total.spike.sum()) == 1
 
 
-def test_bad_parameters(store: gp.Store) -> None:
+def test_bad_parameters(local_store: gp.Store) -> None:
     with pytest.raises(gp.InvalidInputError, match="window"):
         robust_z(np.ones((3, 1)), np.ones((3, 1), bool), window=1)
     with pytest.raises(gp.InvalidInputError, match="threshold"):
-        gp.spikes(store, "r", threshold=0)
+        gp.spikes(local_store, "r", threshold=0)
     with pytest.raises(gp.InvalidInputError, match="by 'peer' must be one of"):
-        gp.spikes(store, "r", by="peer")
+        gp.spikes(local_store, "r", by="peer")
