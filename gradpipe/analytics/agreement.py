@@ -46,6 +46,7 @@ from typing import Final
 import numpy as np
 
 from gradpipe.aggregation.robust import krum_scores
+from gradpipe.analytics.norm_figures import exact_sum
 from gradpipe.analytics.spikes import MAD_TO_SIGMA
 
 __all__ = [
@@ -112,7 +113,7 @@ def _fsum(values: np.ndarray) -> float:
     items = values.tolist()
     if any(math.isnan(v) for v in items):
         return math.nan
-    return math.fsum(items)
+    return exact_sum(items)
 
 
 def agreement_figures(
@@ -196,7 +197,7 @@ def noise_scale_figures(sums: dict[str, np.ndarray], batch: np.ndarray) -> dict[
     dist_sq = sums["dist_sq"]
     if p < 2 or np.isnan(dist_sq).any() or bool(sums["identical"]):
         return {"trace_sigma": math.nan, "true_grad_sq": math.nan, "b_simple": math.nan}
-    trace = math.fsum((batch * dist_sq).tolist()) / (p - 1)
+    trace = exact_sum((batch * dist_sq).tolist()) / (p - 1)
     true_sq = float(sums["mean_sq"]) - trace / total
     ratio = trace / true_sq if true_sq > 0 else math.nan
     return {"trace_sigma": trace, "true_grad_sq": true_sq, "b_simple": ratio}

@@ -19,14 +19,15 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 import xarray as xr
+from dask.base import tokenize
 
 from gradpipe.analytics.layers import LayerRule, layers_of, model_order
 from gradpipe.analytics.nonfinite import FlaggedCell, NonFinite, locate_nonfinite
-from gradpipe.analytics.norm_figures import FIGURES
+from gradpipe.analytics.norm_figures import FIGURES, exact_sum
 from gradpipe.analytics.norms import norms_graph
 from gradpipe.analytics.options import STORED_VERSIONS, parse_params
 from gradpipe.analytics.passes import PassOutcome, run_pass
-from gradpipe.analytics.selection import Steps, step_sources
+from gradpipe.analytics.selection import Steps, StepSources, step_sources
 from gradpipe.analytics.spikes import robust_z
 from gradpipe.core.display import printable
 from gradpipe.errors import InvalidInputError, NotFoundError
@@ -97,15 +98,15 @@ def gradient_norms(
         chunks were read and which steps were computed or memoised. Per layer
         and in total: :func:`norms_by`.
     """
-    outcome = _norms_pass(store, run, steps=steps, aggregate=aggregate, runner=runner)
+    _, outcome = _norms_pass(store, run, steps=steps, aggregate=aggregate, runner=runner)
     return norms_dataset(outcome, run=run, aggregate=aggregate, layers=layers)
 
 
 def _norms_pass(
     store: Store, run: str, *, steps: Steps, aggregate: str | None, runner: Runner | None
-) -> PassOutcome:
+) -> tuple[list[StepSources], PassOutcome]:
     _, sources = step_sources(store, run, steps=steps, aggregate=aggregate)
-    return run_pass(
+    return sources, run_pass(
         store,
         run,
         sources,
@@ -126,7 +127,7 @@ def norms_dataset(
         reasons = "; ".join(f"step {f.step}: {f.reason}" for f in outcome.failures[:3])
         raise NotFoundError(f"no step of run {printable(run)} could be analysed: {reasons}")
     results = outcome.results
-    labels = list(dict.fromkeys(label for r in results for label in r.labels))
+    labels = sorted({label for r in results for label in r.labels})  # the run's peer order
     tensors = model_order(t for r in results for t in r.tensors)
     at_label = {x: i for i, x in enumerate(labels)}
     at_tensor = {x: i for i, x in enumerate(tensors)}
@@ -205,7 +206,7 @@ def norms_by(ds: xr.Dataset, by: str = "layer") -> xr.Dataset:
         for cell in np.ndindex(*lead):
             if not some[cell]:
                 continue
-            total = math.fsum(x for x in squares[cell] if not math.isnan(x))
+            total = exact_sum(x for x in squares[cell] if not math.isnan(x))
             out["sum_squares"][(*cell, g)] = total
             out["l2_norm"][(*cell, g)] = (
                 math.sqrt(total)
@@ -263,8 +264,13 @@ def spikes(
         "spikes", {"by": by, "window": window, "threshold": threshold, "two_sided": two_sided}
     )
     if isinstance(source, xr.Dataset):
-        if run is not None or aggregate is not None or steps is not None:
-            raise InvalidInputError("spikes of a norms Dataset take no run, aggregate or steps")
+        given = {"run": run, "aggregate": aggregate, "steps": steps, "layers": layers}
+        extra = [k for k, v in {**given, "runner": runner}.items() if v is not None]
+        if extra:
+            raise InvalidInputError(
+                f"spikes of a norms Dataset take no {', '.join(extra)}: those choose what "
+                "gradient_norms computes (pass layers= to gradient_norms)"
+            )
         norms = source
     else:
         if run is None:
@@ -328,10 +334,8 @@ def first_nonfinite(
         describes the earliest.
     """
     parse_params("nonfinite", {"first_only": first_only})
-    outcome = _norms_pass(store, run, steps=steps, aggregate=aggregate, runner=runner)
+    sources, outcome = _norms_pass(store, run, steps=steps, aggregate=aggregate, runner=runner)
     kind = "dump" if aggregate is None else "aggregate"
-    analysed = [r.step for r in outcome.results]
-    _, sources = step_sources(store, run, steps=analysed, aggregate=aggregate)
     by_step = {s.step: s for s in sources}
     cells: list[FlaggedCell] = []
     for r in outcome.results:
@@ -370,12 +374,20 @@ def first_nonfinite(
             for c in _NONFINITE_COLUMNS
         }
     )
+    failed = [f"step {f.step}: {f.reason}" for f in outcome.failures]
+    first = _describe(located[0]) if located else ""
+    earlier = [f for f in outcome.failures if not located or f.step < located[0].cell.step]
+    if earlier:  # a step that could not be read may hold an earlier one
+        first = (first + "; " if first else "") + (
+            f"uncertain: step {earlier[0].step} could not be analysed"
+        )
     ds.attrs = {
         "analysis": "nonfinite",
         "run": run,
         "chunks_read": len(located) + outcome.chunks_read,
-        "first": _describe(located[0]) if located else "",
+        "first": first,
         "first_only": first_only,
+        "failed": failed,
     }
     return ds
 
@@ -397,8 +409,6 @@ _TEXT: Final = frozenset({"peer", "tensor", "element", "value"})
 def _locate(store: Store, cells: Sequence[FlaggedCell], runner: Runner | None) -> list[NonFinite]:
     if not cells:
         return []
-    from dask.base import tokenize
-
     graph: dict[Hashable, Any] = {}
     keys: list[Hashable] = []
     for cell in cells:

@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
+from dask.base import tokenize
 
 from gradpipe.aggregation.exact import ExactSum
+from gradpipe.analytics.norm_figures import exact_sum
 from gradpipe.analytics.resolve import Position, Side, TensorSet, parse_object
 from gradpipe.core.display import printable
 from gradpipe.core.dtypes import is_float, parse_dtype
@@ -305,8 +307,6 @@ class _Found:
 def _read_differences(
     store: Store, report: DiffReport, tasks: list[tuple[int, _Pair]], runner: Runner | None
 ) -> None:
-    from dask.base import tokenize
-
     graph: dict[Hashable, Any] = {}
     keys: list[Hashable] = []
     for index, pair in tasks:
@@ -328,7 +328,7 @@ def _read_differences(
         record.nan_mismatch = result.nan_mismatch
         record.first_chunk = result.first_chunk
         record.first_element = result.first_element
-        norm_sq = math.fsum(s.sumsq for s in pair.a.stats)
+        norm_sq = exact_sum(s.sumsq for s in pair.a.stats)
         diff_sq = float(result.squares.to_array()) if result.squares is not None else 0.0
         record.rel_l2 = math.sqrt(diff_sq / norm_sq) if norm_sq > 0 else math.inf
 

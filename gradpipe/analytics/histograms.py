@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xarray as xr
+from dask.base import tokenize
 
 from gradpipe.analytics.dump_chunks import DumpChunks
 from gradpipe.analytics.histogram_bins import BinLayout, bin_layout, histogram_counts
@@ -115,7 +116,7 @@ def histograms_array(outcome: PassOutcome, *, run: str, params: Mapping[str, Any
     )
     per_peer = bool(params["per_peer"])
     tensors = model_order(t for r in outcome.results for t in r.tensors)
-    peers = list(dict.fromkeys(x for r in outcome.results for x in r.labels))
+    peers = sorted({x for r in outcome.results for x in r.labels})  # the run's peer order
     shape = (len(peers),) if per_peer else ()
     counts = np.zeros((len(outcome.results), *shape, len(tensors), layout.size), np.int64)
     for s, r in enumerate(outcome.results):
@@ -157,8 +158,6 @@ def histograms_array(outcome: PassOutcome, *, run: str, params: Mapping[str, Any
 def _graph(
     store: Store, sources: Sequence[StepSources], layout: BinLayout, *, per_peer: bool
 ) -> tuple[dict[Hashable, Any], list[Hashable]]:
-    from dask.base import tokenize
-
     graph: dict[Hashable, Any] = {}
     keys: list[Hashable] = []
     for step in sources:

@@ -92,7 +92,7 @@ def influence(
         fixed, examples = project_query(query, k=k, seed=seed, s=s)
         queries = {r.step: fixed for r in outcome.results}
     results = outcome.results
-    peers = list(dict.fromkeys(x for r in results for x in r.labels))
+    peers = sorted({x for r in results for x in r.labels})  # the run's peer order
     layers = list(dict.fromkeys(x for r in results for x in r.tensors))
     scores = np.full((len(examples), len(results), len(peers), len(layers)), np.nan)
     for i, r in enumerate(results):
@@ -176,7 +176,7 @@ def _query_run(
         raise InvalidInputError(
             f"query run {printable(name)} must hold a gradient at every step scored: {exc}"
         ) from None
-    examples = list(dict.fromkeys(x for r in outcome.results for x in r.labels))
+    examples = sorted({x for r in outcome.results for x in r.labels})
     out: dict[int, dict[str, np.ndarray]] = {}
     for r in outcome.results:
         if r.labels != examples:

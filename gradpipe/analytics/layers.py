@@ -70,9 +70,12 @@ def layers_of(names: Sequence[str], rule: LayerRule = None) -> list[str]:
         return [layer_of(n) for n in names]
     if callable(rule) and not isinstance(rule, re.Pattern):
         out = [rule(n) for n in names]
-        bad = next((o for o in out if not isinstance(o, str) or not o), None)
-        if bad is not None or len(out) != len(names):
-            raise InvalidInputError(f"the layer rule returned {printable(bad)}, not a layer name")
+        for name, layer in zip(names, out, strict=True):
+            if not isinstance(layer, str) or not layer:
+                raise InvalidInputError(
+                    f"the layer rule gave {printable(layer)} for tensor {printable(name)}, "
+                    "not a layer name"
+                )
         return out
     try:
         pattern = re.compile(rule)

@@ -21,9 +21,17 @@ import numpy as np
 from gradpipe._version import __version__
 from gradpipe.core.analysis_manifest import AnalysisInput, AnalysisManifest
 from gradpipe.core.analytics_index import AnalyticsIndex, record_analyses
+from gradpipe.core.display import printable
 from gradpipe.core.manifest import manifest_id
 from gradpipe.core.run_entries import AnalysisEntry, EntryKey
-from gradpipe.storage.catalog import analytics_ref, read_analytics, read_analytics_at, read_many
+from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.errors import IntegrityError
+from gradpipe.storage.catalog import (
+    analytics_ref,
+    read_analytics,
+    read_analytics_at,
+    read_many,
+)
 from gradpipe.storage.tensors import read_tensor, write_tensor
 
 if TYPE_CHECKING:
@@ -35,7 +43,7 @@ __all__ = [
     "commit_analyses",
     "find_memoised",
     "read_results",
-    "store_result",
+    "store_results",
 ]
 
 
@@ -52,8 +60,10 @@ class Planned:
         return (self.step, self.name)
 
 
-def find_memoised(store: Store, run: str, planned: Sequence[Planned]) -> dict[EntryKey, str]:
-    """The result ids already recorded under the same keys, by (step, name).
+def find_memoised(
+    store: Store, run: str, planned: Sequence[Planned]
+) -> dict[EntryKey, AnalysisEntry]:
+    """The entries already recorded under the same keys, by (step, name).
 
     Reads the run's index and the shards on the keys' paths, nothing else.
     """
@@ -65,7 +75,7 @@ def find_memoised(store: Store, run: str, planned: Sequence[Planned]) -> dict[En
     for p in planned:
         entry = found.get(p.sort_key)
         if entry is not None and entry.key == p.key:
-            out[p.sort_key] = entry.analysis
+            out[p.sort_key] = entry
     return out
 
 
@@ -84,41 +94,45 @@ class ResultSpec:
     extra: tuple[str, ...] = ()
 
 
-def store_result(
-    store: Store,
-    spec: ResultSpec,
-    arrays: Mapping[str, np.ndarray],
-    *,
-    coords: Mapping[str, Any] | None = None,
-    figures: Mapping[str, Any] | None = None,
-) -> AnalysisEntry:
-    """Write the result arrays and their manifest; the entry that records them.
+def store_results(
+    store: Store, results: Sequence[tuple[ResultSpec, Mapping[str, np.ndarray], Mapping[str, Any]]]
+) -> list[AnalysisEntry]:
+    """Write results (spec, arrays, coords) and their manifests in one batch; their entries.
 
-    Call under the writer's lease that later commits the entry.
+    Small result arrays are kept inside their manifests; larger ones are
+    blocks, written first. Call under the writer's lease that later commits
+    the entries.
     """
-    tensors, embedded = [], {}
-    for name, array in arrays.items():
-        manifest = write_tensor(store, np.ascontiguousarray(array), where=f"result {name}")
-        tensor_id = manifest_id(manifest)  # embedded, as a dump's tensors are
-        tensors.append((name, tensor_id))
-        embedded[tensor_id] = manifest
-    result = AnalysisManifest(
-        run=spec.run,
-        step=spec.step,
-        name=spec.name,
-        analysis=spec.analysis,
-        version=spec.version,
-        params=dict(spec.params),
-        inputs=spec.inputs,
-        key=spec.key,
-        tensors=tuple(tensors),
-        extra=spec.extra,
-        provenance=_provenance(),
-        coords=dict(coords or {}),
-        figures=dict(figures or {}),
-        embedded=embedded,
-    )
-    return AnalysisEntry(spec.step, spec.name, store.put_manifest(result), spec.key)
+    manifests = []
+    for spec, arrays, coords in results:
+        tensors, embedded = [], {}
+        for name, array in arrays.items():
+            manifest = write_tensor(store, np.ascontiguousarray(array), where=f"result {name}")
+            tensor_id = manifest_id(manifest)  # embedded, as a dump's tensors are
+            tensors.append((name, tensor_id))
+            embedded[tensor_id] = manifest
+        manifests.append(
+            AnalysisManifest(
+                run=spec.run,
+                step=spec.step,
+                name=spec.name,
+                analysis=spec.analysis,
+                version=spec.version,
+                params=dict(spec.params),
+                inputs=spec.inputs,
+                key=spec.key,
+                tensors=tuple(tensors),
+                extra=spec.extra,
+                provenance=_provenance(),
+                coords=dict(coords),
+                embedded=embedded,
+            )
+        )
+    ids = store.put_manifests(manifests)
+    return [
+        AnalysisEntry(spec.step, spec.name, analysis_id, spec.key)
+        for (spec, _, _), analysis_id in zip(results, ids, strict=True)
+    ]
 
 
 def _provenance() -> dict[str, str]:
@@ -126,17 +140,36 @@ def _provenance() -> dict[str, str]:
 
 
 def read_results(
-    store: Store, ids: Sequence[str]
+    store: Store, run: str, entries: Sequence[AnalysisEntry]
 ) -> list[tuple[str, AnalysisManifest, dict[str, np.ndarray]]]:
-    """Stored results with their arrays by name (manifests in batched reads)."""
+    """The results ``entries`` name, with their arrays by name (manifests in batched reads).
+
+    Each is checked against its entry (run, step, name, key) and its arrays
+    against its labels: an index moved by hand, or a damaged result, is an
+    :class:`~gradpipe.errors.IntegrityError` naming the step, never a wrong figure.
+    """
+    ids = [e.analysis for e in entries]
     out = []
-    manifests = read_many(store, ids, AnalysisManifest, context="analysis")
-    for analysis_id, manifest in zip(ids, manifests, strict=True):
-        arrays = {
-            name: read_tensor(store, manifest.embedded[tensor_id], context=f"result {name}")
-            for name, tensor_id in manifest.tensors
-        }
-        out.append((analysis_id, manifest, arrays))
+    manifests = read_many(store, ids, AnalysisManifest, context=f"analyses of run {run}")
+    for entry, manifest in zip(entries, manifests, strict=True):
+        where = f"analysis {printable(entry.name)} of run {printable(run)}, step {entry.step}"
+        expected = (run, entry.step, entry.name, entry.key)
+        if (manifest.run, manifest.step, manifest.name, manifest.key) != expected:
+            raise IntegrityError(
+                f"{where}: the index names {entry.analysis}, which is the analysis "
+                f"{printable(manifest.name)} of run {printable(manifest.run)}, step "
+                f"{manifest.step}; run `gradpipe verify`"
+            )
+        arrays = {}
+        for name, tensor_id in manifest.tensors:
+            tensor = manifest.embedded.get(tensor_id)
+            if tensor is None:
+                tensor = store.get_typed(tensor_id, TensorManifest, context=where)
+            arrays[name] = read_tensor(store, tensor, context=f"{where}, result {name}")
+        labels, tensors = manifest.coords.get("labels"), manifest.coords.get("tensors")
+        if not isinstance(labels, list) or not isinstance(tensors, list):
+            raise IntegrityError(f"{where}: the stored result lists no labels or tensors")
+        out.append((entry.analysis, manifest, arrays))
     return out
 
 

@@ -14,7 +14,7 @@ inf when any value is; ``nonzero`` counts NaN as non-zero and ``-0.0`` as zero.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -22,7 +22,15 @@ import numpy as np
 
 from gradpipe.core.chunk_stats import ChunkStats
 
-__all__ = ["COUNTS", "FIGURES", "TensorFigures", "overflowed_chunks", "scaled_l2", "tensor_figures"]
+__all__ = [
+    "COUNTS",
+    "FIGURES",
+    "TensorFigures",
+    "exact_sum",
+    "overflowed_chunks",
+    "scaled_l2",
+    "tensor_figures",
+]
 
 #: The figures of one tensor, in the order results store them.
 FIGURES: Final = ("sum_squares", "l2_norm", "max_abs", "nonzero", "nan", "inf", "numel")
@@ -55,8 +63,23 @@ class TensorFigures:
 
 
 def overflowed_chunks(stats: Sequence[ChunkStats]) -> list[int]:
-    """Chunks whose sum of squares is infinite though every value is finite (float64 only)."""
-    return [i for i, s in enumerate(stats) if math.isinf(s.sumsq) and s.nan == 0 and s.inf == 0]
+    """Chunks whose sum of squares overflowed (float64 only).
+
+    ``sumsq`` covers the finite values alone, so an infinite one always means
+    their squares overflowed, whatever NaN or infinity the chunk also holds.
+    """
+    return [i for i, s in enumerate(stats) if math.isinf(s.sumsq)]
+
+
+def exact_sum(values: Iterable[float]) -> float:
+    """``math.fsum`` of finite values, ``inf`` where the exact sum is beyond float64.
+
+    (``math.fsum`` raises ``OverflowError`` for finite values whose sum overflows.)
+    """
+    try:
+        return math.fsum(values)
+    except OverflowError:
+        return math.inf
 
 
 def tensor_figures(
@@ -67,9 +90,11 @@ def tensor_figures(
     ``read_chunk(i)`` returns chunk ``i``'s values; it is called only for the
     chunks :func:`overflowed_chunks` names (and needed only then).
     """
-    sum_squares = math.fsum(s.sumsq for s in stats)
+    sum_squares = exact_sum(s.sumsq for s in stats)
     overflowed = overflowed_chunks(stats) if math.isinf(sum_squares) else []
-    if overflowed:
+    if math.isinf(sum_squares) and not overflowed:  # finite chunk sums, an infinite total
+        l2_norm = math.hypot(*(math.sqrt(s.sumsq) for s in stats))
+    elif overflowed:
         if read_chunk is None:
             raise ValueError("a chunk's sum of squares overflowed and no reader was given")
         recomputed = {i: scaled_l2(read_chunk(i)) for i in overflowed}
@@ -99,26 +124,4 @@ def scaled_l2(values: np.ndarray) -> float:
     if peak == 0.0:
         return 0.0
     scaled = finite / peak
-    return peak * math.sqrt(math.fsum(np.square(scaled).tolist()))
-
-
-def combine(parts: Sequence[TensorFigures]) -> TensorFigures:
-    """The figures of several tensors together (a layer, or all): exact sums, a maximum.
-
-    ``sum_squares`` is summed exactly (``math.fsum``); where it overflows, the
-    norm comes from the parts' norms by :func:`math.hypot`.
-    """
-    sum_squares = math.fsum(p.sum_squares for p in parts)
-    l2 = math.sqrt(sum_squares)
-    if math.isinf(sum_squares):
-        l2 = math.hypot(*(p.l2_norm for p in parts))
-    peaks = [p.max_abs for p in parts if not math.isnan(p.max_abs)]
-    return TensorFigures(
-        sum_squares,
-        l2,
-        max(peaks) if peaks else math.nan,
-        sum(p.nonzero for p in parts),
-        sum(p.nan for p in parts),
-        sum(p.inf for p in parts),
-        sum(p.numel for p in parts),
-    )
+    return peak * math.sqrt(exact_sum(np.square(scaled).tolist()))

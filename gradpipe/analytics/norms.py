@@ -21,6 +21,7 @@ from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
+from dask.base import tokenize
 
 from gradpipe.analytics.norm_figures import COUNTS, FIGURES, overflowed_chunks, tensor_figures
 from gradpipe.analytics.selection import StepSources
@@ -30,7 +31,7 @@ from gradpipe.core.display import printable
 from gradpipe.core.gc_pause import gc_paused
 from gradpipe.core.run_manifest import DumpManifest
 from gradpipe.core.tensor_manifest import TensorManifest, TensorRef, resolve_tensor
-from gradpipe.errors import GradpipeError
+from gradpipe.errors import GradpipeError, IntegrityError
 from gradpipe.graph.arrays import load_chunk
 from gradpipe.storage.catalog import named_tensors
 
@@ -47,8 +48,6 @@ def norms_graph(
     store: Store, sources: Sequence[StepSources]
 ) -> tuple[dict[Hashable, Any], list[Hashable]]:
     """The tasks computing ``sources``' figures: whole steps, <= 256 manifests per task."""
-    from dask.base import tokenize
-
     graph: dict[Hashable, Any] = {}
     keys: list[Hashable] = []
     batch: list[StepSources] = []
@@ -88,11 +87,19 @@ def step_norms(store: Store, steps: list[StepSources]) -> list[StepFigures | Ste
 
 
 def _one_step(store: Store, step: StepSources) -> StepFigures | StepFailure:
-    try:
-        manifests = _read_sources(store, list(step.inputs), step.kind)
-    except GradpipeError as exc:
-        return StepFailure(step.step, str(exc))
+    """One step's figures, its manifests read one by one: a failure names its peer."""
+    manifests = []
+    for source in step.inputs:
+        try:
+            [manifest] = _read_sources(store, [source], step.kind)
+        except GradpipeError as exc:
+            return StepFailure(step.step, f"{_where(step, source.label)}: {exc}")
+        manifests.append(manifest)
     return _figures_or_failure(store, step, manifests)
+
+
+def _where(step: StepSources, label: str) -> str:
+    return f"step {step.step}, {_what(step.kind)} {printable(label)}"
 
 
 def _read_sources(
@@ -118,7 +125,7 @@ def _figures(
 ) -> StepFigures:
     per_label: list[dict[str, TensorManifest | TensorRef]] = []
     for source, manifest in zip(step.inputs, manifests, strict=True):
-        where = f"step {step.step}, {_what(step.kind)} {printable(source.label)}"
+        where = _where(step, source.label)
         per_label.append(
             named_tensors(store, manifest.tensors, manifest.embedded, where=where, lazy=True)
         )
@@ -132,9 +139,11 @@ def _figures(
     result = StepFigures(step.step, step.labels, names, arrays)
     for p, (source, tensors) in enumerate(zip(step.inputs, per_label, strict=True)):
         for name, tensor in tensors.items():
-            stats = tensor.chunk_stats() if isinstance(tensor, TensorRef) else tensor.stats
-            context = f"step {step.step}, {_what(step.kind)} {printable(source.label)}, tensor "
-            context += printable(name)
+            context = f"{_where(step, source.label)}, tensor {printable(name)}"
+            try:
+                stats = tensor.chunk_stats() if isinstance(tensor, TensorRef) else tensor.stats
+            except GradpipeError as exc:
+                raise IntegrityError(f"{context}: {exc}") from None
             reader = _ChunkReader(store, tensor, context) if overflowed_chunks(stats) else None
             figures = tensor_figures(stats, reader)
             j = at_name[name]
@@ -142,8 +151,6 @@ def _figures(
                 arrays[f][p, j] = value
             arrays["present"][p, j] = True
             result.chunks_read += reader.reads if reader is not None else 0
-            if figures.nan or figures.inf:
-                result.nonfinite.append((source.label, name))
     return result
 
 

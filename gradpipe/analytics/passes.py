@@ -23,11 +23,12 @@ from gradpipe.analytics.memo import (
     commit_analyses,
     find_memoised,
     read_results,
-    store_result,
+    store_results,
 )
 from gradpipe.analytics.selection import StepSources, entry_name
 from gradpipe.analytics.step_figures import StepFailure, StepFigures
 from gradpipe.core.analysis_manifest import analysis_key
+from gradpipe.core.run_entries import AnalysisEntry
 from gradpipe.graph.runner import Runner, use_runner
 
 if TYPE_CHECKING:
@@ -104,7 +105,7 @@ def run_pass(
     }
     outcome = PassOutcome(analysis)
     hits = find_memoised(store, run, [Planned(s.step, name, s.key) for s in specs.values()])
-    outcome.results.extend(_read_results(store, list(hits.values())))
+    outcome.results.extend(_read_results(store, run, list(hits.values())))
     misses = [s for s in sources if (s.step, name) not in hits]
     if not misses:
         return outcome
@@ -145,11 +146,8 @@ def _record(
     lease: str | None,
 ) -> dict[int, str]:
     """Store each computed step's result and record them all in the index: step → id."""
-    entries = [
-        store_result(store, specs[f.step], f.arrays, coords=_coords(f))
-        for f in computed
-        if isinstance(f, StepFigures)
-    ]
+    done = [f for f in computed if isinstance(f, StepFigures)]
+    entries = store_results(store, [(specs[f.step], f.arrays, _coords(f)) for f in done])
     if entries:
         name = entries[0].name
         message = f"analyze {name} of {len(entries)} steps"
@@ -168,7 +166,7 @@ def _coords(figures: StepFigures) -> dict[str, Any]:
     return {"labels": list(figures.labels), "tensors": list(figures.tensors)}
 
 
-def _read_results(store: Store, ids: list[str]) -> list[StepResult]:
+def _read_results(store: Store, run: str, entries: list[AnalysisEntry]) -> list[StepResult]:
     return [
         StepResult(
             manifest.step,
@@ -178,5 +176,5 @@ def _read_results(store: Store, ids: list[str]) -> list[StepResult]:
             analysis_id,
             memoised=True,
         )
-        for analysis_id, manifest, arrays in read_results(store, ids)
+        for analysis_id, manifest, arrays in read_results(store, run, entries)
     ]

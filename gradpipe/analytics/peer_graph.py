@@ -23,18 +23,19 @@ A task holds every peer's elements of one chunk range (``P`` chunks).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
+from dask.base import tokenize
 
 from gradpipe.aggregation.exact import ExactSum
 from gradpipe.aggregation.inputs import parse_weight_text, where
 from gradpipe.aggregation.plan import overlapping
 from gradpipe.aggregation.tasks import ChunkSource, read_group
 from gradpipe.analytics.layers import model_order
+from gradpipe.analytics.norm_figures import exact_sum
 from gradpipe.analytics.peer_kernel import PeerPartial, combine_partials, peer_partial
 from gradpipe.analytics.selection import StepSources
 from gradpipe.analytics.step_figures import StepFailure, StepFigures
@@ -87,8 +88,6 @@ def peers_graph(
     store: Store, sources: Sequence[StepSources]
 ) -> tuple[dict[Hashable, Any], list[Hashable]]:
     """The tasks of ``sources``' steps (each step's key gives a one-item list)."""
-    from dask.base import tokenize
-
     graph: dict[Hashable, Any] = {}
     keys: list[Hashable] = []
     ids = [i.source for s in sources for i in s.inputs]
@@ -196,7 +195,7 @@ def _plan_tensor(
     if all(m.blocks == lead.blocks for m in chosen):
         summary = lead.summary()
         peak = max((abs(v) for v in (summary.min, summary.max) if v is not None), default=0.0)
-        shared = (math.fsum(s.sumsq for s in lead.stats), summary.nonzero, peak)
+        shared = (exact_sum(s.sumsq for s in lead.stats), summary.nonzero, peak)
         return _TensorPlan(name, tuple(included), numel, True, shared), lead
     reads = sum(1 for m in chosen for b in m.blocks if b is not None)
     return _TensorPlan(name, tuple(included), numel, identical=False, reads=reads), lead

@@ -253,7 +253,7 @@ def _dataset(
 ) -> xr.Dataset:
     """Per step and group, ``figures(group sums, weights)``, stacked over the run's peers."""
     results = outcome.results
-    peers = list(dict.fromkeys(x for r in results for x in r.labels))
+    peers = sorted({x for r in results for x in r.labels})  # the run's peer order
     groups = _groups(results, by, layers)
     rows: list[list[dict[str, Any] | None]] = []
     for r in results:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 import xarray as xr
+from dask.base import tokenize
 
 from gradpipe.analytics.dump_chunks import DumpChunks
 from gradpipe.analytics.layers import layers_of
@@ -77,7 +78,7 @@ def project_gradients(
 def projection_dataset(outcome: PassOutcome, *, run: str, k: int, seed: int, s: int) -> xr.Dataset:
     """:func:`project_gradients`' Dataset from the pass (computed or read back)."""
     results = outcome.results
-    peers = list(dict.fromkeys(x for r in results for x in r.labels))
+    peers = sorted({x for r in results for x in r.labels})  # the run's peer order
     layers = list(dict.fromkeys(x for r in results for x in r.tensors))
     data = np.full((len(results), len(peers), len(layers), k), np.nan, np.float32)
     lr = np.full((len(results), len(peers)), np.nan)
@@ -151,8 +152,6 @@ def projection_pass(
 def _graph(
     store: Store, sources: Sequence[StepSources], *, k: int, seed: int, s: int
 ) -> tuple[dict[Hashable, Any], list[Hashable]]:
-    from dask.base import tokenize
-
     graph: dict[Hashable, Any] = {}
     keys: list[Hashable] = []
     for step in sources:

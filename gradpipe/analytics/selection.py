@@ -51,12 +51,19 @@ def parse_steps(recorded: Sequence[int], steps: Steps, *, run: str) -> list[int]
     """The recorded steps ``steps`` selects, ascending (a step not recorded is an error)."""
     if steps is None:
         return sorted(recorded)
+    if isinstance(steps, int | str) or not isinstance(steps, range | Sequence):
+        raise InvalidInputError(
+            f"steps {printable(steps)} must be a range or a list of steps, e.g. range(0, 10)"
+        )
+    if not len(steps):
+        raise InvalidInputError("steps selects no step; pass None for every step")
     present = set(recorded)
     if isinstance(steps, range):
         chosen = [s for s in steps if s in present]
         if not chosen:
             raise InvalidInputError(
-                f"run {printable(run)} has nothing recorded in steps {steps.start}:{steps.stop}"
+                f"run {printable(run)} has nothing recorded in steps {steps.start}:{steps.stop} "
+                f"(it has steps {_span(recorded)})"
             )
         return chosen
     out = set()
@@ -64,9 +71,17 @@ def parse_steps(recorded: Sequence[int], steps: Steps, *, run: str) -> list[int]
         if isinstance(s, bool) or not isinstance(s, int):
             raise InvalidInputError(f"step {printable(s)} is not an integer")
         if s not in present:
-            raise InvalidInputError(f"run {printable(run)} has nothing recorded at step {s}")
+            raise InvalidInputError(
+                f"run {printable(run)} has nothing recorded at step {s} "
+                f"(it has steps {_span(recorded)})"
+            )
         out.add(s)
     return sorted(out)
+
+
+def _span(steps: Sequence[int]) -> str:
+    ordered = sorted(steps)
+    return f"{ordered[0]}..{ordered[-1]}" if ordered else "none"
 
 
 def step_sources(

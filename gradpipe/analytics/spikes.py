@@ -10,8 +10,9 @@ steps before ``t`` (``t`` excluded)::
 
 ``1.4826 = 1/Φ⁻¹(3/4)`` makes the MAD estimate σ for normal data. A step is a
 spike when ``z_t > threshold`` (and, two-sided, when ``z_t < -threshold``).
-``z`` is NaN while fewer than ``⌈W/2⌉`` usable steps precede. With ``MAD = 0``
-(a flat window) ``z`` is 0 where ``x_t = m_t``, else ±inf. A cell that holds a
+``z`` is NaN while fewer than ``⌈W/2⌉`` usable steps precede. The MAD is
+floored at :data:`MAD_FLOOR` (a relative change of one part in a million): a flat
+window would otherwise make the last bit of a norm an infinite z. A cell that holds a
 NaN or an infinity is flagged ``nonfinite`` instead, gets no z, and is left out
 of later windows, as are zero and missing norms (``log 0`` says nothing of scale).
 """
@@ -27,10 +28,12 @@ import numpy as np
 from gradpipe.core.display import printable
 from gradpipe.errors import InvalidInputError
 
-__all__ = ["MAD_TO_SIGMA", "robust_z"]
+__all__ = ["MAD_FLOOR", "MAD_TO_SIGMA", "robust_z"]
 
 #: 1/Φ⁻¹(3/4): scales a median absolute deviation to a standard deviation.
 MAD_TO_SIGMA: Final = 1.482602218505602
+#: The smallest MAD of ``log(norm)`` used: norms a millionth apart count as equal-ish.
+MAD_FLOOR: Final = 1e-6
 
 
 def robust_z(norms: np.ndarray, usable: np.ndarray, *, window: int) -> np.ndarray:
@@ -55,10 +58,6 @@ def robust_z(norms: np.ndarray, usable: np.ndarray, *, window: int) -> np.ndarra
             warnings.simplefilter("ignore", RuntimeWarning)  # "All-NaN slice": NaN is meant
             median = np.nanmedian(past, axis=0)
             mad = np.nanmedian(np.abs(past - median), axis=0)
-            diff = x[t] - median
-            scaled = diff / (MAD_TO_SIGMA * mad)
-        flat = mad == 0
-        scaled = np.where(flat & (diff == 0), 0.0, scaled)
-        scaled = np.where(flat & (diff != 0), np.copysign(np.inf, diff), scaled)
+            scaled = (x[t] - median) / (MAD_TO_SIGMA * np.maximum(mad, MAD_FLOOR))
         z[t] = np.where(enough & ~np.isnan(x[t]), scaled, np.nan)
     return z

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,10 +21,8 @@ class StepFigures:
     labels: list[str]
     tensors: list[str]
     arrays: dict[str, np.ndarray]
-    #: Chunks read to compute them.
+    #: Chunks decoded to compute them (inline ones included).
     chunks_read: int = 0
-    #: (label, tensor) cells that hold a NaN or an infinity, in the dumps' order.
-    nonfinite: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

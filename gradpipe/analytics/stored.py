@@ -52,7 +52,7 @@ def stored_analyses(store: Store, run: str) -> dict[str, xr.Dataset]:
     out: dict[str, xr.Dataset] = {}
     for name, entries in by_name.items():
         kind, _, aggregate = name.partition(":")
-        found = read_results(store, [e.analysis for e in entries])
+        found = read_results(store, run, entries)
         outcome = PassOutcome(kind)
         stale = []
         for analysis_id, result, arrays in found:

@@ -22,7 +22,7 @@ from gradpipe.core.tensor_manifest import (
     embedded_tensor,
     resolve_tensor,
 )
-from gradpipe.errors import NotFoundError
+from gradpipe.errors import IntegrityError, NotFoundError
 
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
@@ -117,7 +117,13 @@ def read_analytics(store: Store, run: str) -> tuple[str | None, AnalyticsIndex]:
 
 def read_analytics_at(store: Store, index_id: str, run: str) -> AnalyticsIndex:
     """The analytics index with id ``index_id`` (a state of run ``run``'s analyses)."""
-    return store.get_typed(index_id, AnalyticsIndex, context=f"analyses of run {printable(run)}")
+    index = store.get_typed(index_id, AnalyticsIndex, context=f"analyses of run {printable(run)}")
+    if index.run != run:
+        raise IntegrityError(
+            f"ref {analytics_ref(run)} points at the analyses of run {printable(index.run)} "
+            f"({index_id}); run `gradpipe verify`, then move the ref back"
+        )
+    return index
 
 
 def read_many(

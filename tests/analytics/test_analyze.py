@@ -201,3 +201,26 @@ def test_the_datatree_shows_what_is_recorded_and_computes_nothing(demo: gp.Store
     assert norms.l2_norm.dims == ("step", "peer", "tensor")
     with pytest.raises(gp.NotFoundError, match="no analysis 'histograms'"):
         xr.open_dataset(demo, engine="gradpipe", kind="analysis", run="demo", name="histograms")
+
+
+def test_the_functions_defaults_are_the_tables() -> None:
+    import inspect
+
+    from gradpipe.analytics.options import default, takers
+
+    functions = {
+        "spikes": gp.spikes,
+        "nonfinite": gp.first_nonfinite,
+        "agreement": gp.peer_agreement,
+        "gns": gp.noise_scale,
+        "histograms": gp.gradient_histograms,
+        "projection": gp.project_gradients,
+        "influence": gp.influence,
+    }
+    for param in PARAMS:
+        for analysis in takers(param.name):
+            signature = inspect.signature(functions[analysis])
+            assert signature.parameters[param.name].default == default(param.name), (
+                analysis,
+                param.name,
+            )

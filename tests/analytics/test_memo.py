@@ -9,7 +9,7 @@ import pytest
 
 import gradpipe as gp
 import gradpipe.core.manifest as manifest_module
-from gradpipe.analytics.memo import ResultSpec, commit_analyses, read_results, store_result
+from gradpipe.analytics.memo import ResultSpec, commit_analyses, read_results, store_results
 from gradpipe.core.analysis_manifest import AnalysisInput, AnalysisManifest, analysis_key
 from gradpipe.core.analytics_index import AnalyticsIndex, record_analyses
 from gradpipe.core.manifest import decode_manifest, encode_manifest
@@ -31,17 +31,18 @@ def _spec(step: int, *, run: str = "r", name: str = "norms", dump: str = DUMP) -
 def _result(store: gp.Store, step: int) -> AnalysisEntry:
     arrays = {"x": np.arange(6, dtype=np.float64).reshape(2, 3) * step, "n": np.ones(3, np.int64)}
     with store.writing("test"):
-        return store_result(store, _spec(step), arrays, coords={"labels": ["a"]}, figures={"s": 1})
+        coords = {"labels": ["a"], "tensors": ["x"]}
+        [entry] = store_results(store, [(_spec(step), arrays, coords)])
+        return entry
 
 
 def test_a_result_round_trips_with_its_arrays(store: gp.Store) -> None:
     entry = _result(store, 3)
-    [(analysis_id, manifest, arrays)] = read_results(store, [entry.analysis])
+    [(analysis_id, manifest, arrays)] = read_results(store, "r", [entry])
     assert analysis_id == entry.analysis
     assert manifest.step == 3
     assert manifest.provenance["gradpipe"] == gp.__version__
-    assert manifest.figures == {"s": 1}
-    assert manifest.coords == {"labels": ["a"]}
+    assert manifest.coords == {"labels": ["a"], "tensors": ["x"]}
     np.testing.assert_array_equal(arrays["x"], np.arange(6).reshape(2, 3) * 3)
     assert arrays["n"].dtype == np.int64
     again = decode_manifest(encode_manifest(manifest))
@@ -145,3 +146,17 @@ def test_the_ref_may_only_point_at_an_index(store: gp.Store) -> None:
     store.refs.set("analytics/r", entry.analysis)
     with pytest.raises(gp.IntegrityError, match="analytics"):
         read_analytics(store, "r")
+
+
+def test_an_index_entry_moved_to_another_result_is_caught(store: gp.Store) -> None:
+    one, two = _result(store, 1), _result(store, 2)
+    moved = AnalysisEntry(1, "norms", two.analysis, one.key)
+    with pytest.raises(gp.IntegrityError, match=r"step 1: the index names .* step 2"):
+        read_results(store, "r", [moved])
+
+
+def test_an_index_of_another_run_is_refused(store: gp.Store) -> None:
+    commit_analyses(store, "y", [_result(store, 1)])
+    store.refs.set("analytics/x", store.refs.get("analytics/y"))
+    with pytest.raises(gp.IntegrityError, match="points at the analyses of run 'y'"):
+        read_analytics(store, "x")

@@ -98,3 +98,14 @@ def test_a_clean_run_finds_nothing(store: gp.Store, tmp_path: Path) -> None:
     found = gp.first_nonfinite(store, "r")
     assert found.sizes.get("found", 0) == 0
     assert found.attrs["first"] == ""
+
+
+def test_an_unreadable_earlier_step_makes_the_first_uncertain(poisoned: gp.Store) -> None:
+    view = open_run(poisoned, "r")
+    [entry] = [e for e in view if (e.step, e.peer) == (0, "b")]
+    poisoned.backend.delete(block_key(entry.dump))
+    found = gp.first_nonfinite(poisoned, "r")
+    assert found.step.values.tolist()[:1] == [2]
+    assert "uncertain: step 0 could not be analysed" in found.attrs["first"]
+    [failed] = found.attrs["failed"]
+    assert "step 0, peer 'b'" in failed

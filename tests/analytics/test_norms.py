@@ -245,3 +245,47 @@ def test_bad_requests(filled: gp.Store) -> None:
     ds = gp.gradient_norms(filled, "r")
     with pytest.raises(gp.InvalidInputError, match="layer or total"):
         gp.norms_by(ds, "peer")
+
+
+def test_sums_beyond_float64_fall_back_to_the_norms(local_store: gp.Store, tmp_path: Path) -> None:
+    big = np.full(2, 9.2e153)  # each square finite, the sum of the tensor's squares not
+    nan_and_big = np.array([1e200, np.nan, 3.0])
+    path = tmp_path / "step=0" / "peer=a.safetensors"
+    path.parent.mkdir()
+    with path.open("wb") as f:
+        write_safetensors(f, {"a": big, "b": big.copy(), "c": nan_and_big}, {})
+    pattern = str(tmp_path / "step={step}" / "peer={peer}.safetensors")
+    assert gp.ingest(local_store, pattern, run="r").ok
+    ds = gp.gradient_norms(local_store, "r")
+    assert ds.sel(tensor="c").l2_norm.item() == pytest.approx(1e200)  # finite values only
+    total = gp.norms_by(ds, "total").l2_norm.item()
+    assert total == pytest.approx(math.hypot(1e200, 2 * 9.2e153), rel=1e-12)
+    assert bool(gp.spikes(ds).nonfinite.all())  # c holds a NaN: flagged, no z
+
+
+def test_the_peers_are_in_the_runs_order_whoever_comes_first(
+    local_store: gp.Store, tmp_path: Path
+) -> None:
+    for step, peers in ((0, ("b",)), (1, ("a", "b"))):
+        for peer in peers:
+            path = tmp_path / f"step={step}" / f"peer={peer}.safetensors"
+            path.parent.mkdir(exist_ok=True)
+            with path.open("wb") as f:
+                write_safetensors(f, {"w": np.ones(4, np.float32)}, {})
+    pattern = str(tmp_path / "step={step}" / "peer={peer}.safetensors")
+    assert gp.ingest(local_store, pattern, run="r").ok
+    assert list(gp.gradient_norms(local_store, "r").peer.values) == ["a", "b"]
+
+
+def test_bad_step_selections_and_layer_rules(filled: gp.Store) -> None:
+    with pytest.raises(gp.InvalidInputError, match="selects no step"):
+        gp.gradient_norms(filled, "r", steps=[])
+    with pytest.raises(gp.InvalidInputError, match="must be a range or a list"):
+        gp.gradient_norms(filled, "r", steps=5)  # type: ignore[arg-type]
+    with pytest.raises(gp.InvalidInputError, match=r"it has steps 0\.\.3"):
+        gp.gradient_norms(filled, "r", steps=range(10, 20))
+    with pytest.raises(gp.InvalidInputError, match="gave None for tensor"):
+        gp.gradient_norms(filled, "r", layers=lambda name: None)  # type: ignore[arg-type,return-value]
+    ds = gp.gradient_norms(filled, "r")
+    with pytest.raises(gp.InvalidInputError, match="take no layers"):
+        gp.spikes(ds, layers="x")
