@@ -387,25 +387,32 @@ def _compare_values(
     if found.first_element is None or start + int(differ[0]) < found.first_element:
         found.first_element = start + int(differ[0])
         found.first_chunk = _chunk_index(chunk_of, found.first_element)
+    if differ.size < a.size // 2:  # a few elements differ: look at those alone
+        a, b = a[differ], b[differ]
+        bits_a, bits_b = bits_a[differ], bits_b[differ]
     if not is_float(parse_dtype(chunk_of.dtype)):
-        delta = np.abs(a[differ].astype(np.float64) - b[differ].astype(np.float64))
+        delta = np.abs(a.astype(np.float64) - b.astype(np.float64))
         found.max_abs = max(found.max_abs, float(delta.max()))
         found.max_ulp = None
         found.squares = _add(found.squares, float(np.sum(delta * delta)))
         return
-    x, y = a[differ].astype(np.float64), b[differ].astype(np.float64)
+    x, y = a.astype(np.float64), b.astype(np.float64)
     nan_x, nan_y = np.isnan(x), np.isnan(y)
-    found.nan_mismatch += int(np.count_nonzero(nan_x != nan_y))
-    both = ~nan_x & ~nan_y
+    one_nan = nan_x != nan_y
+    found.nan_mismatch += int(np.count_nonzero(one_nan))
     with np.errstate(invalid="ignore", over="ignore"):
-        gap = np.where(x[both] == y[both], 0.0, np.abs(x[both] - y[both]))
-    if (nan_x != nan_y).any():
-        gap = np.append(gap, np.inf)
-    if gap.size:
-        found.max_abs = max(found.max_abs, float(np.max(gap)))
-    finite_gap = gap[np.isfinite(gap)]
-    found.squares = _add(found.squares, float(np.sum(finite_gap * finite_gap)))
-    ulp = _ulp_distance(bits_a[differ][both], bits_b[differ][both], width)
+        gap = np.abs(x - y)  # inf - inf and NaN - NaN give NaN: equal values, no gap
+    gap[(x == y) | (nan_x & nan_y)] = 0.0
+    if one_nan.any():
+        found.max_abs = math.inf
+    finite = np.isfinite(gap)
+    if finite.any():
+        found.max_abs = max(found.max_abs, float(gap[finite].max()))
+    if not finite.all():
+        found.max_abs = math.inf
+    found.squares = _add(found.squares, float(np.dot(gap[finite], gap[finite])))
+    neither = ~nan_x & ~nan_y
+    ulp = _ulp_distance(bits_a[neither], bits_b[neither], width)
     if ulp is not None and found.max_ulp is not None:
         found.max_ulp = max(found.max_ulp, ulp)
 
@@ -429,24 +436,18 @@ def _ulp_distance(a: np.ndarray, b: np.ndarray, width: int) -> int | None:
     if not a.size:
         return 0
     bits = 8 * width
-    sign = np.array(1 << (bits - 1), dtype=a.dtype)
-
-    def ordered(u: np.ndarray) -> np.ndarray:
-        negative = (u & sign) != 0
-        # Negative floats count down from zero, positive ones up: -0 and +0 meet at 0.
-        magnitude = (u & ~sign).astype(np.float64)  # exact: below 2**31
-        out: np.ndarray = np.where(negative, -magnitude, magnitude)
-        return out
-
-    if bits == 64:  # magnitudes up to 2**63: exact in Python integers, not in float64
-        values = [
+    sign = 1 << (bits - 1)
+    if bits == 64:  # magnitudes up to 2**63: exact in Python integers, not in int64 sums
+        return max(
             abs(_signed(int(x), sign) - _signed(int(y), sign))
             for x, y in zip(a.tolist(), b.tolist(), strict=True)
-        ]
-        return max(values)
-    return int(np.max(np.abs(ordered(a) - ordered(b))))
+        )
+    # Negative floats count down from zero, positive ones up: -0 and +0 meet at 0.
+    mask = np.array(sign - 1, dtype=a.dtype)
+    ordered_a = np.where(a >> (bits - 1) != 0, -(a & mask).astype(np.int64), (a & mask))
+    ordered_b = np.where(b >> (bits - 1) != 0, -(b & mask).astype(np.int64), (b & mask))
+    return int(np.max(np.abs(ordered_a.astype(np.int64) - ordered_b.astype(np.int64))))
 
 
-def _signed(u: int, sign: np.ndarray) -> int:
-    s = int(sign)
-    return -(u & (s - 1)) if u & s else u
+def _signed(u: int, sign: int) -> int:
+    return -(u & (sign - 1)) if u & sign else u

@@ -12,7 +12,9 @@ weights ``w`` (summing to ``W``), one pass in cache-sized blocks computes:
   ``disagree[p, q]``, those of them where the signs differ (exact integers,
   from packed bits).
 
-Float sums follow docs/design/009: float64 within a block (numpy's pairwise
+Blocks that are zero on every peer are skipped: they add exactly nothing (a
+sparse embedding gradient is mostly such blocks). Float sums follow
+docs/design/009: float64 within a block (numpy's pairwise
 ``add.reduce``, a fixed order), :class:`~gradpipe.aggregation.exact.ExactSum`
 across blocks and chunks, so the figures do not depend on how chunks are
 grouped into tasks, on the scheduler or on the number of workers. Products of
@@ -93,6 +95,8 @@ def peer_partial(rows: Sequence[np.ndarray], weights: Sequence[float]) -> PeerPa
     x = np.empty((p, min(BLOCK, size)))
     for lo in range(0, size, BLOCK):
         hi = min(lo + BLOCK, size)
+        if not any(row[lo:hi].any() for row in rows):
+            continue  # zero on every peer (a sparse embedding's gradient): adds exactly 0
         block = x[:, : hi - lo]
         for i, row in enumerate(rows):
             block[i] = row[lo:hi]

@@ -188,3 +188,24 @@ def test_errors_exit_2_not_1(store: gp.Store, tmp_path: Path, capsys) -> None:
     assert main(["diff", store.url, "x", "nope"]) == 2
     err = capsys.readouterr().err
     assert "no run 'nope'" in err
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_ulps_count_across_zero_and_to_infinity(dtype: str) -> None:
+    from gradpipe.analytics.diff import _ulp_distance
+    from gradpipe.core.dtypes import parse_dtype
+
+    kind = parse_dtype(dtype)
+    width = kind.itemsize
+    unsigned = np.dtype(f"u{width}")
+    tiny = np.array([1], unsigned).view(kind)[0]  # the smallest subnormal
+    a = np.array([-tiny, 0.0, 1.0], dtype=kind)
+    b = np.array([tiny, -0.0, 1.0], dtype=kind)
+    distances = [
+        _ulp_distance(a[i : i + 1].view(unsigned), b[i : i + 1].view(unsigned), width)
+        for i in range(3)
+    ]
+    assert distances == [2, 0, 0]
+    top = np.array([np.inf], dtype=kind).view(unsigned)
+    below = (top - 1).view(kind).view(unsigned)  # the largest finite value
+    assert _ulp_distance(top, below, width) == 1
