@@ -79,24 +79,31 @@ GNS_VARIABLES: Final = {
 }
 
 
-def group_sums(arrays: dict[str, np.ndarray], members: Sequence[int]) -> dict[str, np.ndarray]:
+def group_sums(
+    arrays: dict[str, np.ndarray], members: Sequence[int]
+) -> dict[str, np.ndarray] | None:
     """The peer figures of a group of tensors (indices ``members``): their sums.
 
-    Float figures are summed exactly (``math.fsum``) and a NaN (a masked peer)
-    propagates; counts are integer sums.
+    Only tensors with figures count (two peers or more: an integer tensor, or
+    one only a peer holds, has none). A peer left out of one of those is NaN
+    in the group; the group's ``|G|²`` is then NaN too (its means cover other
+    peers). Float figures are summed exactly, counts as integers. None: no
+    tensor of the group has figures.
     """
-    idx = list(members)
-    masked = ~arrays["included"][idx].all(axis=0)  # peers masked in some tensor of the group
+    idx = [i for i in members if not math.isnan(float(arrays["mean_sq"][i]))]
+    if not idx:
+        return None
+    masked = ~arrays["included"][idx].all(axis=0)
 
     def exact(values: np.ndarray) -> np.ndarray:
         flat = values.reshape(len(idx), -1)
         out = np.array([_fsum(flat[:, i]) for i in range(flat.shape[1])])
         return out.reshape(values.shape[1:])
 
-    gram = exact(arrays["gram"][idx])
+    gram = exact(np.nan_to_num(arrays["gram"][idx], nan=0.0))
     gram[masked, :] = np.nan
     gram[:, masked] = np.nan
-    dist_sq = exact(arrays["dist_sq"][idx])
+    dist_sq = exact(np.nan_to_num(arrays["dist_sq"][idx], nan=0.0))
     dist_sq[masked] = np.nan
     mean_sq = _fsum(arrays["mean_sq"][idx]) if not masked.any() else math.nan
     return {
@@ -116,30 +123,43 @@ def _fsum(values: np.ndarray) -> float:
     return exact_sum(items)
 
 
+def _ratio(num: float, den: float) -> float:
+    """``num / den``, NaN where it has no value (a zero or NaN denominator)."""
+    return num / den if den != 0 and not math.isnan(den) else math.nan
+
+
 def agreement_figures(
     sums: dict[str, np.ndarray], weights: np.ndarray, *, byzantine: int
 ) -> dict[str, np.ndarray]:
-    """Agreement figures of one group at one step (see the module's docstring)."""
+    """Agreement figures of one group at one step (see the module's docstring).
+
+    Figures of several peers (leave-one-out cosines, Krum scores) are computed
+    over the peers the group includes; the others are NaN.
+    """
     gram, dist_sq, mean_sq = sums["gram"], sums["dist_sq"], float(sums["mean_sq"])
-    share = weights / weights.sum()
+    ok = ~np.isnan(np.diagonal(gram))
     norms = np.sqrt(np.diagonal(gram))
     with np.errstate(divide="ignore", invalid="ignore"):
         cosine = gram / np.outer(norms, norms)
         sign_agreement = 1.0 - sums["disagree"] / sums["both"]
-        mean_norm = math.sqrt(mean_sq) if mean_sq >= 0 else math.nan
-        norm_ratio = mean_norm / float(share @ norms)
-        diversity = float(share @ np.diagonal(gram)) / mean_sq
         distance = np.sqrt(dist_sq)
-        loo = _leave_one_out_cosine(gram, weights)
+    share = weights[ok] / weights[ok].sum() if ok.any() else weights[ok]
+    mean_norm = math.sqrt(mean_sq) if mean_sq >= 0 else math.nan
+    loo = np.full(len(ok), np.nan)
+    krum = np.full(len(ok), np.nan)
+    if ok.sum() >= 2:
+        sub = gram[np.ix_(ok, ok)]
+        loo[ok] = _leave_one_out_cosine(sub, weights[ok])
+        krum[ok] = _krum(sub, byzantine)
     return {
         "cosine": cosine,
         "sign_agreement": sign_agreement,
         "distance": distance,
         "loo_cosine": loo,
-        "krum_score": _krum(gram, byzantine),
+        "krum_score": krum,
         "mean_norm": np.array(mean_norm),
-        "norm_ratio": np.array(norm_ratio),
-        "diversity": np.array(diversity),
+        "norm_ratio": np.array(_ratio(mean_norm, float(share @ norms[ok]))),
+        "diversity": np.array(_ratio(float(share @ np.diagonal(gram)[ok]), mean_sq)),
     }
 
 
@@ -149,22 +169,30 @@ def _leave_one_out_cosine(gram: np.ndarray, weights: np.ndarray) -> np.ndarray:
     wkw = float(weights @ kw)
     diag = np.diagonal(gram)
     rest = weights.sum() - weights
-    dot = (kw - weights * diag) / rest
-    others_sq = (wkw - 2 * weights * kw + weights**2 * diag) / rest**2
-    out: np.ndarray = dot / np.sqrt(diag * np.maximum(others_sq, 0.0))
-    return out
+    with np.errstate(divide="ignore", invalid="ignore"):
+        dot = (kw - weights * diag) / rest
+        others_sq = (wkw - 2 * weights * kw + weights**2 * diag) / rest**2
+        out: np.ndarray = dot / np.sqrt(diag * np.maximum(others_sq, 0.0))
+    return np.where(np.isfinite(out), out, np.nan)
 
 
 def outliers(
     distance: np.ndarray, loo_cosine: np.ndarray, *, outlier_z: float
 ) -> dict[str, np.ndarray]:
-    """``distance_z``, ``cosine_z`` and ``outlier`` of figures of dims ``(step, ..., peer)``."""
+    """``distance_z``, ``cosine_z`` and ``outlier`` of figures of dims ``(step, [group,] peer)``.
+
+    Each group (layer, tensor) has its own scale, pooled over its steps and peers.
+    """
     with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN steps: NaN is meant
         relative = distance / np.nanmedian(distance, axis=-1, keepdims=True) - 1.0
         below = np.nanmedian(loo_cosine, axis=-1, keepdims=True) - loo_cosine
-        distance_z = _pooled_z(relative)
-        cosine_z = _pooled_z(below)
+    distance_z, cosine_z = np.full(distance.shape, np.nan), np.full(distance.shape, np.nan)
+    for group in np.ndindex(*distance.shape[1:-1]):  # one scale per group
+        cell = (slice(None), *group, slice(None))
+        distance_z[cell] = _pooled_z(relative[cell])
+        cosine_z[cell] = _pooled_z(below[cell])
+    with np.errstate(invalid="ignore"):
         outlier = (distance_z > outlier_z) | (cosine_z > outlier_z)
     return {"distance_z": distance_z, "cosine_z": cosine_z, "outlier": outlier}
 
@@ -191,7 +219,11 @@ def _krum(gram: np.ndarray, byzantine: int) -> np.ndarray:
 
 
 def noise_scale_figures(sums: dict[str, np.ndarray], batch: np.ndarray) -> dict[str, float]:
-    """The noise scale of one group at one step from its peers' batch sizes ``batch``."""
+    """The noise scale of one group at one step from its peers' batch sizes ``batch``.
+
+    NaN where the group has a masked peer (its mean covers other peers than
+    its distances), fewer than two peers, or identical ones (all-reduced dumps).
+    """
     p = len(batch)
     total = float(batch.sum())
     dist_sq = sums["dist_sq"]

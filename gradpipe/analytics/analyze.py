@@ -45,6 +45,8 @@ class AnalysisReport(ReportHtml):
     run: str
     results: dict[str, xr.Dataset | xr.DataArray] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
+    #: Default analyses that do not apply to this run, and why (one peer per step).
+    skipped: dict[str, str] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> xr.Dataset | xr.DataArray:
         if name not in self.results:
@@ -74,11 +76,9 @@ class AnalysisReport(ReportHtml):
                 counts = counts.sum(str(next(d for d in counts.dims if d != "peer")))
             peers = [str(p) for p, n in zip(counts["peer"].values, counts.values, strict=True) if n]
             out["outlier_peers"] = ", ".join(peers)
-        if "gns" in self.results:
-            latest = self.results["gns"]["b_simple_ema"]
-            while latest.ndim > 1:
-                latest = latest.isel({next(d for d in latest.dims if d != "step"): 0})
-            values = latest.values[~np.isnan(latest.values)]
+        if _whole(self.results.get("gns")):
+            latest = self.results["gns"]["b_simple_ema"].values
+            values = latest[~np.isnan(latest)]
             out["gns_latest"] = float(values[-1]) if values.size else None
         return out
 
@@ -96,6 +96,7 @@ class AnalysisReport(ReportHtml):
                 for name, r in self.results.items()
             },
             "failures": dict(self.failures),
+            "skipped": dict(self.skipped),
         }
 
     def summary(self) -> str:
@@ -115,6 +116,7 @@ class AnalysisReport(ReportHtml):
             lines.append(f"outlier peers: {head['outlier_peers'] or 'none'}")
         if head.get("gns_latest") is not None:
             lines.append(f"gradient noise scale (latest, smoothed): {head['gns_latest']:.4g}")
+        lines += [f"skipped {name}: {why}" for name, why in self.skipped.items()]
         lines += [f"FAILED {name}: {why}" for name, why in self.failures.items()]
         lines.append(f"{head['chunks_read']} chunks read")
         return "\n".join(lines)
@@ -127,33 +129,42 @@ class AnalysisReport(ReportHtml):
         return lines
 
     def records(self) -> Iterator[dict[str, Any]]:
-        """One record per (step, peer): the headline figures of every analysis run."""
+        """One record per (step, peer): the headline figures of the whole gradient.
+
+        (Per layer or tensor, read the analyses' Datasets.)
+        """
         rows: dict[tuple[int, str], dict[str, Any]] = {}
-
-        def put(step: Any, peer: Any, values: Mapping[str, Any]) -> None:
-            row = rows.setdefault((int(step), str(peer)), {"step": int(step), "peer": str(peer)})
-            row.update({k: _plain(v) for k, v in values.items()})
-
-        if "spikes" in self.results and "peer" in self.results["spikes"].dims:
-            sp = self.results["spikes"]
-            for s in sp["step"].values:
-                for p in sp["peer"].values:
-                    cell = sp.sel(step=s, peer=p)
-                    put(s, p, {"l2_norm": cell["l2_norm"], "z": cell["z"], "spike": cell["spike"]})
-        if "agreement" in self.results:
-            ag = self.results["agreement"]
-            if "layer" not in ag.dims and "tensor" not in ag.dims:
-                for s in ag["step"].values:
-                    for p in ag["peer"].values:
-                        cell = ag.sel(step=s, peer=p)
-                        put(s, p, {k: cell[k] for k in ("distance", "loo_cosine", "outlier")})
-        if "gns" in self.results and self.results["gns"]["b_simple"].ndim == 1:
-            gns = self.results["gns"]
+        per_peer = {
+            "spikes": ("l2_norm", "z", "spike"),
+            "agreement": ("distance", "loo_cosine", "outlier"),
+        }
+        for name, fields in per_peer.items():
+            result = self.results.get(name)
+            if not _whole(result) or "peer" not in result.dims:  # type: ignore[union-attr]
+                continue
+            assert isinstance(result, xr.Dataset)
+            steps, peers = result["step"].values, result["peer"].values
+            columns = {f: result[f].transpose("step", "peer").values for f in fields}
+            for s, step in enumerate(steps):
+                for p, peer in enumerate(peers):
+                    row = rows.setdefault(
+                        (int(step), str(peer)), {"step": int(step), "peer": str(peer)}
+                    )
+                    row.update({f: _plain(columns[f][s, p]) for f in fields})
+        gns = self.results.get("gns")
+        if _whole(gns):
+            assert isinstance(gns, xr.Dataset)
+            at = {int(step): i for i, step in enumerate(gns["step"].values)}
+            columns = {f: gns[f].values for f in ("b_simple", "b_simple_ema")}
             for row in rows.values():
-                if row["step"] in gns["step"].values:
-                    cell = gns.sel(step=row["step"])
-                    row.update({k: _plain(cell[k]) for k in ("b_simple", "b_simple_ema")})
+                if row["step"] in at:
+                    row.update({f: _plain(v[at[row["step"]]]) for f, v in columns.items()})
         yield from (rows[k] for k in sorted(rows))
+
+
+def _whole(result: xr.Dataset | xr.DataArray | None) -> bool:
+    """A result of the whole gradient (``by="total"``): what headlines and records show."""
+    return result is not None and not {"layer", "tensor"} & set(result.dims)
 
 
 def _plain(value: Any) -> Any:
@@ -198,6 +209,11 @@ def analyze(
     """
     chosen = check_request(what, aggregate, params)
     report = AnalysisReport(run)
+    if what is None and aggregate is None and _one_peer_per_step(store, run):
+        for name in PEER_ANALYSES:
+            if name in chosen:
+                chosen.remove(name)
+                report.skipped[name] = "every step has one peer: nothing to compare"
     with (
         use_runner(runner) as active,
         operation(active, "analyze", run=run, store=store.url) as reporting,
@@ -215,6 +231,8 @@ def analyze(
                 )
             except GradpipeError as exc:
                 report.failures[name] = str(exc)
+            except Exception as exc:  # a bug of one analysis leaves the others their results
+                report.failures[name] = f"{type(exc).__name__}: {exc}"
         reporting.finish(report, failures=report.failure_lines(), commit=None)
     return report
 
@@ -229,6 +247,20 @@ _FUNCTIONS: Final = {
     "histograms": ("gradpipe.analytics.histograms:gradient_histograms", False),
     "projection": ("gradpipe.analytics.projections:project_gradients", False),
 }
+
+
+#: The analyses that compare a step's peers.
+PEER_ANALYSES: Final = ("agreement", "gns")
+
+
+def _one_peer_per_step(store: Store, run: str) -> bool:
+    from gradpipe.storage.catalog import read_run
+
+    _, manifest = read_run(store, run)
+    counts: dict[int, int] = {}
+    for entry in manifest.dumps:
+        counts[entry.step] = counts.get(entry.step, 0) + 1
+    return bool(counts) and max(counts.values()) < 2
 
 
 def _run_one(

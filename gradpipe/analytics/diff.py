@@ -11,8 +11,9 @@ Per tensor: ``identical`` (every bit), ``max_abs_diff`` (float64; 0 for
 ``-0.0`` against ``+0.0`` and for NaN against NaN), ``max_ulp`` (the largest
 distance in units in the last place, over elements neither of which is NaN;
 ``±0`` are 0 apart), ``nan_mismatch`` (elements NaN on one side only),
-``rel_l2 = ‖a − b‖ / ‖a‖`` (``‖a − b‖²`` summed exactly over the differing
-chunks, ``‖a‖`` from ``a``'s statistics), and the first differing chunk and
+``rel_l2 = ‖a − b‖ / ‖a‖`` (``‖a − b‖`` over the finite gaps of the differing
+chunks, scaled so that it never overflows; ``‖a‖`` from ``a``'s statistics; inf
+where a gap is infinite or one side NaN), and the first differing chunk and
 element (flat index).
 """
 
@@ -26,13 +27,13 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 from dask.base import tokenize
 
-from gradpipe.aggregation.exact import ExactSum
-from gradpipe.analytics.norm_figures import exact_sum
+from gradpipe.analytics.norm_figures import exact_sum, scaled_l2
 from gradpipe.analytics.resolve import Position, Side, TensorSet, parse_object
 from gradpipe.core.display import printable
 from gradpipe.core.dtypes import is_float, parse_dtype
 from gradpipe.core.html import ReportHtml
 from gradpipe.core.tensor_manifest import TensorManifest
+from gradpipe.errors import InvalidInputError
 from gradpipe.graph.arrays import load_chunk
 from gradpipe.graph.runner import Runner, use_runner
 from gradpipe.storage.tensors import read_tensor
@@ -195,6 +196,8 @@ def diff(
     DiffReport
         ``equal``, and per tensor that differs, its figures.
     """
+    if isinstance(tensors, str):
+        raise InvalidInputError(f"tensors= takes a list of patterns, e.g. [{tensors!r}]")
     side_a, side_b = parse_object(store, a), parse_object(store, b)
     if side_a.dims != side_b.dims:
         raise _mismatched(side_a, side_b)
@@ -210,14 +213,17 @@ def diff(
             report.tensors.append(record)
             if work is not None:
                 tasks.append((len(report.tensors) - 1, work))
+    if tensors is not None and not report.tensors and not report.unpaired:
+        raise InvalidInputError(
+            f"tensors {', '.join(map(printable, tensors))} match no tensor of {printable(a)} "
+            f"or {printable(b)}: nothing was compared"
+        )
     if tasks:
         _read_differences(store, report, tasks, runner)
     return report
 
 
 def _mismatched(a: Side, b: Side) -> Exception:
-    from gradpipe.errors import InvalidInputError
-
     def what(side: Side) -> str:
         return "one object" if not side.dims else f"a set paired by {', '.join(side.dims)}"
 
@@ -298,7 +304,10 @@ class _Found:
     max_abs: float = 0.0
     max_ulp: int | None = 0
     nan_mismatch: int = 0
-    squares: ExactSum | None = None
+    #: Each compared piece's ``‖a − b‖`` over its finite gaps (scaled: never overflows).
+    norms: list[float] = field(default_factory=list)
+    #: ``‖a‖`` of the chunks read whose sum of squares overflowed (by chunk; -1: whole).
+    a_norms: dict[int, float] = field(default_factory=dict)
     first_chunk: int | None = None
     first_element: int | None = None
     reads: int = 0
@@ -328,9 +337,7 @@ def _read_differences(
         record.nan_mismatch = result.nan_mismatch
         record.first_chunk = result.first_chunk
         record.first_element = result.first_element
-        norm_sq = exact_sum(s.sumsq for s in pair.a.stats)
-        diff_sq = float(result.squares.to_array()) if result.squares is not None else 0.0
-        record.rel_l2 = math.sqrt(diff_sq / norm_sq) if norm_sq > 0 else math.inf
+        record.rel_l2 = _relative(math.hypot(*result.norms), pair.a, result)
 
 
 def _compare_data(store: Store, pair: _Pair, context: str) -> _Found:
@@ -342,6 +349,8 @@ def _compare_data(store: Store, pair: _Pair, context: str) -> _Found:
             x is not None for x in pair.b.blocks
         )
         _compare_values(found, a.reshape(-1), b.reshape(-1), 0, chunk_of=pair.a)
+        if math.isinf(exact_sum(s.sumsq for s in pair.a.stats)):
+            found.a_norms[-1] = scaled_l2(a)
         return found
     ranges = pair.a.chunk_ranges()
     for i in pair.chunks:
@@ -361,6 +370,8 @@ def _compare_data(store: Store, pair: _Pair, context: str) -> _Found:
             )
             found.reads += manifest.blocks[i] is not None
         _compare_values(found, values[0], values[1], start, chunk_of=pair.a)
+        if math.isinf(pair.a.stats[i].sumsq):
+            found.a_norms[i] = scaled_l2(values[0])
     return found
 
 
@@ -391,10 +402,10 @@ def _compare_values(
         a, b = a[differ], b[differ]
         bits_a, bits_b = bits_a[differ], bits_b[differ]
     if not is_float(parse_dtype(chunk_of.dtype)):
-        delta = np.abs(a.astype(np.float64) - b.astype(np.float64))
+        delta = np.abs(a.astype(object) - b.astype(object))  # exact for every integer width
         found.max_abs = max(found.max_abs, float(delta.max()))
         found.max_ulp = None
-        found.squares = _add(found.squares, float(np.sum(delta * delta)))
+        found.norms.append(scaled_l2(delta.astype(np.float64)))
         return
     x, y = a.astype(np.float64), b.astype(np.float64)
     nan_x, nan_y = np.isnan(x), np.isnan(y)
@@ -410,18 +421,34 @@ def _compare_values(
         found.max_abs = max(found.max_abs, float(gap[finite].max()))
     if not finite.all():
         found.max_abs = math.inf
-    found.squares = _add(found.squares, float(np.dot(gap[finite], gap[finite])))
+    found.norms.append(scaled_l2(gap[finite]))
     neither = ~nan_x & ~nan_y
     ulp = _ulp_distance(bits_a[neither], bits_b[neither], width)
     if ulp is not None and found.max_ulp is not None:
         found.max_ulp = max(found.max_ulp, ulp)
 
 
-def _add(total: ExactSum | None, value: float) -> ExactSum | None:
-    if not math.isfinite(value):
-        return total
-    part = ExactSum.of(np.array(value))
-    return part if total is None else ExactSum.combine([total, part])
+def _relative(gap_norm: float, a: TensorManifest, found: _Found) -> float:
+    """``‖a − b‖ / ‖a‖``: 0 for equal values, inf where a gap is infinite or a NaN on one
+    side. ``‖a‖`` comes from ``a``'s statistics, or from its data where a chunk's sum of
+    squares overflowed (NaN if that chunk was not read)."""
+    if math.isinf(found.max_abs):
+        return math.inf
+    if gap_norm == 0:
+        return 0.0
+    norm_sq = exact_sum(s.sumsq for s in a.stats)
+    if math.isinf(norm_sq):
+        if -1 in found.a_norms:
+            norm = found.a_norms[-1]
+        else:
+            parts = [
+                found.a_norms.get(i, math.nan) if math.isinf(s.sumsq) else math.sqrt(s.sumsq)
+                for i, s in enumerate(a.stats)
+            ]
+            norm = math.hypot(*parts)
+    else:
+        norm = math.sqrt(norm_sq)
+    return gap_norm / norm if norm > 0 else math.inf
 
 
 def _chunk_index(manifest: TensorManifest, element: int) -> int:

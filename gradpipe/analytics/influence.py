@@ -85,6 +85,9 @@ def influence(
         ``score`` (dims ``(example, step, peer)``) and ``layer_score``
         (``(example, step, peer, layer)``); NaN where a peer has no dump.
     """
+    _check_lr(lr)
+    if not isinstance(query, str):
+        _check_query(store, run, query)
     outcome = projection_pass(store, run, k=k, seed=seed, s=s, steps=steps, runner=runner)
     if isinstance(query, str):
         queries, examples = _query_run(store, query, outcome, k=k, seed=seed, s=s, runner=runner)
@@ -97,7 +100,9 @@ def influence(
     scores = np.full((len(examples), len(results), len(peers), len(layers)), np.nan)
     for i, r in enumerate(results):
         etas = _learning_rates(r, lr)
-        query_layers = queries[r.step]
+        query_layers = queries.get(r.step)
+        if query_layers is None:
+            raise InvalidInputError(f"the query holds no gradient at step {r.step}")
         for p, peer in enumerate(r.labels):
             col = peers.index(peer)
             for j, layer in enumerate(r.tensors):
@@ -129,8 +134,40 @@ def influence(
         "chunks_read": outcome.chunks_read,
         "computed_steps": len(outcome.computed),
         "memoised_steps": len(outcome.memoised),
+        "failed": [f"step {f.step}: {f.reason}" for f in outcome.failures],
     }
     return ds
+
+
+def _check_lr(lr: LearningRate) -> None:
+    values = list(lr.values()) if isinstance(lr, Mapping) else [] if lr is None else [lr]
+    for value in values:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
+            raise InvalidInputError(f"lr {printable(value)} must be a finite number")
+
+
+def _check_query(store: Store, run: str, query: Mapping[str, np.ndarray]) -> None:
+    """Every query tensor is one of the run's, of its shape (after the example axis)."""
+    from gradpipe.storage.catalog import read_run
+
+    _, manifest = read_run(store, run)
+    for name, values in query.items():
+        schema = manifest.schema.get(name)
+        if schema is None:
+            raise InvalidInputError(
+                f"query tensor {printable(name)} is not a tensor of run {printable(run)}; "
+                "a query holds gradients of the run's own tensors"
+            )
+        shape = tuple(np.shape(values))[1:]
+        if shape != tuple(schema.shape):
+            raise InvalidInputError(
+                f"query tensor {printable(name)} has the shape {list(shape)} per example; the "
+                f"run's is {list(schema.shape)} (the query needs a leading example axis)"
+            )
 
 
 def project_query(
@@ -177,6 +214,12 @@ def _query_run(
             f"query run {printable(name)} must hold a gradient at every step scored: {exc}"
         ) from None
     examples = sorted({x for r in outcome.results for x in r.labels})
+    if outcome.failures:
+        failure = outcome.failures[0]
+        raise InvalidInputError(
+            f"query run {printable(name)}, step {failure.step} could not be projected: "
+            f"{failure.reason}"
+        )
     out: dict[int, dict[str, np.ndarray]] = {}
     for r in outcome.results:
         if r.labels != examples:

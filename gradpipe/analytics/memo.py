@@ -14,7 +14,7 @@ from __future__ import annotations
 import platform
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from gradpipe.storage.store import Store
 
 __all__ = [
+    "RESULT_ARRAYS",
     "Planned",
     "ResultSpec",
     "commit_analyses",
@@ -169,8 +170,58 @@ def read_results(
         labels, tensors = manifest.coords.get("labels"), manifest.coords.get("tensors")
         if not isinstance(labels, list) or not isinstance(tensors, list):
             raise IntegrityError(f"{where}: the stored result lists no labels or tensors")
+        problem = _shape_problem(manifest.analysis, arrays, len(labels), len(tensors))
+        if problem:
+            raise IntegrityError(f"{where}: {problem}; run `gradpipe verify`")
         out.append((entry.analysis, manifest, arrays))
     return out
+
+
+#: The arrays each stored result holds and their leading dims: ``P`` its labels (peers),
+#: ``T`` its tensors (or layers); dims past these are free.
+RESULT_ARRAYS: Final[dict[str, dict[str, str]]] = {
+    "norms": {
+        **dict.fromkeys(
+            ("sum_squares", "l2_norm", "max_abs", "nonzero", "nan", "inf", "numel", "present"),
+            "PT",
+        ),
+    },
+    "peers": {
+        "gram": "TPP",
+        "dist_sq": "TP",
+        "mean_sq": "T",
+        "mean_max_abs": "T",
+        "disagree": "TPP",
+        "both": "TPP",
+        "included": "TP",
+        "identical": "T",
+        "numel": "T",
+        "weights": "P",
+        "counted": "P",
+    },
+    "histograms": {"counts": "T"},
+    "projection": {"projection": "PT", "lr": "P"},
+}
+
+
+def _shape_problem(
+    analysis: str, arrays: Mapping[str, np.ndarray], labels: int, tensors: int
+) -> str:
+    """Why ``arrays`` do not fit the result's labels and tensors ("" when they do)."""
+    expected = RESULT_ARRAYS.get(analysis)
+    if expected is None:
+        return f"an analysis of unknown kind {printable(analysis)}"
+    missing = sorted(set(expected) - set(arrays))
+    if missing:
+        return f"the stored result lacks {', '.join(missing)}"
+    sizes = {"P": labels, "T": tensors}
+    for name, dims in expected.items():
+        shape = arrays[name].shape
+        per_peer = name == "counts" and len(shape) == 3  # histograms per peer: (P, T, bins)
+        want = tuple(sizes[d] for d in ("PT" if per_peer else dims))
+        if shape[: len(want)] != want:
+            return f"its array {name} has shape {list(shape)}, not {list(want)} + ..."
+    return ""
 
 
 class _NothingNewError(Exception):

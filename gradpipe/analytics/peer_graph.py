@@ -23,6 +23,7 @@ A task holds every peer's elements of one chunk range (``P`` chunks).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
@@ -39,6 +40,7 @@ from gradpipe.analytics.norm_figures import exact_sum
 from gradpipe.analytics.peer_kernel import PeerPartial, combine_partials, peer_partial
 from gradpipe.analytics.selection import StepSources
 from gradpipe.analytics.step_figures import StepFailure, StepFigures
+from gradpipe.core.display import printable
 from gradpipe.core.dtypes import is_float, parse_dtype
 from gradpipe.core.run_manifest import DumpManifest
 from gradpipe.core.tensor_manifest import TensorManifest, resolve_tensor
@@ -62,6 +64,7 @@ PEER_ARRAYS: Final = {
     "identical": "(T,) bool: every included peer stored the same chunks",
     "numel": "(T,) int64: elements of the tensor",
     "weights": "(P,) float64: num_examples, or 1 for every peer",
+    "counted": "(P,) bool: the dump records its num_examples",
 }
 
 
@@ -116,10 +119,11 @@ def _plan_step(
     dumps: Sequence[DumpManifest],
     graph: dict[Hashable, Any],
     token: str,
-) -> tuple[list[Hashable], list[_TensorPlan], list[float]]:
+) -> tuple[list[Hashable], list[_TensorPlan], tuple[list[float], list[bool]]]:
     if len(dumps) < 2:
-        raise GradpipeError(f"step {step.step} has one peer; agreement needs two or more")
+        raise GradpipeError("one peer: agreement and the noise scale compare two or more")
     weights = _weights(step.step, dumps)
+    counted = _counted(dumps)
     per_peer = [
         named_tensors(store, d.tensors, d.embedded, where=where(step=step.step, peer=d.peer))
         for d in dumps
@@ -134,7 +138,7 @@ def _plan_step(
         key = ("gradpipe-peers-tensor", token, name)
         tensor_keys.append(key)
         if plan.identical or first is None:
-            graph[key] = (_shared_partial, plan, weights)
+            graph[key] = (_shared_partial, plan)
             continue
         chunk_keys = []
         chosen = [m for m, keep in zip(manifests, plan.included, strict=True) if keep]
@@ -157,7 +161,7 @@ def _plan_step(
             )
             chunk_keys.append(chunk_key)
         graph[key] = (_tensor_partial, plan, chunk_keys)
-    return tensor_keys, plans, weights
+    return tensor_keys, plans, (weights, counted)
 
 
 def _weights(step: int, dumps: Sequence[DumpManifest]) -> list[float]:
@@ -169,6 +173,11 @@ def _weights(step: int, dumps: Sequence[DumpManifest]) -> list[float]:
         parse_weight_text(str(t), what=f"{where(step=step, peer=d.peer)}: num_examples")
         for t, d in zip(texts, dumps, strict=True)
     ]
+
+
+def _counted(dumps: Sequence[DumpManifest]) -> list[bool]:
+    """Which dumps record their ``num_examples`` (what the noise scale needs)."""
+    return ["num_examples" in d.metadata for d in dumps]
 
 
 def _plan_tensor(
@@ -226,11 +235,7 @@ def _chunk_partial(
     try:
         return peer_partial(rows, weights)
     except GradpipeError:  # ExactSum refuses an infinity: float64 products overflowed
-        tensor = contexts[0].rsplit(", ", 1)[-1]
-        return _Failed(
-            f"{tensor}, elements {start}..{stop}: the products of its float64 values overflow; "
-            "leave it out with tensors="
-        )
+        return _Failed(f"{contexts[0]}, elements {start}..{stop}: {_OVERFLOW}")
 
 
 def _tensor_partial(plan: _TensorPlan, parts: list[PeerPartial | _Failed]) -> PeerPartial | _Failed:
@@ -241,28 +246,35 @@ def _tensor_partial(plan: _TensorPlan, parts: list[PeerPartial | _Failed]) -> Pe
     return combine_partials(ready)
 
 
-def _shared_partial(plan: _TensorPlan, weights: list[float]) -> PeerPartial | None:
+def _shared_partial(plan: _TensorPlan) -> PeerPartial | _Failed | None:
     """The figures of identical peers from the statistics, or None (fewer than two peers)."""
     p = sum(plan.included)
     if not plan.identical:
         return None
     squares, nonzero, peak = plan.shared
+    if math.isinf(squares):
+        return _Failed(f"tensor {printable(plan.name)}: {_OVERFLOW}")
     upper = np.triu_indices(p)
     sums = np.concatenate([np.full(len(upper[0]), squares), np.zeros(p), [squares]])
     counts = np.triu(np.full((p, p), nonzero, np.int64))
     return PeerPartial(p, ExactSum.of(sums), np.zeros((p, p), np.int64), counts, peak, nonzero)
 
 
+#: Why a float64 tensor has no peer figures.
+_OVERFLOW: Final = "the products of its float64 values overflow float64; it has no peer figures"
+
+
 def _assemble_step(
     step: int,
     labels: list[str],
     plans: list[_TensorPlan],
-    weights: list[float],
+    weighting: tuple[list[float], list[bool]],
     parts: list[PeerPartial | _Failed | None],
 ) -> list[StepFigures | StepFailure]:
     failed = next((p for p in parts if isinstance(p, _Failed)), None)
     if failed is not None:
         return [StepFailure(step, failed.reason)]
+    weights, counted = weighting
     t, p = len(plans), len(labels)
     arrays = {
         "gram": np.full((t, p, p), np.nan),
@@ -275,6 +287,7 @@ def _assemble_step(
         "identical": np.array([plan.identical for plan in plans], dtype=bool),
         "numel": np.array([plan.numel for plan in plans], dtype=np.int64),
         "weights": np.array(weights, dtype=np.float64),
+        "counted": np.array(counted, dtype=bool),
     }
     for j, (plan, part) in enumerate(zip(plans, parts, strict=True)):
         if not isinstance(part, PeerPartial):

@@ -81,8 +81,12 @@ def _symmetric(upper: np.ndarray) -> np.ndarray:
     return out
 
 
+@np.errstate(over="ignore", invalid="ignore")  # an overflow is refused by ExactSum, by name
 def peer_partial(rows: Sequence[np.ndarray], weights: Sequence[float]) -> PeerPartial:
-    """The figures of the elements in ``rows`` (one row per peer, equal lengths)."""
+    """The figures of the elements in ``rows`` (one row per peer, equal lengths).
+
+    Raises InvalidInputError where float64 products overflow (ExactSum refuses infinities).
+    """
     p = len(rows)
     w = np.asarray(weights, dtype=np.float64)
     share = w / w.sum()

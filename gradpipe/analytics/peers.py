@@ -178,6 +178,9 @@ def noise_scale_dataset(
     """:func:`noise_scale`'s Dataset from the peers' pass (computed or read back)."""
     params = {"by": by, "ema": ema, "batch_size": batch_size}
 
+    for r in outcome.results:
+        _check_batches(r, batch_size)
+
     def figures(sums: dict[str, np.ndarray], weights: np.ndarray) -> dict[str, Any]:
         return noise_scale_figures(sums, _batches(weights, batch_size))
 
@@ -193,14 +196,26 @@ def noise_scale_dataset(
     return ds
 
 
+def _check_batches(result: StepResult, batch_size: int | None) -> None:
+    """Every peer's batch size is known: from its dump's num_examples, or from batch_size=."""
+    counted = result.arrays.get("counted", np.ones(len(result.labels), bool))
+    if batch_size is None and not counted.all():
+        peer = result.labels[int(np.flatnonzero(~counted)[0])]
+        raise InvalidInputError(
+            f"step {result.step}, peer {printable(peer)}: the dump records no num_examples, "
+            "its batch size; the noise scale needs it (pass batch_size= if every peer used one)"
+        )
+    if batch_size is not None and counted.any():
+        peer = result.labels[int(np.flatnonzero(counted)[0])]
+        raise InvalidInputError(
+            f"step {result.step}, peer {printable(peer)}: the dump records num_examples; "
+            "batch_size= is for dumps that record none"
+        )
+
+
 def _batches(weights: np.ndarray, batch_size: int | None) -> np.ndarray:
     if batch_size is None:
         return np.asarray(weights, dtype=np.float64)
-    if not np.all(weights == weights[0]):
-        raise InvalidInputError(
-            "batch_size= replaces num_examples only where the peers are weighted equally; "
-            "these dumps record different num_examples"
-        )
     return np.full(len(weights), float(batch_size))
 
 
@@ -265,9 +280,16 @@ def _dataset(
                 per_group.append(None)
                 continue
             sums = group_sums(r.arrays, idx)
+            if sums is None:  # no tensor of the group has figures (integers, one holder)
+                per_group.append(None)
+                continue
             per_group.append(_spread(figures(sums, r.arrays["weights"]), r.labels, peers))
         rows.append(per_group)
     names = next((list(g) for row in rows for g in row if g is not None), [])
+    if not names:
+        raise NotFoundError(
+            "no float tensor is held by two peers or more at any step: no peer figures"
+        )
     data_vars: dict[str, Any] = {}
     for name in names:
         sample = next(g[name] for row in rows for g in row if g is not None)

@@ -11,9 +11,12 @@ The forms (run names never hold ``:`` or ``/``, which the grammar splits on):
 ``RUN:NAME@STEP``             one aggregate
 ``snapshots/NAME``            a snapshot chain, paired by step
 ``snapshots/NAME@STEP``       one version (``@latest``: the newest)
+``tensors/NAME``              a tensor stored under a name (``put_tensor(..., name=)``)
 ============================  ==================================================
 
 ``runs/`` reads what follows literally as a run name, for a run called ``a@1``.
+A peer named with ``@`` is fine (``run@3/rank@0``); an aggregate whose name ends in
+``@`` and digits is named by its id.
 A single object against a single object pairs their tensors by name, whatever
 their kinds (a dump against an aggregate, say).
 """
@@ -72,8 +75,9 @@ def parse_object(store: Store, text: str) -> Side:
     """Resolve ``text`` (see the module's table) to the tensor sets it names."""
     if not isinstance(text, str) or not text:
         raise InvalidInputError("a diff compares two objects named as text")
-    if text.startswith("b3:"):
-        return _by_id(store, text)
+    if text.startswith(("b3:", "tensors/")):
+        named = text.startswith("tensors/")
+        return _by_id(store, store.refs.get(text) if named else text, label=text)
     if text.startswith("snapshots/"):
         return _snapshots(store, text, text.removeprefix("snapshots/"))
     if text.startswith("runs/"):
@@ -82,11 +86,10 @@ def parse_object(store: Store, text: str) -> Side:
         run, _, rest = text.partition(":")
         name, step = _at_step(rest)
         return _aggregates(store, text, run, name, step)
-    if "@" in text:
-        head, _, tail = text.rpartition("@")
-        step_text, slash, peer = tail.partition("/")
-        if step_text.isdigit():
-            return _step(store, text, head, int(step_text), peer if slash else None)
+    head, slash, peer = text.partition("/")  # a run or peer name never holds "/"
+    run, at, step_text = head.rpartition("@")
+    if at and step_text.isdigit():
+        return _step(store, text, run, int(step_text), peer if slash else None)
     return _run(store, text, text)
 
 
@@ -104,10 +107,10 @@ def _tensors(
     return {name: resolve_tensor(t) for name, t in found.items()}
 
 
-def _by_id(store: Store, text: str) -> Side:
+def _by_id(store: Store, text: str, *, label: str | None = None) -> Side:
     object_id = parse_id(text)
-    manifest = store.get_manifest(object_id, context=text)
-    side = Side(text, ())
+    manifest = store.get_manifest(object_id, context=label or text)
+    side = Side(label or text, ())
     if isinstance(manifest, DumpManifest | AggregateManifest):
         side.sets[()] = TensorSet(text, _tensors(store, manifest, text))
     elif isinstance(manifest, SnapshotManifest):

@@ -10,6 +10,7 @@ rule, smoothing) take their defaults.
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Final
 
@@ -19,6 +20,7 @@ import xarray as xr
 from gradpipe.analytics.memo import read_results
 from gradpipe.analytics.options import default
 from gradpipe.analytics.passes import PassOutcome, StepResult
+from gradpipe.core.analysis_manifest import AnalysisManifest
 from gradpipe.core.display import printable
 from gradpipe.core.run_entries import AnalysisEntry
 from gradpipe.errors import NotFoundError
@@ -52,7 +54,7 @@ def stored_analyses(store: Store, run: str) -> dict[str, xr.Dataset]:
     out: dict[str, xr.Dataset] = {}
     for name, entries in by_name.items():
         kind, _, aggregate = name.partition(":")
-        found = read_results(store, run, entries)
+        found = _one_parameter_set(read_results(store, run, entries))
         outcome = PassOutcome(kind)
         stale = []
         for analysis_id, result, arrays in found:
@@ -78,6 +80,20 @@ def stored_analyses(store: Store, run: str) -> dict[str, xr.Dataset]:
             ds["stale"].attrs["description"] = "a dump used was replaced, or a peer added, since"
             out[node if not aggregate else f"{node}@{aggregate}"] = ds
     return out
+
+
+def _one_parameter_set(
+    found: list[tuple[str, AnalysisManifest, dict[str, np.ndarray]]],
+) -> list[tuple[str, AnalysisManifest, dict[str, np.ndarray]]]:
+    """The results of the parameters most steps were analysed with (the latest on a tie).
+
+    Steps analysed with other parameters (histograms of another bin width) do not
+    fit one Dataset; ``gp.gradient_histograms(...)`` with those parameters reads them.
+    """
+    groups: dict[str, list[tuple[str, AnalysisManifest, dict[str, np.ndarray]]]] = {}
+    for item in found:
+        groups.setdefault(json.dumps(item[1].params, sort_keys=True), []).append(item)
+    return max(groups.values(), key=lambda g: (len(g), max(m.step for _, m, _ in g)))
 
 
 def stored_analysis(store: Store, run: str, name: str) -> xr.Dataset:
@@ -115,7 +131,8 @@ def _datasets(
     if kind == "histograms":
         from gradpipe.analytics.histograms import histograms_array
 
-        return {"histograms": histograms_array(outcome, run=run, params=params).to_dataset()}
+        counts = histograms_array(outcome, run=run, params=params)
+        return {"histograms": counts.to_dataset().assign_attrs(counts.attrs)}
     from gradpipe.analytics.projections import projection_dataset
 
     return {"projection": projection_dataset(outcome, run=run, **params)}

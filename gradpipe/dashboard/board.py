@@ -180,11 +180,17 @@ class Board:
         totals.failures += record.failed
         totals.seconds += record.seconds(when)
         if record.kind == "analyze" and record.run is not None:
+            headlines = {
+                key: value
+                for key, kinds in _HEADLINES.items()
+                if isinstance(value := record.figures.get(key), kinds)
+                and not isinstance(value, bool)
+            }
             self.analyses[record.run] = {
+                **headlines,
                 "time": when,
                 "operation": record.id,
                 "state": record.state,
-                **record.figures,
             }
         if record.run is not None and record.commit is not None:
             self.commits[record.run].appendleft(
@@ -247,6 +253,20 @@ class Board:
             "runs": runs,
             "analyses": analyses,
         }
+
+
+#: The figures of an ``analyze`` end event the page shows, and their types.
+_HEADLINES: Final[dict[str, tuple[type, ...]]] = {
+    "spike_count": (int,),
+    "first_nonfinite": (str,),
+    "outlier_peers": (str,),
+    "gns_latest": (int, float),
+    "chunks_read": (int,),
+}
+
+
+def _is(value: Any, kinds: tuple[type, ...]) -> bool:
+    return isinstance(value, kinds) and not isinstance(value, bool)
 
 
 def _text(value: Any) -> str | None:

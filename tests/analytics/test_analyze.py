@@ -74,7 +74,10 @@ def test_one_failing_analysis_leaves_the_others(demo: gp.Store, tmp_path: Path) 
 
     np.savez(one, w=np.ones(4, np.float32))
     assert gp.ingest(single, str(tmp_path / "one" / "step={step}" / "peer={peer}.npz"), run="r").ok
-    partial = gp.analyze(single, "r")
+    alone = gp.analyze(single, "r")  # one peer (one GPU): nothing to compare, no failure
+    assert alone.ok, alone.summary()
+    assert set(alone.skipped) == {"agreement", "gns"}
+    partial = gp.analyze(single, "r", what=["norms", "agreement"])  # asked for: a failure
     assert "norms" in partial.results
     assert "agreement" in partial.failures
     assert not partial.ok
@@ -224,3 +227,29 @@ def test_the_functions_defaults_are_the_tables() -> None:
                 analysis,
                 param.name,
             )
+
+
+def test_steps_analysed_with_other_parameters_stay_out_of_the_tree(demo: gp.Store) -> None:
+    from gradpipe.analytics.stored import stored_analyses
+
+    gp.gradient_histograms(demo, "demo")
+    gp.gradient_histograms(demo, "demo", steps=[1], bins_per_octave=4)
+    counts = stored_analyses(demo, "demo")["histograms"]
+    assert counts.sizes["step"] == TINY.steps - 1  # the steps of the default parameters
+    assert counts.attrs["bins_per_octave"] == 2
+
+
+def test_malformed_analyze_figures_do_not_break_the_page() -> None:
+    from gradpipe.dashboard.board import Board, Live
+    from gradpipe.dashboard.page import render_page
+
+    board = Board()
+    board.apply(1.0, {"event": "start", "operation": "o", "kind": "analyze", "run": "r"})
+    figures = {"gns_latest": "not a number", "time": "x", "state": 3, "spike_count": True}
+    board.apply(2.0, {"event": "end", "operation": "o", "state": "done", "figures": figures})
+    [shown] = board.document(3.0, lambda spans: Live())["analyses"]
+    assert shown["time"] == 2.0
+    assert shown["state"] == "done"
+    assert "gns_latest" not in shown
+    assert "spike_count" not in shown
+    assert "Latest analyses" in render_page(board.document(3.0, lambda spans: Live()), refresh=0)

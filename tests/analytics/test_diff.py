@@ -209,3 +209,47 @@ def test_ulps_count_across_zero_and_to_infinity(dtype: str) -> None:
     top = np.array([np.inf], dtype=kind).view(unsigned)
     below = (top - 1).view(kind).view(unsigned)  # the largest finite value
     assert _ulp_distance(top, below, width) == 1
+
+
+def test_figures_at_the_edges_of_float64_and_of_integers(local_store: gp.Store) -> None:
+    pairs = {
+        "big": (np.array([1e160, 1.0]), np.array([2e160, 1.0])),  # squares overflow
+        "nan": (np.array([1.0, 2.0]), np.array([1.0, np.nan])),
+        "zero": (np.array([0.0, 0.0]), np.array([-0.0, 0.0])),
+        "ints": (np.array([2**62, 1], np.int64), np.array([2**62 + 1, 1], np.int64)),
+    }
+    for name, (a, b) in pairs.items():
+        local_store.put_tensor(a, name=f"{name}-a")
+        local_store.put_tensor(b, name=f"{name}-b")
+    found = {
+        name: gp.diff(local_store, f"tensors/{name}-a", f"tensors/{name}-b").tensors[0]
+        for name in pairs
+    }
+    assert found["big"].rel_l2 == pytest.approx(1.0, rel=1e-12)
+    assert found["big"].max_abs_diff == 1e160
+    assert found["nan"].rel_l2 == math.inf
+    assert found["nan"].nan_mismatch == 1
+    assert found["zero"].rel_l2 == 0.0
+    assert found["zero"].max_abs_diff == 0.0
+    assert found["ints"].max_abs_diff == 1.0
+    assert found["ints"].max_ulp is None
+
+
+def test_a_tensor_pattern_must_match_something(store: gp.Store, tmp_path: Path, capsys) -> None:
+    assert gp.ingest(store, _write_run(tmp_path / "x"), run="x", chunk_bytes=CHUNK_BYTES).ok
+    with pytest.raises(gp.InvalidInputError, match="a list of patterns"):
+        gp.diff(store, "x", "x", tensors="layer.0.w")  # type: ignore[arg-type]
+    assert gp.diff(store, "x", "x", tensors=["layer.*"]).equal
+    assert main(["diff", store.url, "x", "x", "--tensors", "layr.*"]) == 2  # a typo: not "equal"
+    assert "match no tensor" in capsys.readouterr().err
+
+
+def test_peers_named_with_at_signs(local_store: gp.Store, tmp_path: Path) -> None:
+    path = tmp_path / "step=3" / "peer=rank@0.safetensors"
+    path.parent.mkdir()
+    with path.open("wb") as f:
+        write_safetensors(f, {"w": np.ones(4, np.float32)}, {})
+    pattern = str(tmp_path / "step={step}" / "peer={peer}.safetensors")
+    assert gp.ingest(local_store, pattern, run="r@1").ok
+    assert gp.diff(local_store, "runs/r@1", "runs/r@1").equal
+    assert gp.diff(local_store, "r@1@3/rank@0", "r@1@3/rank@0").equal

@@ -105,8 +105,8 @@ def test_the_learning_rate_must_be_known(local_store: gp.Store, tmp_path: Path) 
         gp.influence(local_store, "r", query, k=64)
     assert gp.influence(local_store, "r", query, k=64, lr=0.5).score.shape == (1, 1, 1)
     assert gp.influence(local_store, "r", query, k=64, lr={0: 0.5}).score.shape == (1, 1, 1)
-    with pytest.raises(gp.InvalidInputError, match="leading example axis"):
-        gp.influence(local_store, "r", {"w": np.ones((1, 10)), "v": np.ones((2, 3))}, k=64, lr=1.0)
+    with pytest.raises(gp.InvalidInputError, match="is not a tensor of run 'r'"):
+        gp.influence(local_store, "r", {"w": query["w"], "v": np.ones((1, 3))}, k=64, lr=1.0)
 
 
 def test_projections_do_not_depend_on_the_chunk_grid(trained: tuple) -> None:
@@ -115,3 +115,14 @@ def test_projections_do_not_depend_on_the_chunk_grid(trained: tuple) -> None:
     fine = gp.project_gradients(store, "train", k=K, steps=[1])
     coarse = gp.project_gradients(store, "coarse", k=K, steps=[1])
     np.testing.assert_allclose(coarse.projection.values, fine.projection.values, rtol=1e-5)
+
+
+def test_a_query_must_fit_the_run(trained: tuple) -> None:
+    store, _, query = trained
+    name = next(iter(query))
+    with pytest.raises(gp.InvalidInputError, match="is not a tensor of run 'train'"):
+        gp.influence(store, "train", {"nope": query[name]}, k=64)
+    with pytest.raises(gp.InvalidInputError, match="leading example axis"):
+        gp.influence(store, "train", {name: query[name][0]}, k=64)
+    with pytest.raises(gp.InvalidInputError, match="lr nan must be a finite number"):
+        gp.influence(store, "train", query, k=64, lr=float("nan"))

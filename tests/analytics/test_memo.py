@@ -29,9 +29,11 @@ def _spec(step: int, *, run: str = "r", name: str = "norms", dump: str = DUMP) -
 
 
 def _result(store: gp.Store, step: int) -> AnalysisEntry:
-    arrays = {"x": np.arange(6, dtype=np.float64).reshape(2, 3) * step, "n": np.ones(3, np.int64)}
+    figures = ("sum_squares", "l2_norm", "max_abs", "nonzero", "nan", "inf", "numel", "present")
+    arrays = {f: np.arange(3, dtype=np.float64).reshape(1, 3) * step for f in figures}
+    arrays["numel"] = np.ones((1, 3), np.int64)
     with store.writing("test"):
-        coords = {"labels": ["a"], "tensors": ["x"]}
+        coords = {"labels": ["a"], "tensors": ["x", "y", "z"]}
         [entry] = store_results(store, [(_spec(step), arrays, coords)])
         return entry
 
@@ -42,9 +44,9 @@ def test_a_result_round_trips_with_its_arrays(store: gp.Store) -> None:
     assert analysis_id == entry.analysis
     assert manifest.step == 3
     assert manifest.provenance["gradpipe"] == gp.__version__
-    assert manifest.coords == {"labels": ["a"], "tensors": ["x"]}
-    np.testing.assert_array_equal(arrays["x"], np.arange(6).reshape(2, 3) * 3)
-    assert arrays["n"].dtype == np.int64
+    assert manifest.coords == {"labels": ["a"], "tensors": ["x", "y", "z"]}
+    np.testing.assert_array_equal(arrays["l2_norm"], np.arange(3).reshape(1, 3) * 3)
+    assert arrays["numel"].dtype == np.int64
     again = decode_manifest(encode_manifest(manifest))
     assert isinstance(again, AnalysisManifest)
     assert encode_manifest(again) == encode_manifest(manifest)

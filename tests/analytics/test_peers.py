@@ -38,6 +38,10 @@ def _tensors(step: int, peer: str) -> dict[str, np.ndarray]:
     }
 
 
+def _pattern(root: Path) -> str:
+    return str(root / "step={step}" / "peer={peer}.safetensors")
+
+
 def _write(root: Path, step: int, peer: str, tensors: dict[str, np.ndarray], meta: dict) -> None:
     path = root / f"step={step}" / f"peer={peer}.safetensors"
     path.parent.mkdir(exist_ok=True, parents=True)
@@ -139,7 +143,7 @@ def test_the_noise_scale_follows_the_estimators(filled: gp.Store) -> None:
     assert gp.peer_agreement(filled, "r").attrs["memoised_steps"] == 3  # one shared pass
     by_layer = gp.noise_scale(filled, "r", by="layer")
     assert by_layer.b_simple.dims == ("step", "layer")
-    with pytest.raises(gp.InvalidInputError, match="different num_examples"):
+    with pytest.raises(gp.InvalidInputError, match="records num_examples; batch_size= is for"):
         gp.noise_scale(filled, "r", batch_size=4)
 
 
@@ -229,5 +233,54 @@ def test_one_peer_is_not_enough(local_store: gp.Store, tmp_path: Path) -> None:
     assert gp.ingest(
         local_store, str(tmp_path / "step={step}" / "peer={peer}.safetensors"), run="r"
     ).ok
-    with pytest.raises(gp.NotFoundError, match="one peer; agreement needs two"):
+    with pytest.raises(gp.NotFoundError, match="step 0: one peer: agreement and the noise"):
         gp.peer_agreement(local_store, "r")
+
+
+def test_integer_and_single_holder_tensors_have_no_figures(
+    local_store: gp.Store, tmp_path: Path
+) -> None:
+    for peer in PEERS:
+        tensors = _tensors(0, peer) | {"tokens_seen": np.array([5], np.int64)}
+        if peer == "p1":
+            tensors["p1.only"] = np.ones(8, np.float32)
+        _write(tmp_path, 0, peer, tensors, {"num_examples": str(BATCH[peer])})
+    assert gp.ingest(
+        local_store, str(tmp_path / "step={step}" / "peer={peer}.safetensors"), run="r"
+    ).ok
+    total = gp.peer_agreement(local_store, "r").sel(step=0)
+    assert not np.isnan(total.cosine.values).any()  # the total is the float tensors'
+    assert np.isfinite(gp.noise_scale(local_store, "r").b_simple.values).all()
+    by_tensor = gp.peer_agreement(local_store, "r", by="tensor").sel(step=0)
+    assert np.isnan(by_tensor.cosine.sel(tensor="tokens_seen")).all()
+
+
+def test_an_all_zero_layer_and_a_masked_peer(local_store: gp.Store, tmp_path: Path) -> None:
+    for peer in PEERS:
+        tensors = _tensors(0, peer) | {"frozen.w": np.zeros(64, np.float32)}
+        if peer == "p2":
+            tensors["head.w"][3] = np.nan
+        _write(tmp_path, 0, peer, tensors, {"num_examples": str(BATCH[peer])})
+    assert gp.ingest(
+        local_store, str(tmp_path / "step={step}" / "peer={peer}.safetensors"), run="r"
+    ).ok
+    layers = gp.peer_agreement(local_store, "r", by="layer").sel(step=0)
+    assert np.isnan(layers.norm_ratio.sel(layer="frozen"))  # nothing to divide: NaN
+    head = layers.sel(layer="head")
+    assert np.isnan(head.loo_cosine.sel(peer="p2"))
+    assert not np.isnan(head.loo_cosine.sel(peer="p1"))  # the others keep their figures
+    assert not np.isnan(head.krum_score.sel(peer="p1"))
+    report = gp.analyze(local_store, "r", by="layer", what=["agreement", "gns"])
+    assert report.ok, report.summary()
+    assert list(report.records()) == []  # per-peer records are of the whole gradient
+
+
+def test_the_noise_scale_needs_each_batch_size(local_store: gp.Store, tmp_path: Path) -> None:
+    for peer in PEERS:
+        meta = {} if peer == "p3" else {"num_examples": str(BATCH[peer])}
+        _write(tmp_path, 0, peer, _tensors(0, peer), meta)
+    assert gp.ingest(
+        local_store, str(tmp_path / "step={step}" / "peer={peer}.safetensors"), run="r"
+    ).ok
+    with pytest.raises(gp.InvalidInputError, match="step 0, peer 'p3': the dump records no"):
+        gp.noise_scale(local_store, "r")
