@@ -151,6 +151,16 @@ class AnalysisReport(ReportHtml):
                         (int(step), str(peer)), {"step": int(step), "peer": str(peer)}
                     )
                     row.update({f: _plain(columns[f][s, p]) for f in fields})
+        norms = self.results.get("norms")
+        if "spikes" not in self.results and isinstance(norms, xr.Dataset) and "peer" in norms.dims:
+            from gradpipe.analytics.api import norms_by
+
+            total = norms_by(norms, "total")["l2_norm"].transpose("step", "peer")
+            for s, step in enumerate(total["step"].values):
+                for p, peer in enumerate(total["peer"].values):
+                    key = (int(step), str(peer))
+                    row = rows.setdefault(key, {"step": key[0], "peer": key[1]})
+                    row["l2_norm"] = _plain(total.values[s, p])
         gns = self.results.get("gns")
         if _whole(gns):
             assert isinstance(gns, xr.Dataset)
@@ -178,7 +188,7 @@ def analyze(
     store: Store,
     run: str,
     *,
-    what: Sequence[str] | None = None,
+    what: Sequence[str] | str | None = None,
     steps: Steps = None,
     aggregate: str | None = None,
     runner: Runner | None = None,

@@ -125,7 +125,7 @@ PARAMS: Final = (
         ("spikes",),
         "steps in the trailing window a step's norm is compared with",
         default=50,
-        low=2,
+        low=3,
         metavar="W",
     ),
     Param(
@@ -307,7 +307,7 @@ def parse_params(name: str, given: dict[str, object]) -> dict[str, object]:
 
 
 def check_request(
-    what: Sequence[str] | None, aggregate: str | None, params: Mapping[str, Any]
+    what: Sequence[str] | str | None, aggregate: str | None, params: Mapping[str, Any]
 ) -> list[str]:
     """The analyses a request runs, in table order; raises for what none of them takes."""
     chosen = _chosen(what, aggregate)
@@ -329,8 +329,8 @@ def check_request(
 _OF_AGGREGATES: Final = ("norms", "spikes", "nonfinite")
 
 
-def _chosen(what: Sequence[str] | None, aggregate: str | None) -> list[str]:
-    names = list(DEFAULT_ANALYSES if what is None else what)
+def _chosen(what: Sequence[str] | str | None, aggregate: str | None) -> list[str]:
+    names = list(DEFAULT_ANALYSES if what is None else [what] if isinstance(what, str) else what)
     for name in names:
         analysis(name)  # an error listing the analyses for an unknown one
     if "influence" in names:

@@ -42,8 +42,11 @@ def robust_z(norms: np.ndarray, usable: np.ndarray, *, window: int) -> np.ndarra
     ``usable`` marks the cells that count (finite, non-zero, recorded); the
     others get NaN and stay out of every window.
     """
-    if isinstance(window, bool) or not isinstance(window, int) or window < 2:
-        raise InvalidInputError(f"spike window {printable(window)} must be an integer >= 2")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 3:
+        raise InvalidInputError(
+            f"spike window {printable(window)} must be an integer >= 3 (a median and a "
+            "deviation from it need two steps or more)"
+        )
     x = np.full(norms.shape, np.nan)
     with np.errstate(divide="ignore", invalid="ignore"):
         np.log(norms, out=x, where=usable)

@@ -31,7 +31,7 @@ def demo(sample: SampleRun, tmp_path: Path) -> gp.Store:
 
 
 def test_the_defaults_run_in_shared_passes(demo: gp.Store) -> None:
-    report = gp.analyze(demo, "demo", window=2)
+    report = gp.analyze(demo, "demo", window=3)
     assert isinstance(report, gp.AnalysisReport)
     assert list(report.results) == ["norms", "spikes", "nonfinite", "agreement", "gns"]
     assert report.ok, report.summary()
@@ -43,13 +43,14 @@ def test_the_defaults_run_in_shared_passes(demo: gp.Store) -> None:
     rows = list(report.records())
     assert len(rows) == TINY.steps * TINY.peers
     assert {"l2_norm", "distance", "b_simple"} <= set(rows[0])
-    again = gp.analyze(demo, "demo", window=2)
+    again = gp.analyze(demo, "demo", window=3)
     assert again.chunks_read == 0
     assert all(r.attrs.get("computed_steps", 0) == 0 for r in again.results.values())
 
 
 def test_parameters_go_to_the_analyses_that_take_them(demo: gp.Store) -> None:
     report = gp.analyze(demo, "demo", what=["spikes", "histograms"], threshold=2.0)
+    assert list(gp.analyze(demo, "demo", what="norms").results) == ["norms"]
     assert report["spikes"].attrs["threshold"] == 2.0
     with pytest.raises(gp.InvalidInputError, match="takes no nope"):
         gp.analyze(demo, "demo", nope=1)
@@ -85,7 +86,7 @@ def test_one_failing_analysis_leaves_the_others(demo: gp.Store, tmp_path: Path) 
 
 
 def test_the_command(demo: gp.Store, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["analyze", demo.url, "--run", "demo", "--window", "2"]) == 0
+    assert main(["analyze", demo.url, "--run", "demo", "--window", "3"]) == 0
     out = capsys.readouterr().out
     assert "step" in out
     assert "B_simple" in out
@@ -95,6 +96,8 @@ def test_the_command(demo: gp.Store, tmp_path: Path, capsys: pytest.CaptureFixtu
     assert doc["ok"]
     assert doc["store"] == demo.url
     assert "spike_count" in doc
+    assert main(["analyze", demo.url, "--run", "demo", "--what", "norms", "--format", "csv"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "step,peer,l2_norm"
     assert main(["analyze", demo.url, "--run", "demo", "--format", "csv", "--steps", "1:3"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("step,peer,")
@@ -134,7 +137,7 @@ def test_the_workflow_stage(sample: SampleRun, tmp_path: Path) -> None:
             backoff: 0
             stages:
               - ingest: {{pattern: "{sample.dump_pattern}", run: exp}}
-              - analyze: {{run: exp, window: 2, csv: a.csv, json: a.json}}
+              - analyze: {{run: exp, window: 3, csv: a.csv, json: a.json}}
             """
         )
     )
@@ -143,7 +146,7 @@ def test_the_workflow_stage(sample: SampleRun, tmp_path: Path) -> None:
     assert (tmp_path / "a.csv").read_text().startswith("step,peer,")
     assert json.loads((tmp_path / "a.json").read_text())["ok"] is True
     bad = tmp_path / "bad.yaml"
-    bad.write_text(path.read_text().replace("window: 2", "ema: 0.5, what: [norms]"))
+    bad.write_text(path.read_text().replace("window: 3", "ema: 0.5, what: [norms]"))
     with pytest.raises(gp.GradpipeError, match="ema is a parameter of gns"):
         gp.run_workflow(bad, dry_run=True)  # refused on load, before anything runs
 
@@ -163,9 +166,9 @@ def test_the_dashboard_shows_the_latest_analyses(demo: gp.Store) -> None:
     from gradpipe.dashboard.board import Board, Live
     from gradpipe.dashboard.page import render_page
 
-    gp.analyze(demo, "demo", window=2)  # memoised: the second call computes no graph
+    gp.analyze(demo, "demo", window=3)  # memoised: the second call computes no graph
     client = _Recorder()
-    report = gp.analyze(demo, "demo", window=2, runner=gp.Runner(client))  # type: ignore[arg-type]
+    report = gp.analyze(demo, "demo", window=3, runner=gp.Runner(client))  # type: ignore[arg-type]
     start, end = client.events
     assert (start["kind"], start["run"]) == ("analyze", "demo")
     assert end["state"] == "done"

@@ -84,7 +84,7 @@ def test_a_twenty_times_step_is_flagged_per_layer(local_store: gp.Store, tmp_pat
 
 def test_bad_parameters(local_store: gp.Store) -> None:
     with pytest.raises(gp.InvalidInputError, match="window"):
-        robust_z(np.ones((3, 1)), np.ones((3, 1), bool), window=1)
+        robust_z(np.ones((3, 1)), np.ones((3, 1), bool), window=2)
     with pytest.raises(gp.InvalidInputError, match="threshold"):
         gp.spikes(local_store, "r", threshold=0)
     with pytest.raises(gp.InvalidInputError, match="by 'peer' must be one of"):
