@@ -228,7 +228,12 @@ def analyze(
         use_runner(runner) as active,
         operation(active, "analyze", run=run, store=store.url) as reporting,
     ):
+        peers = [n for n in chosen if n in PEER_ANALYSES]
         for name in chosen:
+            if name in PEER_ANALYSES:
+                if name == peers[0]:  # one pass over the peers' chunks for both
+                    _peer_results(report, store, run, peers, params, steps=steps, runner=active)
+                continue
             try:
                 report.results[name] = _run_one(
                     store,
@@ -252,8 +257,6 @@ _FUNCTIONS: Final = {
     "norms": ("gradpipe.analytics.api:gradient_norms", True),
     "spikes": ("gradpipe.analytics.api:spikes", True),
     "nonfinite": ("gradpipe.analytics.api:first_nonfinite", True),
-    "agreement": ("gradpipe.analytics.peers:peer_agreement", False),
-    "gns": ("gradpipe.analytics.peers:noise_scale", False),
     "histograms": ("gradpipe.analytics.histograms:gradient_histograms", False),
     "projection": ("gradpipe.analytics.projections:project_gradients", False),
 }
@@ -261,6 +264,35 @@ _FUNCTIONS: Final = {
 
 #: The analyses that compare a step's peers.
 PEER_ANALYSES: Final = ("agreement", "gns")
+
+
+def _peer_results(
+    report: AnalysisReport,
+    store: Store,
+    run: str,
+    names: list[str],
+    params: Mapping[str, Any],
+    *,
+    steps: Steps,
+    runner: Runner,
+) -> None:
+    from gradpipe.analytics.peers import peer_analyses
+
+    given = {n: {k: v for k, v in params.items() if n in takers(k)} for n in names}
+    try:
+        report.results.update(
+            peer_analyses(
+                store,
+                run,
+                agreement=given.get("agreement"),
+                gns=given.get("gns"),
+                steps=steps,
+                runner=runner,
+            )
+        )
+    except Exception as exc:  # one failure of the shared pass fails both
+        why = str(exc) if isinstance(exc, GradpipeError) else f"{type(exc).__name__}: {exc}"
+        report.failures.update(dict.fromkeys(names, why))
 
 
 def _one_peer_per_step(store: Store, run: str) -> bool:

@@ -459,22 +459,21 @@ def _chunk_index(manifest: TensorManifest, element: int) -> int:
 
 
 def _ulp_distance(a: np.ndarray, b: np.ndarray, width: int) -> int | None:
-    """The largest distance in ulps between float bit patterns (``±0`` are one value)."""
+    """The largest distance in ulps between float bit patterns (``±0`` are one value).
+
+    A pattern's magnitude bits count ulps from zero; across zero the distances add.
+    """
     if not a.size:
         return 0
     bits = 8 * width
-    sign = 1 << (bits - 1)
-    if bits == 64:  # magnitudes up to 2**63: exact in Python integers, not in int64 sums
-        return max(
-            abs(_signed(int(x), sign) - _signed(int(y), sign))
-            for x, y in zip(a.tolist(), b.tolist(), strict=True)
-        )
-    # Negative floats count down from zero, positive ones up: -0 and +0 meet at 0.
-    mask = np.array(sign - 1, dtype=a.dtype)
-    ordered_a = np.where(a >> (bits - 1) != 0, -(a & mask).astype(np.int64), (a & mask))
-    ordered_b = np.where(b >> (bits - 1) != 0, -(b & mask).astype(np.int64), (b & mask))
-    return int(np.max(np.abs(ordered_a.astype(np.int64) - ordered_b.astype(np.int64))))
-
-
-def _signed(u: int, sign: int) -> int:
-    return -(u & (sign - 1)) if u & sign else u
+    unsigned = np.dtype(f"u{width}")
+    mask = np.array((1 << (bits - 1)) - 1, dtype=unsigned)
+    mag_a = (a & mask).astype(np.uint64)
+    mag_b = (b & mask).astype(np.uint64)
+    same_side = (a >> (bits - 1)) == (b >> (bits - 1))
+    apart = np.where(
+        same_side,
+        np.where(mag_a > mag_b, mag_a - mag_b, mag_b - mag_a),
+        mag_a + mag_b,  # each below 2**63: the sum fits
+    )
+    return int(apart.max())

@@ -40,7 +40,13 @@ from gradpipe.graph.runner import Runner
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
 
-__all__ = ["agreement_dataset", "noise_scale", "noise_scale_dataset", "peer_agreement"]
+__all__ = [
+    "agreement_dataset",
+    "noise_scale",
+    "noise_scale_dataset",
+    "peer_agreement",
+    "peer_analyses",
+]
 
 
 def peer_agreement(
@@ -85,16 +91,9 @@ def peer_agreement(
         marks steps whose peers stored the same gradient (taken after the
         all-reduce): their figures are trivial.
     """
-    params = parse_params("agreement", {"by": by, "outlier_z": outlier_z, "byzantine": byzantine})
-    outcome = _peers_pass(store, run, steps=steps, runner=runner)
-    return agreement_dataset(
-        outcome,
-        run=run,
-        by=str(params["by"]),
-        layers=layers,
-        outlier_z=float(outlier_z),
-        byzantine=int(byzantine),
-    )
+    given = {"by": by, "outlier_z": outlier_z, "byzantine": byzantine}
+    found = peer_analyses(store, run, agreement=given, steps=steps, layers=layers, runner=runner)
+    return found["agreement"]
 
 
 def agreement_dataset(
@@ -154,16 +153,8 @@ def noise_scale(
         steps by an exponential moving average (``ema``, bias-corrected), as
         the paper advises.
     """
-    params = parse_params("gns", {"by": by, "ema": ema, "batch_size": batch_size})
-    outcome = _peers_pass(store, run, steps=steps, runner=runner)
-    return noise_scale_dataset(
-        outcome,
-        run=run,
-        by=str(params["by"]),
-        layers=layers,
-        ema=float(ema),
-        batch_size=batch_size,
-    )
+    given = {"by": by, "ema": ema, "batch_size": batch_size}
+    return peer_analyses(store, run, gns=given, steps=steps, layers=layers, runner=runner)["gns"]
 
 
 def noise_scale_dataset(
@@ -238,6 +229,54 @@ def _smoothed(trace: xr.DataArray, true_sq: xr.DataArray, beta: float) -> xr.Dat
             smooth_b = ema_b / correction
             out[(*cell, t)] = (ema_a / correction) / smooth_b if smooth_b > 0 else math.nan
     return trace.copy(data=np.moveaxis(out, -1, 0))
+
+
+def peer_analyses(
+    store: Store,
+    run: str,
+    *,
+    agreement: dict[str, Any] | None = None,
+    gns: dict[str, Any] | None = None,
+    steps: Steps = None,
+    layers: LayerRule = None,
+    runner: Runner | None = None,
+) -> dict[str, xr.Dataset]:
+    """Agreement and the noise scale (those given parameters) from one pass: ``gp.analyze``'s.
+
+    ``agreement`` and ``gns`` are :func:`peer_agreement`'s and :func:`noise_scale`'s
+    keywords (``{}`` for the defaults); the chunks are read once for both, also
+    where the store is read-only and records nothing between them.
+    """
+    chosen = {
+        name: parse_params(name, given)  # checked, with the table's defaults
+        for name, given in (("agreement", agreement), ("gns", gns))
+        if given is not None
+    }
+    outcome = _peers_pass(store, run, steps=steps, runner=runner)
+    out = {}
+    if "agreement" in chosen:
+        a = chosen["agreement"]
+        out["agreement"] = agreement_dataset(
+            outcome,
+            run=run,
+            by=str(a["by"]),
+            layers=layers,
+            outlier_z=a["outlier_z"],  # type: ignore[arg-type]
+            byzantine=a["byzantine"],  # type: ignore[arg-type]
+        )
+    if "gns" in chosen:
+        g = chosen["gns"]
+        out["gns"] = noise_scale_dataset(
+            outcome,
+            run=run,
+            by=str(g["by"]),
+            layers=layers,
+            ema=g["ema"],  # type: ignore[arg-type]
+            batch_size=g["batch_size"],  # type: ignore[arg-type]
+        )
+        if "agreement" in out:  # one pass: its reads are counted once, with the agreement
+            out["gns"].attrs["chunks_read"] = 0
+    return out
 
 
 def _peers_pass(store: Store, run: str, *, steps: Steps, runner: Runner | None) -> PassOutcome:

@@ -40,12 +40,21 @@ STORED_NODES: Final = {
 }
 
 
-def stored_analyses(store: Store, run: str) -> dict[str, xr.Dataset]:
-    """Every recorded analysis of ``run`` by node name (``norms``, ``agreement``, ``norms@avg``)."""
+def stored_analyses(
+    store: Store, run: str, *, only: str | None = None, projections: bool = True
+) -> dict[str, xr.Dataset]:
+    """Every recorded analysis of ``run`` by node name (``norms``, ``agreement``, ``norms@avg``).
+
+    ``only`` reads just the results one node needs; ``projections=False`` leaves
+    projections out (k floats per layer and dump: the tree's largest node by far).
+    """
     _, index = read_analytics(store, run)
+    wanted = None if only is None else _entry_name(only)
     by_name: defaultdict[str, list[AnalysisEntry]] = defaultdict(list)
     for entry in index.entries:
-        by_name[entry.name].append(entry)
+        kind = entry.name.partition(":")[0]
+        if (wanted is None or entry.name == wanted) and (projections or kind != "projection"):
+            by_name[entry.name].append(entry)
     if not by_name:
         return {}
     _, manifest = read_run(store, run, missing_ok=True)
@@ -98,11 +107,29 @@ def _one_parameter_set(
 
 def stored_analysis(store: Store, run: str, name: str) -> xr.Dataset:
     """One recorded analysis of ``run`` (a node of :func:`stored_analyses`)."""
-    found = stored_analyses(store, run)
+    found = stored_analyses(store, run, only=name)
     if name not in found:
-        known = ", ".join(sorted(found)) or "none (run gradpipe analyze first)"
-        raise NotFoundError(f"run {printable(run)} records no analysis {printable(name)}: {known}")
+        _, index = read_analytics(store, run)
+        names = {_node_names(e.name) for e in index.entries}
+        known = ", ".join(sorted(n for group in names for n in group))
+        raise NotFoundError(
+            f"run {printable(run)} records no analysis {printable(name)} (it records: "
+            f"{known or 'none; run gradpipe analyze first'})"
+        )
     return found[name]
+
+
+def _entry_name(node: str) -> str:
+    """The index entry a node is read from: ``gns`` → ``peers``, ``norms@avg`` → ``norms:avg``."""
+    kind, at, aggregate = node.partition("@")
+    stored = next((k for k, nodes in STORED_NODES.items() if kind in nodes), kind)
+    return f"{stored}:{aggregate}" if at else stored
+
+
+def _node_names(entry_name: str) -> tuple[str, ...]:
+    kind, _, aggregate = entry_name.partition(":")
+    nodes = STORED_NODES.get(kind, (kind,))
+    return tuple(f"{n}@{aggregate}" if aggregate else n for n in nodes)
 
 
 def _datasets(

@@ -263,14 +263,18 @@ def _stats_nodes(store: Store, drop: set[str]) -> dict[str, xr.Dataset]:
 
 
 def _analytics_nodes(store: Store, drop: set[str]) -> dict[str, xr.Dataset]:
-    """``analytics/<run>/<analysis>``: what the store records; never computes (docs/design/017)."""
+    """``analytics/<run>/<analysis>``: what the store records; never computes (docs/design/017).
+
+    Projections stay out (``kind="analysis", name="projection"`` opens them): k floats per
+    layer and dump would make the tree the size of the run's gradients over k/elements.
+    """
     from gradpipe.analytics.stored import stored_analyses
     from gradpipe.runs import list_runs
 
     return {
         f"analytics/{r}/{name}": ds
         for r in list_runs(store)
-        for name, ds in stored_analyses(store, r).items()
+        for name, ds in stored_analyses(store, r, projections=False).items()
     }
 
 

@@ -256,3 +256,19 @@ def test_malformed_analyze_figures_do_not_break_the_page() -> None:
     assert "gns_latest" not in shown
     assert "spike_count" not in shown
     assert "Latest analyses" in render_page(board.document(3.0, lambda spans: Live()), refresh=0)
+
+
+def test_a_read_only_store_reads_the_peers_chunks_once(demo: gp.Store) -> None:
+    import xarray as xr
+
+    reader = gp.open_store(demo.url, mode="r")
+    report = gp.analyze(reader, "demo", what=["agreement", "gns"])
+    assert report.chunks_read == report["agreement"].attrs["chunks_read"] > 0  # one pass
+    assert report["gns"].attrs["chunks_read"] == 0
+    gp.project_gradients(demo, "demo", k=64)
+    tree = xr.open_datatree(demo, engine="gradpipe")
+    assert "analytics" not in tree.children  # projections alone: the largest, opened by name
+    opened = xr.open_dataset(
+        demo, engine="gradpipe", kind="analysis", run="demo", name="projection"
+    )
+    assert opened.projection.shape[-1] == 64
