@@ -150,7 +150,8 @@ def agreement_figures(
     if ok.sum() >= 2:
         sub = gram[np.ix_(ok, ok)]
         loo[ok] = _leave_one_out_cosine(sub, weights[ok])
-        krum[ok] = _krum(sub, byzantine)
+        if ok.sum() >= 2 * byzantine + 3:  # Krum's own condition (Blanchard et al. 2017)
+            krum[ok] = _krum(sub, byzantine)
     return {
         "cosine": cosine,
         "sign_agreement": sign_agreement,

@@ -168,7 +168,8 @@ PARAMS: Final = (
         "byzantine",
         int,
         ("agreement",),
-        "faulty peers Krum's scores tolerate (each score sums the n-F-2 nearest)",
+        "faulty peers Krum's scores tolerate (each score sums the n-F-2 nearest; NaN below "
+        "n = 2F+3 peers)",
         default=0,
         low=0,
         metavar="F",

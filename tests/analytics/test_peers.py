@@ -284,3 +284,8 @@ def test_the_noise_scale_needs_each_batch_size(local_store: gp.Store, tmp_path: 
     ).ok
     with pytest.raises(gp.InvalidInputError, match="step 0, peer 'p3': the dump records no"):
         gp.noise_scale(local_store, "r")
+
+
+def test_krum_scores_need_two_f_plus_three_peers(filled: gp.Store) -> None:
+    assert not np.isnan(gp.peer_agreement(filled, "r", byzantine=1).krum_score).any()  # 5 >= 5
+    assert np.isnan(gp.peer_agreement(filled, "r", byzantine=2).krum_score).all()  # 5 < 7
