@@ -132,7 +132,10 @@ def test_ingest_requests_per_dump(s3_faults: S3Server, tmp_path: Path) -> None:
     small, small_blocks = _requests_of_ingest(s3_faults, tmp_path, 2)
     large, large_blocks = _requests_of_ingest(s3_faults, tmp_path, 4)
     more_dumps = 4  # 4 steps x 2 peers, against 2 x 2
-    per_dump = {op: (large[op] - small[op]) / more_dumps for op in set(small) | set(large)}
+    # A lease's heartbeat refreshes its lock (a COPY) with time, not with dumps: a loaded
+    # machine makes more of them in the longer ingest, or fewer.
+    ops = (set(small) | set(large)) - {"COPY"}
+    per_dump = {op: (large[op] - small[op]) / more_dumps for op in ops}
     blocks_per_dump = (large_blocks - small_blocks) / more_dumps
     assert blocks_per_dump > 1
     # One PUT per new object, nothing else grows with the run: no HEAD per
