@@ -30,7 +30,7 @@ from gradpipe.analytics.passes import PassOutcome, run_pass
 from gradpipe.analytics.selection import Steps, StepSources, step_sources
 from gradpipe.analytics.spikes import robust_z
 from gradpipe.core.display import printable
-from gradpipe.errors import InvalidInputError, NotFoundError
+from gradpipe.errors import InvalidInputError
 from gradpipe.graph.runner import Runner, use_runner
 
 if TYPE_CHECKING:
@@ -123,9 +123,7 @@ def norms_dataset(
     outcome: PassOutcome, *, run: str, aggregate: str | None, layers: LayerRule
 ) -> xr.Dataset:
     """:func:`gradient_norms`' Dataset from the pass (computed or read back)."""
-    if not outcome.results:
-        reasons = "; ".join(f"step {f.step}: {f.reason}" for f in outcome.failures[:3])
-        raise NotFoundError(f"no step of run {printable(run)} could be analysed: {reasons}")
+    outcome.require_results(run)
     results = outcome.results
     labels = sorted({label for r in results for label in r.labels})  # the run's peer order
     tensors = model_order(t for r in results for t in r.tensors)
@@ -161,11 +159,7 @@ def norms_dataset(
         "analysis": "norms",
         "run": run,
         **({"aggregate": aggregate} if aggregate is not None else {}),
-        "chunks_read": outcome.chunks_read,
-        "computed_steps": len(outcome.computed),
-        "memoised_steps": len(outcome.memoised),
-        "failed": [f"step {f.step}: {f.reason}" for f in outcome.failures],
-        "not_recorded": outcome.not_recorded,
+        **outcome.attrs(),
     }
     return ds
 

@@ -31,8 +31,7 @@ from gradpipe.analytics.options import STORED_VERSIONS, parse_params
 from gradpipe.analytics.passes import PassOutcome, run_pass
 from gradpipe.analytics.selection import Steps, StepSources, step_sources
 from gradpipe.analytics.step_figures import StepFailure, StepFigures
-from gradpipe.core.display import printable
-from gradpipe.errors import GradpipeError, NotFoundError
+from gradpipe.errors import GradpipeError
 from gradpipe.graph.runner import Runner
 
 if TYPE_CHECKING:
@@ -103,9 +102,7 @@ def gradient_histograms(
         build=build,
         runner=runner,
     )
-    if not outcome.results:
-        reasons = "; ".join(f"step {f.step}: {f.reason}" for f in outcome.failures[:3])
-        raise NotFoundError(f"no step of run {printable(run)} could be analysed: {reasons}")
+    outcome.require_results(run)
     return histograms_array(outcome, run=run, params=params)
 
 
@@ -146,11 +143,7 @@ def histograms_array(outcome: PassOutcome, *, run: str, params: Mapping[str, Any
         "analysis": "histograms",
         "run": run,
         **params,
-        "chunks_read": outcome.chunks_read,
-        "computed_steps": len(outcome.computed),
-        "memoised_steps": len(outcome.memoised),
-        "failed": [f"step {f.step}: {f.reason}" for f in outcome.failures],
-        "not_recorded": outcome.not_recorded,
+        **outcome.attrs(),
     }
     return out
 

@@ -131,10 +131,7 @@ def influence(
         "seed": seed,
         "s": s,
         "error_bound": f"std <= lr * |g_query| * |g| * sqrt(2/k) = {math.sqrt(2 / k):.4g} * ...",
-        "chunks_read": outcome.chunks_read,
-        "computed_steps": len(outcome.computed),
-        "memoised_steps": len(outcome.memoised),
-        "failed": [f"step {f.step}: {f.reason}" for f in outcome.failures],
+        **outcome.attrs(),
     }
     return ds
 

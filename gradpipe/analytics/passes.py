@@ -28,7 +28,9 @@ from gradpipe.analytics.memo import (
 from gradpipe.analytics.selection import StepSources, entry_name
 from gradpipe.analytics.step_figures import StepFailure, StepFigures
 from gradpipe.core.analysis_manifest import analysis_key
+from gradpipe.core.display import printable
 from gradpipe.core.run_entries import AnalysisEntry
+from gradpipe.errors import NotFoundError
 from gradpipe.graph.runner import Runner, use_runner
 
 if TYPE_CHECKING:
@@ -74,6 +76,22 @@ class PassOutcome:
     @property
     def memoised(self) -> list[int]:
         return [r.step for r in self.results if r.memoised]
+
+    def attrs(self) -> dict[str, Any]:
+        """What every analysis' Dataset says of its pass (``ds.attrs``)."""
+        return {
+            "chunks_read": self.chunks_read,
+            "computed_steps": len(self.computed),
+            "memoised_steps": len(self.memoised),
+            "failed": [f"step {f.step}: {f.reason}" for f in self.failures],
+            "not_recorded": self.not_recorded,
+        }
+
+    def require_results(self, run: str) -> None:
+        """Raise NotFoundError, with the first reasons, where no step could be analysed."""
+        if not self.results:
+            reasons = "; ".join(f"step {f.step}: {f.reason}" for f in self.failures[:3])
+            raise NotFoundError(f"no step of run {printable(run)} could be analysed: {reasons}")
 
 
 def run_pass(

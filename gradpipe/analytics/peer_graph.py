@@ -33,7 +33,7 @@ from dask.base import tokenize
 
 from gradpipe.aggregation.exact import ExactSum
 from gradpipe.aggregation.inputs import parse_weight_text, where
-from gradpipe.aggregation.plan import overlapping
+from gradpipe.aggregation.plan import overlapping, sources_of
 from gradpipe.aggregation.tasks import ChunkSource, read_group
 from gradpipe.analytics.layers import model_order
 from gradpipe.analytics.norm_figures import exact_sum
@@ -143,7 +143,7 @@ def _plan_step(
         chunk_keys = []
         chosen = [m for m, keep in zip(manifests, plan.included, strict=True) if keep]
         labels = [x for x, keep in zip(step.labels, plan.included, strict=True) if keep]
-        sources = [_sources(m) for m in chosen if m is not None]
+        sources = [sources_of(m) for m in chosen if m is not None]
         kept = [w for w, keep in zip(weights, plan.included, strict=True) if keep]
         for i, (start, stop) in enumerate(first.chunk_ranges()):
             parts = [overlapping(s, start, stop) for s in sources]
@@ -208,15 +208,6 @@ def _plan_tensor(
         return _TensorPlan(name, tuple(included), numel, True, shared), lead
     reads = sum(1 for m in chosen for b in m.blocks if b is not None)
     return _TensorPlan(name, tuple(included), numel, identical=False, reads=reads), lead
-
-
-def _sources(manifest: TensorManifest) -> list[ChunkSource]:
-    return [
-        ChunkSource(block, start, stop, manifest.inline.get(i), manifest.deltas.get(i, ()))
-        for i, (block, (start, stop)) in enumerate(
-            zip(manifest.blocks, manifest.chunk_ranges(), strict=True)
-        )
-    ]
 
 
 def _chunk_partial(

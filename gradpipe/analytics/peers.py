@@ -292,9 +292,7 @@ def _peers_pass(store: Store, run: str, *, steps: Steps, runner: Runner | None) 
         build=peers_graph,
         runner=runner,
     )
-    if not outcome.results:
-        reasons = "; ".join(f"step {f.step}: {f.reason}" for f in outcome.failures[:3])
-        raise NotFoundError(f"no step of run {printable(run)} could be analysed: {reasons}")
+    outcome.require_results(run)
     return outcome
 
 
@@ -359,11 +357,7 @@ def _dataset(
     else:
         ds = ds.rename({"group": by}).assign_coords({by: np.array(list(groups), dtype=object)})
     ds.attrs = {
-        "chunks_read": outcome.chunks_read,
-        "computed_steps": len(outcome.computed),
-        "memoised_steps": len(outcome.memoised),
-        "failed": [f"step {f.step}: {f.reason}" for f in outcome.failures],
-        "not_recorded": outcome.not_recorded,
+        **outcome.attrs(),
     }
     return ds
 

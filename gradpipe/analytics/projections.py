@@ -32,9 +32,8 @@ from gradpipe.analytics.options import STORED_VERSIONS, parse_params
 from gradpipe.analytics.passes import PassOutcome, run_pass
 from gradpipe.analytics.selection import Steps, StepSources, step_sources
 from gradpipe.analytics.step_figures import StepFailure, StepFigures
-from gradpipe.core.display import printable
 from gradpipe.core.sketch import parse_sketch_size, sign_sketch
-from gradpipe.errors import GradpipeError, NotFoundError
+from gradpipe.errors import GradpipeError
 from gradpipe.graph.runner import Runner
 
 if TYPE_CHECKING:
@@ -100,18 +99,8 @@ def projection_dataset(outcome: PassOutcome, *, run: str, k: int, seed: int, s: 
         },
     )
     ds.attrs = {"analysis": "projection", "run": run, "k": k, "seed": seed, "s": s}
-    ds.attrs.update(_counts(outcome))
+    ds.attrs.update(outcome.attrs())
     return ds
-
-
-def _counts(outcome: PassOutcome) -> dict[str, Any]:
-    return {
-        "chunks_read": outcome.chunks_read,
-        "computed_steps": len(outcome.computed),
-        "memoised_steps": len(outcome.memoised),
-        "failed": [f"step {f.step}: {f.reason}" for f in outcome.failures],
-        "not_recorded": outcome.not_recorded,
-    }
 
 
 def projection_pass(
@@ -143,9 +132,7 @@ def projection_pass(
         build=build,
         runner=runner,
     )
-    if not outcome.results:
-        reasons = "; ".join(f"step {f.step}: {f.reason}" for f in outcome.failures[:3])
-        raise NotFoundError(f"no step of run {printable(run)} could be projected: {reasons}")
+    outcome.require_results(run)
     return outcome
 
 
