@@ -50,7 +50,7 @@ class Analysis:
 ANALYSIS_TABLE: Final = (
     Analysis(
         "norms",
-        "per (step, peer, tensor): L2 norm, max |g|, non-zero, NaN and infinity counts; per "
+        "per (step, peer, tensor): L2 norm, max abs(g), non-zero, NaN and infinity counts; per "
         "layer and in total by exact sums",
         "manifests",
         "norms",
@@ -79,7 +79,7 @@ ANALYSIS_TABLE: Final = (
     ),
     Analysis(
         "gns",
-        "the gradient noise scale B_simple = tr(Σ)/|G|² per step and layer from the peers' "
+        "the gradient noise scale B_simple = tr(Σ)/‖G‖² per step and layer from the peers' "
         "batch sizes (McCandlish et al. 2018, A.1), raw and smoothed",
         "chunks",
         "peers",
@@ -178,7 +178,7 @@ PARAMS: Final = (
         "ema",
         float,
         ("gns",),
-        "the smoothing over steps of tr(Σ) and |G|², each bias-corrected, before their ratio",
+        "the smoothing over steps of tr(Σ) and ‖G‖², each bias-corrected, before their ratio",
         default=0.9,
         low=0.0,
         high=1.0,
@@ -234,7 +234,7 @@ PARAMS: Final = (
         "k",
         int,
         ("projection", "influence"),
-        "dimensions of the random projection (error std <= |x||y| * sqrt(2/k))",
+        "dimensions of the random projection (error std <= ‖x‖‖y‖ sqrt(2/k))",
         default=8192,
         low=1,
         high=2**20,

@@ -148,7 +148,7 @@ def noise_scale(
     -------
     xarray.Dataset
         Dims ``step`` (and ``layer`` or ``tensor``): ``trace_sigma`` (𝒮),
-        ``true_grad_sq`` (|𝒢|²), ``b_simple`` (𝒮/|𝒢|²), ``batch`` (B), and
+        ``true_grad_sq`` (``|𝒢|²``), ``b_simple`` (``𝒮/|𝒢|²``), ``batch`` (B), and
         ``b_simple_ema``: the ratio of the two estimates each smoothed over
         steps by an exponential moving average (``ema``, bias-corrected), as
         the paper advises.

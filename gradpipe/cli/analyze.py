@@ -55,7 +55,7 @@ def register(commands: Commands) -> None:
         "diff",
         run_diff,
         "compare two dumps, aggregates, snapshots or runs tensor by tensor: bit-identical or "
-        "not from chunk ids (identical chunks are never read), else max |a-b|, ulps, relative L2",
+        "not from chunk ids (identical chunks are never read), else max abs(a-b), ulps, rel. L2",
     )
     p.add_argument("a", metavar="A", help=f"what to compare: {_OBJECTS}")
     p.add_argument("b", metavar="B", help="what to compare it with (the same form)")
