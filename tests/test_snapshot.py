@@ -362,6 +362,37 @@ def test_keyframes_changed_after_hashing_are_not_remembered(
     assert got.tobytes() == states[1]["model"]["embed.weight"].tobytes()
 
 
+def test_arrays_changed_while_they_are_encoded_give_a_consistent_version(
+    tmp_path: Path, small: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A training thread moving the arrays between a chunk's hash and its encoding: the
+    version is of the private copy each chunk was hashed and encoded from."""
+    from gradpipe.storage.store import Store
+
+    store = gp.open_store(tmp_path / "store", mode="w")
+    states = drifting(2, seed=8)
+    weight = states[0]["model"]["embed.weight"].copy()
+    before = weight.copy()
+    real = Store.encode_block
+
+    def moving(self: Store, item: Any, level: int | None = None) -> Any:
+        weight.reshape(-1)[::7] += 1  # after the hash, before the encoding
+        return real(self, item, level)
+
+    monkeypatch.setattr(Store, "encode_block", moving)
+    gp.snapshot(store, "run", {"w": weight}, step=0)
+    monkeypatch.setattr(Store, "encode_block", real)
+    assert gp.verify(store).ok
+    got = gp.restore(store, "run", step=0)["w"]
+    assert got.tobytes() != weight.tobytes()  # the arrays moved on
+    assert got.shape == before.shape  # and each chunk is what it was when it was hashed
+    gp.snapshot(store, "run", {"w": states[1]["model"]["embed.weight"]}, step=1)
+    assert gp.restore(store, "run", step=1)["w"].tobytes() == (
+        states[1]["model"]["embed.weight"].tobytes()
+    )
+    assert gp.verify(store).ok
+
+
 def test_sparse_snapshots_keep_other_dtypes_exact(tmp_path: Path, small: None) -> None:
     store = gp.open_store(tmp_path / "store", mode="w")
     rng = np.random.default_rng(7)

@@ -102,6 +102,17 @@ def choose_codec(
     return ByteGroupCodec(name, level)
 
 
+def estimate_size(chunk: np.ndarray, nonzero: int, *, level: int = DEFAULT_LEVEL) -> float | None:
+    """About how large :func:`choose_codec`'s encoding of ``chunk`` would be, from a sample.
+
+    ``nonzero`` as for :func:`choose_codec`. None where the policy picks a codec that has
+    no estimate (the sparse one: its size is known from ``nonzero`` well enough).
+    """
+    if _sparse(chunk.size, nonzero):
+        return None
+    return ByteGroupCodec(dtype_name(chunk.dtype), level).estimate(chunk)
+
+
 def policy_codec_id(count: int, nonzero: int) -> str:
     """The id of the codec :func:`choose_codec` picks for a chunk, from its counts alone.
 

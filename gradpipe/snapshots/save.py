@@ -32,7 +32,7 @@ import numpy as np
 from gradpipe.config import get_bytes
 from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
 from gradpipe.core.display import PATH_LIMIT, printable
-from gradpipe.core.ids import hash_bytes
+from gradpipe.core.dtypes import canonical_dtype
 from gradpipe.core.manifest import manifest_id
 from gradpipe.core.names import parse_name
 from gradpipe.core.replay_record import ReplayRecord
@@ -76,41 +76,47 @@ def _remember(
     snapshot_id: str,
     *,
     written: _Tensors,
-    arrays: Mapping[str, np.ndarray],
     known: Mapping[str, np.ndarray],
 ) -> None:
-    """Keep the keyframe chunks snapshot ``snapshot_id`` uses (copies of its own, or ``known``)."""
+    """Keep the keyframe chunks snapshot ``snapshot_id`` uses (its own copies, or ``known``)."""
     limit = _KEYFRAMES.forget(store, name)  # the old copy first: one budget per process
     kept: dict[str, np.ndarray] = {}
-    for keyframe, values in _keyframes(written, arrays, known):
-        if keyframe not in kept:
-            kept[keyframe] = values
-            limit -= values.nbytes
-            if limit < 0:
-                kept = {}  # too large to keep: the next snapshot reads its keyframes
-                break
+    if written.copies is not None:
+        for keyframe, values in _keyframes(written, written.copies, known):
+            if keyframe not in kept:
+                kept[keyframe] = values
+                limit -= values.nbytes
+                if limit < 0:
+                    kept = {}  # too large to keep: the next snapshot reads its keyframes
+                    break
     _KEYFRAMES.keep(store, name, snapshot_id, kept)
 
 
 def _keyframes(
-    written: _Tensors, arrays: Mapping[str, np.ndarray], known: Mapping[str, np.ndarray]
+    written: _Tensors, copies: Mapping[str, np.ndarray], known: Mapping[str, np.ndarray]
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """``(block id, values)`` of every keyframe chunk the written tensors use, where at hand."""
+    """``(block id, values)`` of every keyframe chunk the written tensors use.
+
+    ``copies`` are the values each tensor was written from (so a full chunk's values are its
+    block's, with no second hash); a tensor whose every chunk is a keyframe is kept as views
+    of its copy, any other as copies of its keyframe chunks alone.
+    """
     for key, tensor_id in written.tensors.items():
         manifest = written.embedded[tensor_id]
-        flat = arrays[key].reshape(-1)
-        for i, (start, stop) in enumerate(manifest.chunk_ranges()):
+        flat = copies[key].reshape(-1)
+        ranges = manifest.chunk_ranges()
+        own: list[tuple[str, slice]] = []
+        for i, (start, stop) in enumerate(ranges):
             block, links = manifest.blocks[i], manifest.deltas.get(i)
             if block is None or i in manifest.inline or i in manifest.replays:
                 continue  # a replayed chunk is never a keyframe
             if not links:
-                copy = np.array(flat[start:stop], copy=True)
-                # The caller's arrays may have changed since they were hashed (a
-                # training thread): a copy that is not the keyframe is not kept.
-                if hash_bytes(copy.view(np.uint8)) == block:
-                    yield block, copy
+                own.append((block, slice(start, stop)))
             elif links[-1].base in known:
                 yield links[-1].base, known[links[-1].base]
+        whole = len(own) == len(ranges)
+        for block, part in own:
+            yield block, flat[part] if whole else flat[part].copy()
 
 
 def _recalled(store: Store, name: str, snapshot_id: str | None) -> dict[str, np.ndarray]:
@@ -303,9 +309,7 @@ def write_snapshot(
             except ConflictError:
                 continue  # another snapshot of this name landed first: chain on it (or find it)
             if delta != "sparse":  # a lossy version stores other values than it was given
-                _remember(
-                    store, name, snapshot_id, written=written, arrays=flat.arrays, known=known
-                )
+                _remember(store, name, snapshot_id, written=written, known=known)
                 if replay is not None:
                     remember_values(
                         store,
@@ -401,6 +405,8 @@ def _recorded(
 class _Tensors:
     tensors: dict[str, str]
     embedded: dict[str, TensorManifest]
+    # The values each array was written from, where private copies were made (see _write).
+    copies: dict[str, np.ndarray] | None = None
 
 
 #: Tensors of several chunks written at once by one snapshot (each fans out over every core).
@@ -420,6 +426,10 @@ def _write(
     """Every array of ``flat`` written against the same array of ``head``.
 
     The arrays ``plan`` replays are written from its private copies, with its predictors.
+    When the state fits the keyframe cache's budget (and the deltas are exact), every other
+    array is written from a private copy made chunk by chunk as it is encoded: the version
+    is of the values as they were then, whatever a training thread does to the arrays, and
+    the copies are what the next snapshot deltas against.
     """
     parents = {}
     if head is not None:
@@ -427,6 +437,10 @@ def _write(
     keyframes = _recalled(store, name, head_id)
     shown = printable(name)
     predictors = plan.predictors() if plan is not None else {}
+    copies: dict[str, np.ndarray] | None = None
+    state_bytes = sum(a.nbytes for a in flat.arrays.values())
+    if options.get("delta") != "sparse" and state_bytes <= get_bytes("snapshot-cache-bytes"):
+        copies = {}
 
     def write(key: str, *, parallel: bool) -> TensorManifest:
         parent = None
@@ -434,6 +448,9 @@ def _write(
             parent = ChainParent(parents[key], head.tensors[key], keyframes=keyframes)
         where = f"snapshot {shown}, {printable(key)}"
         if plan is not None and key in plan.values:  # the copy the next write predicts from
+            if copies is not None:
+                values = plan.values[key]
+                copies[key] = np.ascontiguousarray(values, dtype=canonical_dtype(values.dtype))
             return write_version(
                 store,
                 plan.values[key],
@@ -445,7 +462,12 @@ def _write(
                 **options,
             )
         array = flat.arrays[key]
-        return write_version(store, array, parent, where=where, parallel=parallel, **options)
+        copy_to = None
+        if copies is not None:
+            copy_to = copies[key] = np.empty(array.shape, canonical_dtype(array.dtype))
+        return write_version(
+            store, array, parent, where=where, parallel=parallel, copy_to=copy_to, **options
+        )
 
     # Every tensor is written side by side with the others, one thread each; a
     # tensor of several chunks also encodes its chunks side by side (on the
@@ -460,11 +482,14 @@ def _write(
     def is_large(key: str) -> bool:
         return bool(flat.arrays[key].nbytes > one_chunk)
 
-    def write_one(key: str) -> TensorManifest:
+    def write_one(key: str) -> tuple[str, TensorManifest]:
+        # The id (a JSON encoding and a hash) is taken here, beside other tensors' encoding.
         if not is_large(key):
-            return write(key, parallel=False)
-        with large:
-            return write(key, parallel=True)
+            manifest = write(key, parallel=False)
+        else:
+            with large:
+                manifest = write(key, parallel=True)
+        return manifest_id(manifest), manifest
 
     pool = ThreadPoolExecutor(read_threads(), thread_name_prefix="gradpipe-snapshot")
     try:
@@ -473,13 +498,12 @@ def _write(
         for key in flat.arrays:  # the first error in the state's order, if any
             if futures[key] in done and (error := futures[key].exception()) is not None:
                 raise error  # the finally cancels what has not started
-        manifests = [futures[k].result() for k in flat.arrays]
+        written = [futures[k].result() for k in flat.arrays]
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     tensors: dict[str, str] = {}
     embedded: dict[str, TensorManifest] = {}
-    for key, manifest in zip(flat.arrays, manifests, strict=True):
-        tensor_id = manifest_id(manifest)
+    for key, (tensor_id, manifest) in zip(flat.arrays, written, strict=True):
         tensors[key] = tensor_id
         embedded[tensor_id] = manifest
-    return _Tensors(tensors, embedded)
+    return _Tensors(tensors, embedded, copies)

@@ -86,12 +86,18 @@ def encode_block(
     A large frame is a view of a new array, joined without holding the GIL.
     """
     payload: Any = data
-    for codec in codecs:
+    for codec in codecs[:-1]:
         payload = codec.encode(payload)
+    body: list[Any] = [data] if not codecs else []
+    if codecs:
+        # A codec that gives its frame in parts (the byte-group codec's planes) is joined
+        # once, with the block's header, rather than once by itself and once here.
+        parts = getattr(codecs[-1], "encode_parts", None)
+        body = parts(payload) if parts is not None else [codecs[-1].encode(payload)]
     logical = memoryview(data).nbytes if not isinstance(data, np.ndarray) else data.nbytes
     header = to_json_bytes({"codecs": [c.get_config() for c in codecs], "size": logical})
-    body = _bytes_view(payload)
-    return concat((_PREFIX.pack(_MAGIC, BLOCK_VERSION, len(header)), header, body))
+    views = [_bytes_view(part) for part in body]
+    return concat((_PREFIX.pack(_MAGIC, BLOCK_VERSION, len(header)), header, *views))
 
 
 def encode_lossy_block(

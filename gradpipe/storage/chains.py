@@ -171,6 +171,7 @@ def write_version(
     parallel: bool = True,
     predict: Predictor | None = None,
     replay_depth: int = 0,
+    copy_to: np.ndarray | None = None,
 ) -> TensorManifest:
     """Write ``array`` as the next version after ``parent`` (None: the first, all full).
 
@@ -185,6 +186,11 @@ def write_version(
     ``predict`` (a snapshot written with optimizer replay) gives a chunk's predicted values
     by its index and element range on the parent's grid, or None; ``replay_depth`` is the
     version's depth (the replays a read of it makes, > 0 with ``predict``; design note 016).
+
+    ``copy_to``, a contiguous array of ``array``'s stored dtype and size, receives a copy of
+    each chunk before it is hashed: the version is then of those values even if another
+    thread changes ``array`` meanwhile, and the caller keeps them (the copies are made on
+    the encoding threads, without the GIL, rather than in one pass afterwards).
     """
     store.check_writable()
     kind, threshold = parse_version_kind(delta, threshold, array.dtype)
@@ -193,6 +199,10 @@ def write_version(
     dtype = canonical_dtype(array.dtype)
     flat = np.ascontiguousarray(array, dtype=dtype).reshape(-1)
     name = dtype_name(dtype)
+    if copy_to is not None:
+        copy_to = copy_to.reshape(-1)
+        if copy_to.dtype != dtype or copy_to.size != flat.size:
+            raise ValueError(f"copy_to is {copy_to.dtype}[{copy_to.size}], not {name}[{flat.size}]")
     base = parent.manifest if parent is not None else None
     if base is not None and (base.dtype != name or base.shape != tuple(array.shape)):
         base = None  # another dtype or shape: nothing to delta against
@@ -223,13 +233,15 @@ def write_version(
 
         def encode(i: int) -> VersionChunk:
             start, stop = ranges[i]
+            values = flat[start:stop]
+            if copy_to is not None:
+                np.copyto(copy_to[start:stop], values)
+                values = copy_to[start:stop]
             if parents is None or finder is None:
-                return writer.chunk(flat[start:stop], None, _no_keyframe, where=where)
+                return writer.chunk(values, None, _no_keyframe, where=where)
             found = functools.partial(finder, i)
             prediction = None if predict is None else predict(i, start, stop)
-            return writer.chunk(
-                flat[start:stop], parents[i], found, where=where, prediction=prediction
-            )
+            return writer.chunk(values, parents[i], found, where=where, prediction=prediction)
 
         serial = len(window) == 1 or not parallel
         done = map(encode, window) if serial else _pool().map(encode, window)

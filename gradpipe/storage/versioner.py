@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Final
 import numpy as np
 
 from gradpipe.codecs.delta import DeltaCodec
+from gradpipe.codecs.policy import estimate_size
 from gradpipe.config import get_bytes, get_setting
 from gradpipe.core.chain import DeltaLink, ReplayLink
 from gradpipe.core.chunk_stats import ChunkStats, bit_nonzero, chunk_stats
@@ -43,6 +44,12 @@ _CLEAR_WIN: Final = 0.8
 #: A delta is kept only if at most this fraction of the full encoding: a
 #: saving of a few percent does not pay for a second block on every read.
 _MIN_GAIN: Final = 0.9
+
+
+#: A delta whose size, estimated on a sample, is above this fraction of the full encoding's
+#: is not made: it would almost surely miss :data:`_MIN_GAIN` (sampled estimates of both are
+#: within a few percent; on Adam moments, where deltas gain little, this halves the encoding).
+_HOPELESS: Final = _MIN_GAIN + 0.05
 
 
 #: Chunks up to this many times ``inline-bytes`` are never delta-encoded: their
@@ -291,6 +298,14 @@ class ChunkVersioner:
             replay_depth=self.replay_depth,
         )  # fmt: skip
 
+    def _hopeless(self, delta: BlockToWrite, full: BlockToWrite) -> bool:
+        """Whether sampled estimates put the delta's encoding clearly above the full one's."""
+        estimated = estimate_size(delta.data, delta.nonzero, level=self.level)
+        if estimated is None:
+            return False
+        full_size = estimate_size(full.data, full.nonzero, level=self.level)
+        return full_size is not None and estimated > _HOPELESS * full_size
+
     def _small(self, item: BlockToWrite, record_stats: ChunkStats) -> VersionChunk:
         frame = self._encode(item)
         if len(frame) <= self.inline_max:
@@ -334,6 +349,8 @@ class ChunkVersioner:
         delta = words if self.kind == "sparse" else words.view(chunk.dtype)
         delta_id = hash_bytes(delta.view(np.uint8))
         delta_item = BlockToWrite(delta_id, delta, None, bit_nonzero(delta))
+        if codec.lossless and self._hopeless(delta_item, full):
+            return self._full(full, self._encode(full), record_stats)
         delta_frame = self._encode(delta_item)
         known = parent.full or 0
         if len(delta_frame) <= _CLEAR_WIN * known:

@@ -334,3 +334,42 @@ def test_flags_of_the_wrong_version_raise() -> None:
     encoded[end : end + 4] = struct.pack("<I", zlib.crc32(bytes(encoded[:end])))
     with pytest.raises(IntegrityError, match="layout does not match"):
         ByteGroupCodec("float32").decode(encoded)
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "float64", "int32", "uint8"])
+@pytest.mark.parametrize("kind", ["normal", "bits"])
+def test_estimate_is_close_to_the_encoded_size(name: str, kind: str, chunk_maker: Maker) -> None:
+    """The sampled estimate a writer chooses encodings by is within a few percent."""
+    codec = ByteGroupCodec(name)
+    chunk = chunk_maker(name, 200_000, 1.0, kind, 3)
+    actual = len(codec.encode(chunk))
+    assert abs(codec.estimate(chunk) - actual) <= 0.1 * actual
+    small = chunk[:100]  # under one sample: judged whole
+    assert abs(codec.estimate(small) - len(codec.encode(small))) <= 0.1 * len(codec.encode(small))
+    empty = np.zeros(0, dtype=parse_dtype(name))
+    assert codec.estimate(empty) == len(codec.encode(empty))
+
+
+def test_estimate_tells_noise_from_structure() -> None:
+    rng = np.random.default_rng(4)
+    codec = ByteGroupCodec("float32")
+    smooth = (rng.standard_normal(300_000) * 1e-3).astype("float32")
+    noise = rng.integers(0, 2**32, 300_000, dtype=np.uint32).view("float32")
+    assert codec.estimate(smooth) < 0.9 * codec.estimate(noise)
+    assert codec.estimate(noise) >= noise.nbytes
+
+
+@settings(max_examples=60, deadline=None)
+@given(width=st.sampled_from([2, 4]), count=st.integers(0, 300), seed=st.integers(0, 2**32 - 1))
+def test_sign_move_on_split_planes_equals_the_plane_move(width: int, count: int, seed: int) -> None:
+    """The in-place move the encoder makes gives the same rows as ``move_sign`` (tails too)."""
+    from gradpipe.codecs._planes import move_sign, move_sign_split, split_planes
+
+    data = np.random.default_rng(seed).integers(0, 256, count * width, dtype=np.uint8)
+    planes = split_planes(data, width)
+    exponent, rest = move_sign(planes[-1].copy(), planes[-2].copy())
+    low = planes[:-2].copy()
+    move_sign_split(planes, data)
+    assert planes[-1].tobytes() == exponent.tobytes()
+    assert planes[-2].tobytes() == rest.tobytes()
+    assert planes[:-2].tobytes() == low.tobytes()

@@ -315,3 +315,57 @@ def test_verify_rebuilds_delta_chunks(tmp_path: Path, small_chunks: None) -> Non
     good = write_version(store, second, ChainParent(first_manifest, first_id, first))
     store.refs.set("tensors/bad", store.put_manifest(good))
     assert gp.verify(store).ok
+
+
+def test_a_delta_estimated_to_lose_is_never_encoded(
+    tmp_path: Path, small_chunks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unrelated versions (consecutive gradients): one encoding per chunk, not two."""
+    from gradpipe.storage.versioner import ChunkVersioner
+
+    store = _store(tmp_path)
+    rng = np.random.default_rng(12)
+    versions = [rng.standard_normal(4096).astype("float32") for _ in range(2)]
+    first = write_chain(store, versions[:1])
+    encoded: list[int] = []
+    real = ChunkVersioner._encode
+
+    def counting(self: ChunkVersioner, item: object) -> object:
+        encoded.append(1)
+        return real(self, item)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ChunkVersioner, "_encode", counting)
+    parent = ChainParent(first[0][1], first[0][0], versions[0], trusted=True)
+    second = write_version(store, versions[1], parent)
+    assert second.depth == 0
+    assert len(encoded) == len(second.blocks) == 16
+    got = read_tensor(store, store.get_typed(store.put_manifest(second), gp.TensorManifest))
+    assert got.tobytes() == versions[1].tobytes()
+
+
+def test_copy_to_receives_the_values_written(
+    tmp_path: Path, small_chunks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A version written through ``copy_to`` is of the copy, whatever happens to the source."""
+    from gradpipe.storage.versioner import ChunkVersioner
+
+    store = _store(tmp_path)
+    rng = np.random.default_rng(13)
+    source = rng.standard_normal((64, 64)).astype("float32")
+    want = source.copy()
+    copy = np.empty(source.size, np.float32)
+    real = ChunkVersioner.chunk
+
+    def then_changed(self: ChunkVersioner, values: np.ndarray, *args: object, **kw: object) -> object:
+        result = real(self, values, *args, **kw)  # type: ignore[arg-type]
+        source.reshape(-1)[:] += 1  # a training thread moves the array meanwhile
+        return result
+
+    monkeypatch.setattr(ChunkVersioner, "chunk", then_changed)
+    manifest = write_version(store, source, None, copy_to=copy, parallel=False)
+    got = read_tensor(store, store.get_typed(store.put_manifest(manifest), gp.TensorManifest))
+    assert got.tobytes() == copy.tobytes()
+    assert copy[: 1024 // 4].tobytes() == want.reshape(-1)[: 1024 // 4].tobytes()
+    assert gp.verify(store).ok
+    with pytest.raises(ValueError, match="copy_to"):
+        write_version(store, want, None, copy_to=np.empty(want.size, np.float64))
