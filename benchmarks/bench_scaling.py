@@ -150,6 +150,7 @@ def child(op: str, cores: int, data: Path, work: Path, states: int) -> NoReturn:
     # imports (about 0.6 s on the 2-core machine) are a constant of a process's start-up
     # that no core count changes; counted in, they hid the scaling of a 1-2 s operation.
     warm_up()
+    _ = (gp.ingest, gp.export_dump, gp.snapshot, gp.restore)  # their modules, imported lazily
 
     dumps = _dumps(data)
     pattern = str(data / "dumps" / "step={step}" / "peer={peer}.safetensors")

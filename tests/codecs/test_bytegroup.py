@@ -373,3 +373,19 @@ def test_sign_move_on_split_planes_equals_the_plane_move(width: int, count: int,
     assert planes[-1].tobytes() == exponent.tobytes()
     assert planes[-2].tobytes() == rest.tobytes()
     assert planes[:-2].tobytes() == low.tobytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    width=st.sampled_from([1, 2, 4, 8]), count=st.integers(0, 300), seed=st.integers(0, 2**32 - 1)
+)
+def test_planes_split_and_join_back(width: int, count: int, seed: int) -> None:
+    from gradpipe.codecs._planes import join_planes, split_planes
+
+    data = np.random.default_rng(seed).integers(0, 256, count * width, dtype=np.uint8)
+    planes = split_planes(data, width)
+    assert planes.shape == (width, count)
+    assert planes.tobytes() == data.reshape(count, width).T.tobytes()
+    dest = np.full(data.size, 0xAA, dtype=np.uint8)
+    join_planes(list(planes), dest)
+    assert dest.tobytes() == data.tobytes()
