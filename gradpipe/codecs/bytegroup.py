@@ -45,7 +45,6 @@ from typing import Final, NamedTuple, cast
 
 import numpy as np
 from numcodecs.abc import Codec
-from numcodecs.compat import ensure_contiguous_ndarray
 
 from gradpipe.codecs._planes import (
     join_planes,
@@ -62,7 +61,7 @@ from gradpipe.codecs._zstd import (
     parse_level,
     zstd_content_size,
 )
-from gradpipe.core.buffers import concat
+from gradpipe.core.buffers import byte_view, concat
 from gradpipe.core.dtypes import dtype_name, is_float, parse_dtype
 from gradpipe.errors import IntegrityError, InvalidInputError
 
@@ -208,7 +207,7 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
         A caller that frames the frame again (a store's block header) joins everything
         once instead of twice.
         """
-        data = ensure_contiguous_ndarray(buf).reshape(-1).view(np.uint8)
+        data = byte_view(buf)
         nbytes = data.size
         width = self._width
         if nbytes % width:
@@ -257,7 +256,7 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
         splitting or coding the whole buffer: a few percent of an encoding's work, to
         choose between encodings before making one.
         """
-        data = ensure_contiguous_ndarray(buf).reshape(-1).view(np.uint8)
+        data = byte_view(buf)
         width = self._width
         count = data.size // width
         take = min(count, _SAMPLE_BYTES)
@@ -325,7 +324,7 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
         numpy.ndarray
             The elements as a 1-D array of ``dtype``, or ``out`` if given.
         """
-        frame = ensure_contiguous_ndarray(buf).reshape(-1).view(np.uint8)
+        frame = byte_view(buf)
         version, flags, nbytes, entries, offset = self._read_header(frame)
         check_out_size(out, nbytes, self.codec_id)
         width = self._width
@@ -346,7 +345,7 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
             result = dest.view(self._dtype)
         else:
             result = cast(np.ndarray, out)  # numcodecs returns the caller's buffer
-            dest = ensure_contiguous_ndarray(out).reshape(-1).view(np.uint8)
+            dest = byte_view(out)
         join_planes(planes, dest)
         if version == 1 and flags & _FLAG_ROTATED_V1:
             words = dest.view(self._word)
@@ -413,7 +412,7 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
 
 def check_out_size(out: object, nbytes: int, codec_id: str) -> None:
     """Refuse a destination of the wrong size before decoding anything."""
-    if out is not None and (size := ensure_contiguous_ndarray(out).nbytes) != nbytes:
+    if out is not None and (size := byte_view(out).size) != nbytes:
         raise InvalidInputError(
             f"{codec_id}: out holds {size} bytes but the frame decodes to {nbytes}"
         )

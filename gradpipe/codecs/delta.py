@@ -26,7 +26,6 @@ from typing import Any, ClassVar, Final
 
 import numpy as np
 from numcodecs.abc import Codec
-from numcodecs.compat import ensure_contiguous_ndarray
 
 from gradpipe.codecs.ops.delta import (
     SparseDelta,
@@ -37,6 +36,7 @@ from gradpipe.codecs.ops.delta import (
     sparse_delta,
     xor_delta,
 )
+from gradpipe.core.buffers import byte_view
 from gradpipe.core.display import printable
 from gradpipe.core.dtypes import dtype_name, is_float, parse_dtype
 from gradpipe.errors import IntegrityError, InvalidInputError
@@ -128,7 +128,7 @@ class DeltaCodec(Codec):  # type: ignore[misc]
     def encode(self, buf: object) -> np.ndarray:
         """The delta of ``buf`` (the target chunk) against the bound base."""
         base = self._bound_base()
-        target = ensure_contiguous_ndarray(buf).reshape(-1).view(np.uint8).view(self._dtype)
+        target = byte_view(buf).view(self._dtype)
         if self.kind == "int":
             return int_delta(target, base)
         if self.kind == "xor":
@@ -142,7 +142,7 @@ class DeltaCodec(Codec):  # type: ignore[misc]
     def decode(self, buf: object, out: object = None) -> np.ndarray:
         """The target back from a delta made by :meth:`encode` against the same base."""
         base = self._bound_base()
-        data = ensure_contiguous_ndarray(buf).reshape(-1).view(np.uint8)
+        data = byte_view(buf)
         if self.kind == "sparse":
             result = apply_sparse_delta(_parse_sparse(data, base.size), base)
             if out is None:
@@ -179,7 +179,7 @@ class DeltaCodec(Codec):  # type: ignore[misc]
 
 
 def _out_bytes(out: object, nbytes: int, codec_id: str) -> np.ndarray:
-    target: np.ndarray = ensure_contiguous_ndarray(out).reshape(-1).view(np.uint8)
+    target: np.ndarray = byte_view(out)
     if target.nbytes != nbytes:
         raise InvalidInputError(
             f"{codec_id}: out holds {target.nbytes} bytes, the chunk is {nbytes}"

@@ -102,12 +102,16 @@ def choose_codec(
     return ByteGroupCodec(name, level)
 
 
-def estimate_size(chunk: np.ndarray, nonzero: int, *, level: int = DEFAULT_LEVEL) -> float | None:
+def estimate_size(
+    chunk: np.ndarray, nonzero: int | None = None, *, level: int = DEFAULT_LEVEL
+) -> float | None:
     """About how large :func:`choose_codec`'s encoding of ``chunk`` would be, from a sample.
 
     ``nonzero`` as for :func:`choose_codec`. None where the policy picks a codec that has
-    no estimate (the sparse one: its size is known from ``nonzero`` well enough).
+    no estimate (the sparse one).
     """
+    if nonzero is None:
+        nonzero = int(np.count_nonzero(nonzero_mask(chunk)))
     if _sparse(chunk.size, nonzero):
         return None
     return ByteGroupCodec(dtype_name(chunk.dtype), level).estimate(chunk)

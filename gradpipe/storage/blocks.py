@@ -21,10 +21,9 @@ from typing import Any, Final
 import numcodecs
 import numpy as np
 from numcodecs.abc import Codec
-from numcodecs.compat import ensure_contiguous_ndarray
 
 import gradpipe.codecs  # noqa: F401 - registers the gradpipe_* codecs
-from gradpipe.core.buffers import concat
+from gradpipe.core.buffers import byte_view, concat
 from gradpipe.core.display import printable_error
 from gradpipe.core.encoding import from_json_bytes, to_json_bytes
 from gradpipe.core.ids import hash_bytes
@@ -210,8 +209,7 @@ def _header_bytes(frame: bytes | memoryview, where: str) -> tuple[bytes, int]:
 
 def _bytes_array(buf: Any) -> np.ndarray:
     """A flat uint8 view of any contiguous buffer (bfloat16 has no buffer format)."""
-    flat: np.ndarray = ensure_contiguous_ndarray(buf).reshape(-1).view(np.uint8)
-    return flat
+    return byte_view(buf)
 
 
 def _bytes_view(buf: Any) -> memoryview:
