@@ -2,10 +2,13 @@
 
 Pure numpy, chosen by measurement (one core, MiB/s of element bytes, 2.25 MiB
 float32 / 1.1 MiB bfloat16 chunks): a shift and a truncating cast per plane
-split words at ~4700 MiB/s (a transposed copy: ~3000); a widening shift and an
-OR join 2-byte words at ~8700 MiB/s, and wider words by joining pairs level by
-level (4-byte words: 20-25% faster than one strided copy per plane, which was
-~3400 MiB/s; numcodecs' Cython ``Shuffle`` is no faster than that).
+split words at ~4700 MiB/s (a transposed copy: ~3000); one strided copy per
+plane joins 4- and 8-byte words at ~3400 MiB/s, and a widening shift and an OR
+join 2-byte words at ~8700 MiB/s. numcodecs' Cython ``Shuffle`` is no faster,
+nor are shifted ORs of widened planes: joining neighbouring planes into ever
+wider words ran 20% faster alone on one core but 10-20% slower inside a
+2-thread restore, whose threads share the memory bandwidth its extra passes
+and temporaries take.
 
 The sign move for float32 and bfloat16 works on the two top planes only: the
 sign bit goes to bit 7 of the second-highest byte and the 8 exponent bits
@@ -41,25 +44,18 @@ def split_planes(data: np.ndarray, width: int) -> np.ndarray:
 
 
 def join_planes(planes: list[np.ndarray], dest: np.ndarray) -> None:
-    """Interleave ``planes`` (least significant first) into ``dest``, a contiguous uint8 array.
-
-    Neighbouring planes are joined into words twice as wide (a widening shift and an OR),
-    level by level, the last level straight into ``dest``: for 4-byte words 1.1 ms per
-    4 MiB against 1.4 ms for one strided byte copy per plane (best of 15, one core).
-    """
-    if len(planes) == 1:
+    """Interleave ``planes`` (least significant first) into ``dest``, a contiguous uint8 array."""
+    width = len(planes)
+    if width == 1:
         dest[:] = planes[0]
-        return
-    level, bits = list(planes), 8
-    while len(level) > 1:
-        wide = np.dtype(f"<u{bits // 4}")
-        joined = []
-        for low, high in zip(level[0::2], level[1::2], strict=True):
-            words = dest.view(wide) if len(level) == 2 else np.empty(low.size, wide)
-            np.left_shift(high, bits, out=words, dtype=wide)
-            np.bitwise_or(words, low, out=words, casting="unsafe")
-            joined.append(words)
-        level, bits = joined, 2 * bits
+    elif width == 2:
+        words = dest.view("<u2")
+        np.left_shift(planes[1], 8, out=words, dtype="<u2")
+        np.bitwise_or(words, planes[0], out=words, casting="unsafe")
+    else:
+        grid = dest.reshape(-1, width)
+        for k, plane in enumerate(planes):
+            grid[:, k] = plane
 
 
 _LANE = np.dtype("<u8")
