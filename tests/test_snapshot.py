@@ -382,14 +382,68 @@ def test_arrays_changed_while_they_are_encoded_give_a_consistent_version(
     monkeypatch.setattr(Store, "encode_block", moving)
     gp.snapshot(store, "run", {"w": weight}, step=0)
     monkeypatch.setattr(Store, "encode_block", real)
+    # Every block's bytes match its id: each chunk was encoded from what was hashed (the
+    # caller's array moved on between the two, which made a mismatched block before).
     assert gp.verify(store).ok
     got = gp.restore(store, "run", step=0)["w"]
     assert got.tobytes() != weight.tobytes()  # the arrays moved on
-    assert got.shape == before.shape  # and each chunk is what it was when it was hashed
+    assert got.shape == before.shape
     gp.snapshot(store, "run", {"w": states[1]["model"]["embed.weight"]}, step=1)
     assert gp.restore(store, "run", step=1)["w"].tobytes() == (
         states[1]["model"]["embed.weight"].tobytes()
     )
+    assert gp.verify(store).ok
+
+
+def test_keyframes_kept_as_views_count_the_memory_they_keep_alive() -> None:
+    """A view keeps its whole array: one mostly unused is copied out, one mostly used stays."""
+    import sys
+
+    from gradpipe.snapshots.cache import owned_bytes
+
+    compact = sys.modules["gradpipe.snapshots.save"]._compact
+    big = np.arange(1000, dtype=np.float32)
+    sparse = compact({"a": big[:10], "b": big[10:20]})
+    assert all(v.base is None for v in sparse.values())
+    assert owned_bytes(sparse.values()) == 80
+    dense = compact({"a": big[:600], "b": big[600:]})
+    assert all(v.base is big for v in dense.values())
+    assert owned_bytes([*dense.values(), big[:5]]) == big.nbytes  # the owner counted once
+
+
+def test_private_copies_only_within_the_room_the_caches_leave(
+    tmp_path: Path, small: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copies are made while the previous keyframes are held: past the room left, a snapshot
+    writes from the caller's arrays and checks what it keeps, and the cache stays in budget."""
+    import sys
+
+    from gradpipe.core.state import flatten_state
+
+    module = sys.modules["gradpipe.snapshots.save"]
+    module._KEYFRAMES.clear()
+    states = drifting(3, seed=9)
+    state_bytes = sum(a.nbytes for a in flatten_state(states[0]).arrays.values())
+    budget = int(1.5 * state_bytes)
+    seen: list[bool] = []
+    real = module.write_version
+
+    def spying(*args: Any, copy_to: Any = None, **kwargs: Any) -> Any:
+        seen.append(copy_to is not None)
+        return real(*args, copy_to=copy_to, **kwargs)
+
+    monkeypatch.setattr(module, "write_version", spying)
+    store = gp.open_store(tmp_path / "store", mode="w")
+    with dask.config.set({"gradpipe.snapshot-cache-bytes": budget}):
+        made = []
+        for step, state in enumerate(states):
+            seen.clear()
+            gp.snapshot(store, "run", state, step=step)
+            made.append(all(seen))
+            assert module._KEYFRAMES.held_bytes() <= budget
+    assert made[0] and not made[1]  # the first keyframes leave a third of a state's room
+    for step, state in enumerate(states):
+        assert same(gp.restore(store, "run", step=step), state)
     assert gp.verify(store).ok
 
 

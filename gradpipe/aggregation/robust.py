@@ -122,8 +122,8 @@ def pairwise_sq_distances_partial(chunks: Sequence[np.ndarray]) -> np.ndarray:
     it gives the distances Krum and Bulyan select from. Within the chunk, the columns are
     taken in blocks (fixed, so the sum's order is too): each block of every peer is
     widened once, every pair's difference is made in place and its squares summed by one
-    ``einsum``, with no chunk-sized temporaries (4x faster than whole-chunk differences
-    for 8 peers of 4 MiB chunks).
+    ``einsum``: no chunk-sized temporaries for contiguous chunks (4x faster than
+    whole-chunk differences for 8 peers of 4 MiB chunks).
     """
     check_peer_chunks(chunks, tensor=None)
     n = len(chunks)

@@ -259,10 +259,10 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
         data = byte_view(buf)
         width = self._width
         count = data.size // width
-        take = min(count, _SAMPLE_BYTES)
-        if take == 0:
+        if count == 0:
             return float(_HEADER.size + width * _PLANE.size + _CRC.size)
-        start = (count - take) // 2
+        # The elements whose planes encode's samples are (see _sample): the same settings.
+        start, take = (count // 2, _SAMPLE_BYTES) if count > 2 * _SAMPLE_BYTES else (0, count)
         _, _, size = self._plan(split_planes(data[start * width : (start + take) * width], width))
         return _HEADER.size + width * _PLANE.size + _CRC.size + size * count / take
 

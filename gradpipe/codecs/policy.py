@@ -51,7 +51,13 @@ from gradpipe.codecs.sparse import SparseCodec, nonzero_mask
 from gradpipe.core.dtypes import dtype_name
 from gradpipe.errors import InvalidInputError
 
-__all__ = ["SPARSE_MAX_DENSITY", "choose_codec", "default_codec_config", "policy_codec_id"]
+__all__ = [
+    "SPARSE_MAX_DENSITY",
+    "choose_codec",
+    "default_codec_config",
+    "estimate_size",
+    "policy_codec_id",
+]
 
 #: Largest fraction of nonzero elements for which :func:`choose_codec` picks
 #: :class:`~gradpipe.codecs.sparse.SparseCodec` (see the module docstring).

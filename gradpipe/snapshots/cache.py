@@ -4,14 +4,17 @@ A snapshot is written against the previous one of its name: its deltas against t
 keyframe chunks, its replays (design note 016) from the previous version's values. A
 process keeps those values from its own last write, so the next one reads nothing back;
 another process, or values that would not fit, reads them from the store. Copies, not
-views: the caller's arrays may be changed in place by the next optimizer step. Every cache
-of the process shares one budget, ``gradpipe.snapshot-cache-bytes``.
+views: the caller's arrays may be changed in place by the next optimizer step (a value may
+be a view of a private copy the writer made, which nobody else changes). Every cache of the
+process shares one budget, ``gradpipe.snapshot-cache-bytes``, counted by the arrays that own
+the memory: a view keeps its whole array alive, and two caches may hold the same array.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,7 +24,7 @@ from gradpipe.config import get_bytes
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
 
-__all__ = ["VersionCache"]
+__all__ = ["VersionCache", "owned_bytes", "owner"]
 
 _LOCK = threading.Lock()
 _CACHES: list[VersionCache] = []
@@ -56,7 +59,24 @@ class VersionCache:
         """Drop what is held of ``name`` (before a write keeps its own); the room left."""
         with _LOCK:
             self._held.pop((store.url, name), None)
-            return get_bytes("snapshot-cache-bytes") - sum(c._bytes() for c in _CACHES)
+            return get_bytes("snapshot-cache-bytes") - _held_bytes()
+
+    @staticmethod
+    def held_owners() -> set[int]:
+        """``id()`` of every array that owns memory some cache holds."""
+        with _LOCK:
+            return {
+                id(owner(a))
+                for c in _CACHES
+                for _, values, _ in c._held.values()
+                for a in values.values()
+            }
+
+    @staticmethod
+    def room() -> int:
+        """The budget left while every cache keeps what it holds."""
+        with _LOCK:
+            return get_bytes("snapshot-cache-bytes") - _held_bytes()
 
     def keep(
         self,
@@ -71,11 +91,26 @@ class VersionCache:
 
     def held_bytes(self) -> int:
         with _LOCK:
-            return self._bytes()
+            return owned_bytes(a for _, values, _ in self._held.values() for a in values.values())
 
     def clear(self) -> None:
         with _LOCK:
             self._held.clear()
 
-    def _bytes(self) -> int:  # under _LOCK
-        return sum(a.nbytes for _, values, _ in self._held.values() for a in values.values())
+
+def owner(array: np.ndarray) -> np.ndarray:
+    """The array that owns ``array``'s memory (itself, or the array it is a view of)."""
+    base = array.base
+    return base if isinstance(base, np.ndarray) else array
+
+
+def owned_bytes(arrays: Iterable[np.ndarray]) -> int:
+    """The memory ``arrays`` keep alive: each owning array counted once."""
+    owners = {id(o): o.nbytes for o in map(owner, arrays)}
+    return sum(owners.values())
+
+
+def _held_bytes() -> int:  # under _LOCK
+    return owned_bytes(
+        a for c in _CACHES for _, values, _ in c._held.values() for a in values.values()
+    )

@@ -26,7 +26,7 @@ from gradpipe.core.snapshot_manifest import SnapshotManifest
 from gradpipe.core.state import FlatState
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import InvalidInputError
-from gradpipe.snapshots.cache import VersionCache
+from gradpipe.snapshots.cache import VersionCache, owner
 from gradpipe.snapshots.chain import snapshot_tensor
 from gradpipe.snapshots.gradient import GivenGradient, given_gradient
 from gradpipe.snapshots.replay_plan import (
@@ -187,21 +187,27 @@ def remember_values(
     arrays: Mapping[str, np.ndarray],
     plan: ReplayPlan | None,
     request: ReplayRequest,
+    copies: Mapping[str, np.ndarray] | None = None,
 ) -> None:
     """Keep the replayed arrays' values of version ``snapshot_id`` for the next write.
 
-    The plan's copies are what was written; any other array is copied and kept only if its
-    every chunk still has the id it was written with (a training thread may have moved it).
+    The plan's copies and the writer's private ``copies`` are what was written; any other
+    array is copied and kept only if its every chunk still has the id it was written with (a
+    training thread may have moved it). Arrays another cache holds already cost no room.
     """
     limit = _PREVIOUS.forget(store, name)  # the old copy first: one budget per process
+    held = VersionCache.held_owners()
     kept: dict[str, np.ndarray] = {}
     for array_key in sorted(request.keys & set(written)):
         values = plan.values.get(array_key) if plan is not None else None
+        if values is None and copies is not None and array_key in copies:
+            values = copies[array_key].reshape(arrays[array_key].shape)
         if values is None:
             values = _checked_copy(arrays[array_key], written[array_key])
         if values is None:
             continue
-        limit -= values.nbytes
+        if id(owner(values)) not in held:
+            limit -= owner(values).nbytes
         if limit < 0:
             return  # too large to keep: the next write reads the values back
         kept[array_key] = values

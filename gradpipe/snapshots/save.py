@@ -33,6 +33,7 @@ from gradpipe.config import get_bytes
 from gradpipe.core.chain import DEFAULT_KEYFRAME_INTERVAL
 from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.core.dtypes import canonical_dtype
+from gradpipe.core.ids import hash_bytes
 from gradpipe.core.manifest import manifest_id
 from gradpipe.core.names import parse_name
 from gradpipe.core.replay_record import ReplayRecord
@@ -43,7 +44,7 @@ from gradpipe.core.state import (
 )
 from gradpipe.core.tensor_manifest import TensorManifest
 from gradpipe.errors import ConflictError, IntegrityError, InvalidInputError
-from gradpipe.snapshots.cache import VersionCache
+from gradpipe.snapshots.cache import VersionCache, owned_bytes, owner
 from gradpipe.snapshots.chain import chain_head, read_version, snapshot_ref, snapshot_tensor
 from gradpipe.snapshots.content import holds_state, written_content
 from gradpipe.snapshots.replay_plan import DEFAULT_REPLAY_INTERVAL, ReplayPlan
@@ -76,47 +77,70 @@ def _remember(
     snapshot_id: str,
     *,
     written: _Tensors,
+    arrays: Mapping[str, np.ndarray],
     known: Mapping[str, np.ndarray],
 ) -> None:
-    """Keep the keyframe chunks snapshot ``snapshot_id`` uses (its own copies, or ``known``)."""
+    """Keep the keyframe chunks snapshot ``snapshot_id`` uses (its own, or ``known``).
+
+    Its own are the private copies the tensors were written from (``written.copies``), or,
+    where none were made, copies of the caller's ``arrays`` checked against their block ids.
+    """
     limit = _KEYFRAMES.forget(store, name)  # the old copy first: one budget per process
     kept: dict[str, np.ndarray] = {}
-    if written.copies is not None:
-        for keyframe, values in _keyframes(written, written.copies, known):
-            if keyframe not in kept:
-                kept[keyframe] = values
-                limit -= values.nbytes
-                if limit < 0:
-                    kept = {}  # too large to keep: the next snapshot reads its keyframes
-                    break
+    for keyframe, values in _keyframes(written, arrays, known):
+        kept.setdefault(keyframe, values)
+    kept = _compact(kept)
+    if owned_bytes(kept.values()) > limit:
+        kept = {}  # too large to keep: the next snapshot reads its keyframes
     _KEYFRAMES.keep(store, name, snapshot_id, kept)
 
 
 def _keyframes(
-    written: _Tensors, copies: Mapping[str, np.ndarray], known: Mapping[str, np.ndarray]
+    written: _Tensors, arrays: Mapping[str, np.ndarray], known: Mapping[str, np.ndarray]
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """``(block id, values)`` of every keyframe chunk the written tensors use.
+    """``(block id, values)`` of every keyframe chunk the written tensors use, where at hand.
 
-    ``copies`` are the values each tensor was written from (so a full chunk's values are its
-    block's, with no second hash); a tensor whose every chunk is a keyframe is kept as views
-    of its copy, any other as copies of its keyframe chunks alone.
+    From ``written.copies``, the values each tensor was written from, a full chunk's values
+    are its block's with no second hash, and they are kept as views; from the caller's
+    ``arrays``, each is copied and kept only if it still has its block's id.
     """
+    copies = written.copies
     for key, tensor_id in written.tensors.items():
         manifest = written.embedded[tensor_id]
-        flat = copies[key].reshape(-1)
-        ranges = manifest.chunk_ranges()
-        own: list[tuple[str, slice]] = []
-        for i, (start, stop) in enumerate(ranges):
+        flat = (copies[key] if copies is not None else arrays[key]).reshape(-1)
+        for i, (start, stop) in enumerate(manifest.chunk_ranges()):
             block, links = manifest.blocks[i], manifest.deltas.get(i)
             if block is None or i in manifest.inline or i in manifest.replays:
                 continue  # a replayed chunk is never a keyframe
-            if not links:
-                own.append((block, slice(start, stop)))
-            elif links[-1].base in known:
-                yield links[-1].base, known[links[-1].base]
-        whole = len(own) == len(ranges)
-        for block, part in own:
-            yield block, flat[part] if whole else flat[part].copy()
+            if links:
+                if links[-1].base in known:
+                    yield links[-1].base, known[links[-1].base]
+            elif copies is not None:
+                yield block, flat[start:stop]
+            else:
+                copy = np.array(flat[start:stop], copy=True)
+                # The caller's arrays may have changed since they were hashed (a
+                # training thread): a copy that is not the keyframe is not kept.
+                if hash_bytes(copy.view(np.uint8)) == block:
+                    yield block, copy
+
+
+def _compact(kept: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``kept`` with the views of arrays it mostly does not use copied out.
+
+    A view keeps its whole array alive: the chunks of a tensor that are no keyframe any
+    more, or the carried keyframes of a previous snapshot's copy, would otherwise hold
+    memory the budget does not see. An array at least half used stays whole.
+    """
+    by_owner: dict[int, list[str]] = {}
+    for block, values in kept.items():
+        by_owner.setdefault(id(owner(values)), []).append(block)
+    for blocks in by_owner.values():
+        whole = owner(kept[blocks[0]])
+        if whole is not kept[blocks[0]] and 2 * sum(kept[b].nbytes for b in blocks) < whole.nbytes:
+            for block in blocks:
+                kept[block] = kept[block].copy()
+    return kept
 
 
 def _recalled(store: Store, name: str, snapshot_id: str | None) -> dict[str, np.ndarray]:
@@ -309,7 +333,9 @@ def write_snapshot(
             except ConflictError:
                 continue  # another snapshot of this name landed first: chain on it (or find it)
             if delta != "sparse":  # a lossy version stores other values than it was given
-                _remember(store, name, snapshot_id, written=written, known=known)
+                _remember(
+                    store, name, snapshot_id, written=written, arrays=flat.arrays, known=known
+                )
                 if replay is not None:
                     remember_values(
                         store,
@@ -319,6 +345,7 @@ def write_snapshot(
                         arrays=flat.arrays,
                         plan=plan,
                         request=replay,
+                        copies=written.copies,
                     )
             if plan is None:
                 return SnapshotWrite(snapshot_id, written=True)
@@ -426,10 +453,12 @@ def _write(
     """Every array of ``flat`` written against the same array of ``head``.
 
     The arrays ``plan`` replays are written from its private copies, with its predictors.
-    When the state fits the keyframe cache's budget (and the deltas are exact), every other
-    array is written from a private copy made chunk by chunk as it is encoded: the version
-    is of the values as they were then, whatever a training thread does to the arrays, and
-    the copies are what the next snapshot deltas against.
+    When the state fits the room the keyframe caches leave in their budget (and the deltas
+    are exact), every other array is written from a private copy made chunk by chunk as it
+    is encoded: the version is of the values as they were then, whatever a training thread
+    does to the arrays, and the copies are what the next snapshot deltas against. (Made
+    while the previous snapshot's keyframes are still held, so the room, not the budget, is
+    what bounds them.)
     """
     parents = {}
     if head is not None:
@@ -439,7 +468,7 @@ def _write(
     predictors = plan.predictors() if plan is not None else {}
     copies: dict[str, np.ndarray] | None = None
     state_bytes = sum(a.nbytes for a in flat.arrays.values())
-    if options.get("delta") != "sparse" and state_bytes <= get_bytes("snapshot-cache-bytes"):
+    if options.get("delta") != "sparse" and state_bytes <= _KEYFRAMES.room():
         copies = {}
 
     def write(key: str, *, parallel: bool) -> TensorManifest:

@@ -91,12 +91,21 @@ def encode_block(
     if codecs:
         # A codec that gives its frame in parts (the byte-group codec's planes) is joined
         # once, with the block's header, rather than once by itself and once here.
-        parts = getattr(codecs[-1], "encode_parts", None)
-        body = parts(payload) if parts is not None else [codecs[-1].encode(payload)]
+        last = codecs[-1]
+        body = last.encode_parts(payload) if _gives_parts(last) else [last.encode(payload)]
     logical = memoryview(data).nbytes if not isinstance(data, np.ndarray) else data.nbytes
     header = to_json_bytes({"codecs": [c.get_config() for c in codecs], "size": logical})
     views = [_bytes_view(part) for part in body]
     return concat((_PREFIX.pack(_MAGIC, BLOCK_VERSION, len(header)), header, *views))
+
+
+def _gives_parts(codec: Codec) -> bool:
+    """Whether ``codec``'s ``encode`` is the join of its ``encode_parts`` (one class defines
+    both; a subclass that overrides ``encode`` alone is asked for its ``encode``)."""
+    for klass in type(codec).__mro__:
+        if "encode" in vars(klass):
+            return "encode_parts" in vars(klass)
+    return False
 
 
 def encode_lossy_block(

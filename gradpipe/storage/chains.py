@@ -48,7 +48,7 @@ from gradpipe.core.chunking import choose_chunk_shape, chunk_ranges
 from gradpipe.core.dtypes import canonical_dtype, dtype_name, is_float, parse_dtype
 from gradpipe.core.ids import hash_bytes
 from gradpipe.core.tensor_manifest import TensorManifest
-from gradpipe.errors import IntegrityError, NotFoundError
+from gradpipe.errors import IntegrityError, InvalidInputError, NotFoundError
 from gradpipe.storage._pools import process_pool, read_threads
 from gradpipe.storage.blocks import BlockToWrite, WriteStats
 from gradpipe.storage.tensors import WRITE_WINDOW, WRITE_WINDOW_BYTES
@@ -200,9 +200,12 @@ def write_version(
     flat = np.ascontiguousarray(array, dtype=dtype).reshape(-1)
     name = dtype_name(dtype)
     if copy_to is not None:
+        if not copy_to.flags.c_contiguous or copy_to.dtype != dtype or copy_to.size != flat.size:
+            raise InvalidInputError(
+                f"copy_to must be a C-contiguous {name} array of {flat.size} elements, "
+                f"not {copy_to.dtype} of {copy_to.size} (contiguous: {copy_to.flags.c_contiguous})"
+            )
         copy_to = copy_to.reshape(-1)
-        if copy_to.dtype != dtype or copy_to.size != flat.size:
-            raise ValueError(f"copy_to is {copy_to.dtype}[{copy_to.size}], not {name}[{flat.size}]")
     base = parent.manifest if parent is not None else None
     if base is not None and (base.dtype != name or base.shape != tuple(array.shape)):
         base = None  # another dtype or shape: nothing to delta against

@@ -298,11 +298,11 @@ class ChunkVersioner:
             replay_depth=self.replay_depth,
         )  # fmt: skip
 
-    def _hopeless(self, delta: BlockToWrite, full: BlockToWrite) -> bool:
+    def _hopeless(self, delta: BlockToWrite, full: BlockToWrite, parent: ParentChunk) -> bool:
         """Whether sampled estimates put the delta's encoding clearly above the full one's."""
         estimated = estimate_size(delta.data, delta.nonzero, level=self.level)
-        if estimated is None:
-            return False
+        if estimated is None or estimated <= _CLEAR_WIN * (parent.full or 0):
+            return False  # no estimate, or most likely a clear win: no full one needed
         full_size = estimate_size(full.data, full.nonzero, level=self.level)
         return full_size is not None and estimated > _HOPELESS * full_size
 
@@ -349,7 +349,7 @@ class ChunkVersioner:
         delta = words if self.kind == "sparse" else words.view(chunk.dtype)
         delta_id = hash_bytes(delta.view(np.uint8))
         delta_item = BlockToWrite(delta_id, delta, None, bit_nonzero(delta))
-        if codec.lossless and self._hopeless(delta_item, full):
+        if codec.lossless and self._hopeless(delta_item, full, parent):
             return self._full(full, self._encode(full), record_stats)
         delta_frame = self._encode(delta_item)
         known = parent.full or 0

@@ -201,3 +201,19 @@ def test_too_few_peers_for_krum_or_bulyan() -> None:
         krum_select(np.zeros((3, 4)), 0)
     with pytest.raises(InvalidInputError, match="no peers"):
         median([])
+
+
+def test_distance_partials_over_several_column_blocks_match_fsum() -> None:
+    """A chunk longer than the kernel's column block, not a multiple of it, float32 inputs."""
+    rng = np.random.default_rng(5)
+    size = 3 * (1 << 14) + 123
+    chunks = [rng.standard_normal(size).astype("float32") for _ in range(5)]
+    chunks[2] *= 10
+    got = pairwise_sq_distances_partial(chunks)
+    wide = [c.astype(np.float64) for c in chunks]
+    for i in range(5):
+        assert got[i, i] == 0.0
+        for j in range(5):
+            want = math.fsum((wide[i] - wide[j]) ** 2)
+            assert got[i, j] == got[j, i]
+            assert abs(got[i, j] - want) <= 1e-12 * want

@@ -356,7 +356,9 @@ def test_copy_to_receives_the_values_written(
     copy = np.empty(source.size, np.float32)
     real = ChunkVersioner.chunk
 
-    def then_changed(self: ChunkVersioner, values: np.ndarray, *args: object, **kw: object) -> object:
+    def then_changed(
+        self: ChunkVersioner, values: np.ndarray, *args: object, **kw: object
+    ) -> object:
         result = real(self, values, *args, **kw)  # type: ignore[arg-type]
         source.reshape(-1)[:] += 1  # a training thread moves the array meanwhile
         return result
@@ -367,5 +369,7 @@ def test_copy_to_receives_the_values_written(
     assert got.tobytes() == copy.tobytes()
     assert copy[: 1024 // 4].tobytes() == want.reshape(-1)[: 1024 // 4].tobytes()
     assert gp.verify(store).ok
-    with pytest.raises(ValueError, match="copy_to"):
+    with pytest.raises(InvalidInputError, match="copy_to"):
         write_version(store, want, None, copy_to=np.empty(want.size, np.float64))
+    with pytest.raises(InvalidInputError, match="copy_to"):  # a reshape would copy it
+        write_version(store, want, None, copy_to=np.empty((64, 64), np.float32, order="F"))
