@@ -449,6 +449,33 @@ def test_private_copies_only_within_the_room_the_caches_leave(
     assert gp.verify(store).ok
 
 
+def test_keyframes_past_the_budget_are_not_all_copied(
+    tmp_path: Path, small: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without private copies (no room), the keyframes are copied and checked only up to the
+    budget: a state far larger than it is never copied whole to be thrown away."""
+    import sys
+
+    module = sys.modules["gradpipe.snapshots.save"]
+    for cache in sys.modules["gradpipe.snapshots.cache"]._CACHES:
+        cache.clear()
+    checked: list[int] = []
+    real = module.hash_bytes
+
+    def counting(data: Any) -> str:
+        checked.append(1)
+        return real(data)
+
+    monkeypatch.setattr(module, "hash_bytes", counting)
+    store = gp.open_store(tmp_path / "store", mode="w")
+    state = drifting(1, seed=10)[0]  # a dozen and more chunks of 4 KiB
+    with dask.config.set({"gradpipe.snapshot-cache-bytes": 8192}):
+        gp.snapshot(store, "run", state, step=0)
+    assert 0 < len(checked) <= 3
+    assert module._KEYFRAMES.held_bytes() == 0
+    assert same(gp.restore(store, "run", step=0), state)
+
+
 def test_sparse_snapshots_keep_other_dtypes_exact(tmp_path: Path, small: None) -> None:
     store = gp.open_store(tmp_path / "store", mode="w")
     rng = np.random.default_rng(7)

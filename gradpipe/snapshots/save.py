@@ -87,8 +87,15 @@ def _remember(
     """
     limit = _KEYFRAMES.forget(store, name)  # the old copy first: one budget per process
     kept: dict[str, np.ndarray] = {}
+    copied = 0  # bytes of new copies of the caller's arrays: stop making them past the limit
     for keyframe, values in _keyframes(written, arrays, known):
-        kept.setdefault(keyframe, values)
+        if keyframe in kept:
+            continue
+        kept[keyframe] = values
+        if written.copies is None and values.base is None:
+            copied += values.nbytes
+            if copied > limit:
+                break
     kept = _compact(kept)
     if owned_bytes(kept.values()) > limit:
         kept = {}  # too large to keep: the next snapshot reads its keyframes
