@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -65,12 +65,7 @@ class VersionCache:
     def held_owners() -> set[int]:
         """``id()`` of every array that owns memory some cache holds."""
         with _LOCK:
-            return {
-                id(owner(a))
-                for c in _CACHES
-                for _, values, _ in c._held.values()
-                for a in values.values()
-            }
+            return {id(owner(a)) for a in _held_arrays()}
 
     @staticmethod
     def room() -> int:
@@ -110,7 +105,10 @@ def owned_bytes(arrays: Iterable[np.ndarray]) -> int:
     return sum(owners.values())
 
 
+def _held_arrays() -> Iterator[np.ndarray]:  # under _LOCK
+    """Every array every cache of the process holds."""
+    return (a for c in _CACHES for _, values, _ in c._held.values() for a in values.values())
+
+
 def _held_bytes() -> int:  # under _LOCK
-    return owned_bytes(
-        a for c in _CACHES for _, values, _ in c._held.values() for a in values.values()
-    )
+    return owned_bytes(_held_arrays())
