@@ -1,3 +1,3 @@
-"""The version of gradpipe (read by hatch at build time; no importlib.metadata at import)."""
+"""The version of gradpipe (read by setuptools at build time; no importlib.metadata at import)."""
 
 __version__ = "0.1.0"

@@ -15,24 +15,36 @@ sign bit goes to bit 7 of the second-highest byte and the 8 exponent bits
 close up into the highest byte, so one plane holds exactly the exponents. A
 9-bit rotation of the top of the word, done on a quarter (float32) or a half
 (bfloat16) of the bytes instead of a full-word rotation.
+
+Where gradpipe's C extension was built (:mod:`gradpipe.core.kernels`), a split
+with the sign move, and a join with the sign restored, are each one pass
+without the GIL (2 MiB float32 chunk, one core: split and sign move 0.36 ms
+against 0.71 ms here, join and sign restore 0.32 ms against 1.13 ms). The
+numpy functions below are the reference they are tested against.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from gradpipe.core.kernels import native
+
 __all__ = ["join_planes", "move_sign", "move_sign_split", "restore_sign", "split_planes"]
 
 
-def split_planes(data: np.ndarray, width: int) -> np.ndarray:
+def split_planes(data: np.ndarray, width: int, *, move_sign: bool = False) -> np.ndarray:
     """A ``(width, count)`` uint8 array: row k holds byte k of every element.
 
-    ``data`` is a contiguous uint8 array of ``count * width`` bytes.
+    ``data`` is a contiguous uint8 array of ``count * width`` bytes. With ``move_sign``
+    (2- and 4-byte words), the top two rows are as :func:`move_sign_split` leaves them.
     """
     count = data.size // width
     if width == 1:
         return data.reshape(1, count)
     planes = np.empty((width, count), dtype=np.uint8)
+    if native is not None:
+        native.split(data, planes, width, move_sign)
+        return planes
     # One shift and truncating cast per plane: SIMD, unlike numpy's strided
     # byte copies (4-byte words: 0.47 ms for 2.25 MiB against 0.68 ms for a
     # transposed copy).
@@ -40,12 +52,22 @@ def split_planes(data: np.ndarray, width: int) -> np.ndarray:
     np.copyto(planes[0], words, casting="unsafe")
     for k in range(1, width):
         np.right_shift(words, 8 * k, out=planes[k], casting="unsafe")
+    if move_sign:
+        move_sign_split(planes, data)
     return planes
 
 
-def join_planes(planes: list[np.ndarray], dest: np.ndarray) -> None:
-    """Interleave ``planes`` (least significant first) into ``dest``, a contiguous uint8 array."""
+def join_planes(planes: list[np.ndarray], dest: np.ndarray, *, sign_moved: bool = False) -> None:
+    """Interleave ``planes`` (least significant first) into ``dest``, a contiguous uint8 array.
+
+    With ``sign_moved``, the top two planes are first turned back with :func:`restore_sign`.
+    """
     width = len(planes)
+    if native is not None and width > 1:
+        native.join(planes, dest, sign_moved)
+        return
+    if sign_moved:
+        planes = [*planes[:-2], *reversed(restore_sign(planes[-1], planes[-2]))]
     if width == 1:
         dest[:] = planes[0]
     elif width == 2:

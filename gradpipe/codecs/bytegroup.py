@@ -49,8 +49,6 @@ from numcodecs.abc import Codec
 from gradpipe.codecs._planes import (
     join_planes,
     move_sign,
-    move_sign_split,
-    restore_sign,
     split_planes,
 )
 from gradpipe.codecs._zstd import (
@@ -130,6 +128,15 @@ def _sample(plane: np.ndarray) -> np.ndarray:
         return plane
     middle = plane.size // 2
     return plane[middle : middle + _SAMPLE_BYTES]
+
+
+def _sample_words(data: np.ndarray, width: int) -> np.ndarray:
+    """The bytes of the elements whose planes :func:`_sample` takes from the planes of ``data``."""
+    count = data.size // width
+    if count <= 2 * _SAMPLE_BYTES:
+        return data
+    start = count // 2
+    return data[start * width : (start + _SAMPLE_BYTES) * width]
 
 
 def _rotate_sign_v1(words: np.ndarray, bits: int) -> np.ndarray:
@@ -216,10 +223,10 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
                 f"{self.dtype} elements ({width} bytes each)"
             )
         count = nbytes // width
-        planes = split_planes(data, width)
-        flags, settings, _ = self._plan(planes)
-        if flags & _FLAG_SIGN_MOVED:
-            move_sign_split(planes, data)
+        # Settings are chosen on the planes of the sample's elements, split first, so that
+        # the whole chunk is split once, with the sign already where the settings want it.
+        flags, settings, _ = self._plan(split_planes(_sample_words(data, width), width))
+        planes = split_planes(data, width, move_sign=bool(flags & _FLAG_SIGN_MOVED))
 
         table: list[bytes] = []
         payload: list[bytes | memoryview] = []
@@ -261,10 +268,9 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
         count = data.size // width
         if count == 0:
             return float(_HEADER.size + width * _PLANE.size + _CRC.size)
-        # The elements whose planes encode's samples are (see _sample): the same settings.
-        start, take = (count // 2, _SAMPLE_BYTES) if count > 2 * _SAMPLE_BYTES else (0, count)
-        _, _, size = self._plan(split_planes(data[start * width : (start + take) * width], width))
-        return _HEADER.size + width * _PLANE.size + _CRC.size + size * count / take
+        sample = _sample_words(data, width)
+        _, _, size = self._plan(split_planes(sample, width))
+        return _HEADER.size + width * _PLANE.size + _CRC.size + size * width * count / sample.size
 
     def _choose(self, plane: np.ndarray) -> tuple[int | None, float]:
         """The better compressor for ``plane`` (None: raw) and its estimated size."""
@@ -338,15 +344,13 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
             else:
                 scratch = np.empty(count, dtype=np.uint8)
                 planes.append(decompress_exact(chunk, scratch, f"{self.codec_id}: plane {k}"))
-        if version == _VERSION and flags & _FLAG_SIGN_MOVED:
-            planes[-1], planes[-2] = restore_sign(planes[-1], planes[-2])
         if out is None:
             dest = np.empty(nbytes, dtype=np.uint8)
             result = dest.view(self._dtype)
         else:
             result = cast(np.ndarray, out)  # numcodecs returns the caller's buffer
             dest = byte_view(out)
-        join_planes(planes, dest)
+        join_planes(planes, dest, sign_moved=version == _VERSION and bool(flags & _FLAG_SIGN_MOVED))
         if version == 1 and flags & _FLAG_ROTATED_V1:
             words = dest.view(self._word)
             words[...] = _rotate_sign_v1(words, 8 * width)

@@ -1,0 +1,545 @@
+/* Per-element loops of the chunk pipeline, compiled, run without the GIL.
+ *
+ * Each function is one pass over a chunk that numpy makes in several, and none holds the
+ * GIL while it loops: byte planes split (with the sign moved below the exponent) and
+ * joined back (with the sign restored), and the float statistics of a chunk. The pure numpy
+ * versions in gradpipe/codecs/_planes.py and gradpipe/core/chunk_stats.py stay the
+ * reference: gradpipe.core.kernels falls back to them when this module was not built, and
+ * the tests hold the two to the same results.
+ *
+ * Buffers are taken through the buffer protocol (C-contiguous; the caller passes bytes of
+ * little-endian words, as gradpipe stores them); nothing here allocates per element.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if PY_BIG_ENDIAN
+#error "gradpipe's kernels read little-endian words in native order"
+#endif
+
+/* --- byte planes ------------------------------------------------------------------------ */
+
+/* split(src, dst, width, move_sign): dst (width * count bytes) gets row k = byte k of every
+ * word of src (count words of width bytes). With move_sign (width 2 or 4: bfloat16 and
+ * float32), the top row holds the 8 exponent bits and the row below it the sign in bit 7
+ * above its 7 mantissa bits, as _planes.move_sign_split leaves them. */
+static void split_any(const uint8_t *src, uint8_t *dst, Py_ssize_t count, int width) {
+    for (int k = 0; k < width; k++) {
+        uint8_t *row = dst + (Py_ssize_t)k * count;
+        const uint8_t *from = src + k;
+        for (Py_ssize_t i = 0; i < count; i++) row[i] = from[i * width];
+    }
+}
+
+static void split4(const uint8_t *src, uint8_t *dst, Py_ssize_t count, int move_sign) {
+    uint8_t *p0 = dst, *p1 = dst + count, *p2 = dst + 2 * count, *p3 = dst + 3 * count;
+    if (move_sign) {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            uint32_t w;
+            memcpy(&w, src + 4 * i, 4);
+            p0[i] = (uint8_t)w;
+            p1[i] = (uint8_t)(w >> 8);
+            p2[i] = (uint8_t)(((w >> 16) & 0x7F) | ((w >> 24) & 0x80));
+            p3[i] = (uint8_t)(w >> 23);
+        }
+    } else {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            uint32_t w;
+            memcpy(&w, src + 4 * i, 4);
+            p0[i] = (uint8_t)w;
+            p1[i] = (uint8_t)(w >> 8);
+            p2[i] = (uint8_t)(w >> 16);
+            p3[i] = (uint8_t)(w >> 24);
+        }
+    }
+}
+
+static void split2(const uint8_t *src, uint8_t *dst, Py_ssize_t count, int move_sign) {
+    uint8_t *p0 = dst, *p1 = dst + count;
+    if (move_sign) {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            uint16_t w;
+            memcpy(&w, src + 2 * i, 2);
+            p0[i] = (uint8_t)((w & 0x7F) | ((w >> 8) & 0x80));
+            p1[i] = (uint8_t)(w >> 7);
+        }
+    } else {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            uint16_t w;
+            memcpy(&w, src + 2 * i, 2);
+            p0[i] = (uint8_t)w;
+            p1[i] = (uint8_t)(w >> 8);
+        }
+    }
+}
+
+static void split8(const uint8_t *src, uint8_t *dst, Py_ssize_t count) {
+    uint8_t *p[8];
+    for (int k = 0; k < 8; k++) p[k] = dst + (Py_ssize_t)k * count;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint64_t w;
+        memcpy(&w, src + 8 * i, 8);
+        for (int k = 0; k < 8; k++) p[k][i] = (uint8_t)(w >> (8 * k));
+    }
+}
+
+/* join(planes, dst, width, sign_moved): the inverse of split. */
+static void join4(const uint8_t *const *p, uint8_t *dst, Py_ssize_t count, int sign_moved) {
+    const uint8_t *p0 = p[0], *p1 = p[1], *p2 = p[2], *p3 = p[3];
+    if (sign_moved) {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            uint32_t e = p3[i], r = p2[i];
+            uint32_t high = (e >> 1) | (r & 0x80);
+            uint32_t low = ((e << 7) & 0x80) | (r & 0x7F);
+            uint32_t w = p0[i] | ((uint32_t)p1[i] << 8) | (low << 16) | (high << 24);
+            memcpy(dst + 4 * i, &w, 4);
+        }
+    } else {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            uint32_t w = p0[i] | ((uint32_t)p1[i] << 8) | ((uint32_t)p2[i] << 16) |
+                         ((uint32_t)p3[i] << 24);
+            memcpy(dst + 4 * i, &w, 4);
+        }
+    }
+}
+
+static void join2(const uint8_t *const *p, uint8_t *dst, Py_ssize_t count, int sign_moved) {
+    const uint8_t *p0 = p[0], *p1 = p[1];
+    if (sign_moved) {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            uint16_t e = p1[i], r = p0[i];
+            uint16_t high = (uint16_t)((e >> 1) | (r & 0x80));
+            uint16_t low = (uint16_t)(((e << 7) & 0x80) | (r & 0x7F));
+            uint16_t w = (uint16_t)(low | (high << 8));
+            memcpy(dst + 2 * i, &w, 2);
+        }
+    } else {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            uint16_t w = (uint16_t)(p0[i] | (p1[i] << 8));
+            memcpy(dst + 2 * i, &w, 2);
+        }
+    }
+}
+
+static void join_any(const uint8_t *const *p, uint8_t *dst, Py_ssize_t count, int width) {
+    for (int k = 0; k < width; k++) {
+        const uint8_t *row = p[k];
+        uint8_t *to = dst + k;
+        for (Py_ssize_t i = 0; i < count; i++) to[i * width] = row[i];
+    }
+}
+
+static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what) {
+    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0) {
+        PyErr_Format(PyExc_TypeError, "%s must be a %scontiguous buffer", what,
+                     writable ? "writable " : "");
+        return -1;
+    }
+    return 0;
+}
+
+static int check_width(int width, int sign) {
+    if (width != 1 && width != 2 && width != 4 && width != 8) {
+        PyErr_Format(PyExc_ValueError, "width must be 1, 2, 4 or 8, not %d", width);
+        return -1;
+    }
+    if (sign && width != 2 && width != 4) {
+        PyErr_SetString(PyExc_ValueError, "the sign moves only in 2- and 4-byte words");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *kernels_split(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *src_obj, *dst_obj;
+    int width, move_sign;
+    if (!PyArg_ParseTuple(args, "OOip:split", &src_obj, &dst_obj, &width, &move_sign))
+        return NULL;
+    if (check_width(width, move_sign) < 0) return NULL;
+    Py_buffer src, dst;
+    if (get_buffer(src_obj, &src, 0, "src") < 0) return NULL;
+    if (get_buffer(dst_obj, &dst, 1, "dst") < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    if (src.len != dst.len || src.len % width) {
+        PyErr_Format(PyExc_ValueError,
+                     "split: src (%zd bytes) and dst (%zd bytes) must be the same whole "
+                     "number of %d-byte words",
+                     src.len, dst.len, width);
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    const uint8_t *s = src.buf;
+    uint8_t *d = dst.buf;
+    Py_ssize_t count = src.len / width;
+    Py_BEGIN_ALLOW_THREADS
+    if (width == 4)
+        split4(s, d, count, move_sign);
+    else if (width == 2)
+        split2(s, d, count, move_sign);
+    else if (width == 8)
+        split8(s, d, count);
+    else
+        split_any(s, d, count, width);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    Py_RETURN_NONE;
+}
+
+static PyObject *kernels_join(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *planes_obj, *dst_obj;
+    int sign_moved;
+    if (!PyArg_ParseTuple(args, "OOp:join", &planes_obj, &dst_obj, &sign_moved)) return NULL;
+    PyObject *seq = PySequence_Fast(planes_obj, "join: planes must be a sequence of buffers");
+    if (seq == NULL) return NULL;
+    Py_ssize_t width = PySequence_Fast_GET_SIZE(seq);
+    if (check_width((int)width, sign_moved) < 0 || width > 8) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    Py_buffer views[8], dst;
+    const uint8_t *rows[8];
+    Py_ssize_t held = 0;
+    PyObject *result = NULL;
+    if (get_buffer(dst_obj, &dst, 1, "dst") < 0) goto done_seq;
+    if (dst.len % width) {
+        PyErr_Format(PyExc_ValueError, "join: dst (%zd bytes) is not whole %zd-byte words",
+                     dst.len, width);
+        goto done;
+    }
+    Py_ssize_t count = dst.len / width;
+    for (; held < width; held++) {
+        if (get_buffer(PySequence_Fast_GET_ITEM(seq, held), &views[held], 0, "a plane") < 0)
+            goto done;
+        if (views[held].len != count) {
+            PyErr_Format(PyExc_ValueError, "join: plane %zd holds %zd bytes, not %zd", held,
+                         views[held].len, count);
+            held++;
+            goto done;
+        }
+        rows[held] = views[held].buf;
+    }
+    uint8_t *d = dst.buf;
+    Py_BEGIN_ALLOW_THREADS
+    if (width == 4)
+        join4(rows, d, count, sign_moved);
+    else if (width == 2)
+        join2(rows, d, count, sign_moved);
+    else
+        join_any(rows, d, count, (int)width);
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    for (Py_ssize_t k = 0; k < held; k++) PyBuffer_Release(&views[k]);
+    PyBuffer_Release(&dst);
+done_seq:
+    Py_DECREF(seq);
+    return result;
+}
+
+/* --- float statistics ------------------------------------------------------------------- */
+
+/* Sums of a chunk in blocks of 128 values (8 running sums each, so the loop pipelines), the
+ * blocks' sums added pairwise (a binary counter of partial sums): numpy's pairwise summation,
+ * whose rounding error grows with log(n), not n. The last bits differ from numpy's. */
+#define BLOCK 128
+#define LANES 8
+
+typedef struct {
+    double partial[64]; /* partial[k]: the sum of 2**k blocks, or 0 */
+    uint64_t blocks;
+} pairwise;
+
+static void pairwise_add(pairwise *p, double block_sum) {
+    int k = 0;
+    uint64_t n = p->blocks++;
+    while (n & 1) { /* carry: merge equal-sized partial sums */
+        block_sum += p->partial[k];
+        p->partial[k] = 0.0;
+        n >>= 1;
+        k++;
+    }
+    p->partial[k] = block_sum;
+}
+
+static double pairwise_total(const pairwise *p) {
+    double total = 0.0;
+    for (int k = 0; k < 64; k++) total += p->partial[k];
+    return total;
+}
+
+typedef struct {
+    int64_t bits_nonzero, negative_zeros, nan, inf;
+    double min, max, sum, sumsq;
+} float_stats;
+
+static inline double f32_value(uint32_t bits) {
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline double f64_value(uint64_t bits) {
+    double f;
+    memcpy(&f, &bits, 8);
+    return f;
+}
+
+static inline double bf16_value(uint16_t bits) { return f32_value((uint32_t)bits << 16); }
+
+static inline double f16_value(uint16_t h) { /* finite values only */
+    int exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    double magnitude = exponent ? ldexp((double)(mantissa | 0x400), exponent - 25)
+                                : ldexp((double)mantissa, -24);
+    return (h & 0x8000) ? -magnitude : magnitude;
+}
+
+/* One pass: the bit patterns that are not zero, negative zeros, NaN and infinities (told by
+ * the exponent bits), the range of the values that are not NaN, and the sums over the finite
+ * ones. Eight running sums per block of BLOCK values, fixed in order. */
+#define DEFINE_STATS(NAME, TYPE, SIGN, EXPONENT, MANTISSA, VALUE)                             \
+    static void NAME(const TYPE *w, Py_ssize_t count, float_stats *out) {                     \
+        pairwise sums, sumsqs;                                                                \
+        memset(&sums, 0, sizeof sums);                                                        \
+        memset(&sumsqs, 0, sizeof sumsqs);                                                    \
+        int64_t nonzero = 0, negative_zeros = 0, nan = 0, inf = 0;                            \
+        double lo = INFINITY, hi = -INFINITY;                                                 \
+        for (Py_ssize_t start = 0; start < count; start += BLOCK) {                           \
+            Py_ssize_t stop = start + BLOCK < count ? start + BLOCK : count;                  \
+            double s[LANES] = {0}, q[LANES] = {0};                                            \
+            Py_ssize_t i = start;                                                             \
+            for (; i + LANES <= stop; i += LANES)                                             \
+                for (int l = 0; l < LANES; l++) STEP(TYPE, SIGN, EXPONENT, MANTISSA, VALUE, w[i + l], l); \
+            for (; i < stop; i++) STEP(TYPE, SIGN, EXPONENT, MANTISSA, VALUE, w[i], 0);           \
+            double block = 0.0, block_sq = 0.0;                                               \
+            for (int l = 0; l < LANES; l++) {                                                 \
+                block += s[l];                                                                \
+                block_sq += q[l];                                                             \
+            }                                                                                 \
+            pairwise_add(&sums, block);                                                       \
+            pairwise_add(&sumsqs, block_sq);                                                  \
+        }                                                                                     \
+        /* Zeros (+0 and -0) count towards the range. */                                     \
+        if (count - nonzero + negative_zeros > 0) {                                           \
+            if (lo > 0.0) lo = 0.0;                                                           \
+            if (hi < 0.0) hi = 0.0;                                                           \
+        }                                                                                     \
+        out->bits_nonzero = nonzero;                                                          \
+        out->negative_zeros = negative_zeros;                                                 \
+        out->nan = nan;                                                                       \
+        out->inf = inf;                                                                       \
+        out->min = lo;                                                                        \
+        out->max = hi;                                                                        \
+        out->sum = pairwise_total(&sums);                                                     \
+        out->sumsq = pairwise_total(&sumsqs);                                                 \
+    }
+
+#define STEP(TYPE, SIGN, EXPONENT, MANTISSA, VALUE, BITS, L)                                  \
+    do {                                                                                      \
+        TYPE bits = (BITS);                                                                   \
+        if (bits == 0) break;                                                                 \
+        nonzero++;                                                                            \
+        if (bits == (TYPE)(SIGN)) {                                                           \
+            negative_zeros++;                                                                 \
+            break;                                                                            \
+        }                                                                                     \
+        if ((bits & (TYPE)(EXPONENT)) == (TYPE)(EXPONENT)) {                                  \
+            if (bits & (TYPE)(MANTISSA)) {                                                    \
+                nan++;                                                                        \
+            } else {                                                                          \
+                inf++;                                                                        \
+                if (bits & (TYPE)(SIGN))                                                      \
+                    lo = -INFINITY;                                                           \
+                else                                                                          \
+                    hi = INFINITY;                                                            \
+            }                                                                                 \
+            break;                                                                            \
+        }                                                                                     \
+        double v = VALUE(bits);                                                               \
+        lo = v < lo ? v : lo;                                                                 \
+        hi = v > hi ? v : hi;                                                                 \
+        s[L] += v;                                                                            \
+        q[L] += v * v;                                                                        \
+    } while (0)
+
+/* A block of BLOCK float32 (or bfloat16) values with no infinity or NaN: summed in LANES
+ * running sums with no branch. Compilers vectorise the loop only when allowed to reorder
+ * float additions and to assume no NaN (true here), so GCC gets that for this function alone;
+ * the order is then the compiler's, fixed for a given build. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define CLEAN_MATH __attribute__((optimize("O3", "associative-math", "no-signed-zeros", \
+                                           "no-trapping-math", "finite-math-only")))
+#else
+#define CLEAN_MATH
+#endif
+
+#define DEFINE_CLEAN_BLOCK(NAME, TYPE, LOAD)                                                  \
+    CLEAN_MATH static void NAME(const TYPE *w, double *s, double *q, double *lo, double *hi,  \
+                                int64_t *nonzero, int64_t *negative_zeros) {                  \
+        int32_t block_nonzero = 0, block_negative = 0;                                        \
+        float flo = FLT_MAX, fhi = -FLT_MAX; /* finite-math-only: no infinities here */   \
+        double sum = 0.0, sumsq = 0.0;                                                        \
+        for (int i = 0; i < BLOCK; i++) {                                                     \
+            uint32_t bits = LOAD(w[i]);                                                       \
+            float f;                                                                          \
+            memcpy(&f, &bits, 4);                                                             \
+            block_nonzero += bits != 0;                                                       \
+            block_negative += bits == 0x80000000u;                                            \
+            flo = f < flo ? f : flo;                                                          \
+            fhi = f > fhi ? f : fhi;                                                          \
+            double v = f;                                                                     \
+            sum += v;                                                                         \
+            sumsq += v * v;                                                                   \
+        }                                                                                     \
+        *nonzero += block_nonzero;                                                            \
+        *negative_zeros += block_negative;                                                    \
+        if (flo < *lo) *lo = flo;                                                             \
+        if (fhi > *hi) *hi = fhi;                                                             \
+        s[0] += sum;                                                                          \
+        q[0] += sumsq;                                                                        \
+    }
+
+/* float32 and bfloat16 (a float32 with its low 16 bits zero), the common case made fast: a
+ * block without infinities or NaN (told by an integer pass over it, in L1 cache) is summed
+ * with no branch per value, which the compiler vectorises; a block with any goes through
+ * STEP, value by value. */
+#define DEFINE_STATS32(NAME, TYPE, LOAD)                                                      \
+    static void NAME(const TYPE *w, Py_ssize_t count, float_stats *out) {                     \
+        pairwise sums, sumsqs;                                                                \
+        memset(&sums, 0, sizeof sums);                                                        \
+        memset(&sumsqs, 0, sizeof sumsqs);                                                    \
+        int64_t nonzero = 0, negative_zeros = 0, nan = 0, inf = 0;                            \
+        double lo = INFINITY, hi = -INFINITY;                                                 \
+        for (Py_ssize_t start = 0; start < count; start += BLOCK) {                           \
+            Py_ssize_t stop = start + BLOCK < count ? start + BLOCK : count;                  \
+            double s[LANES] = {0}, q[LANES] = {0};                                            \
+            uint32_t special = 0;                                                             \
+            for (Py_ssize_t i = start; i < stop; i++)                                         \
+                special |= (LOAD(w[i]) & 0x7F800000u) == 0x7F800000u;                         \
+            if (special || stop - start != BLOCK) {                                           \
+                for (Py_ssize_t i = start; i < stop; i++)                                     \
+                    STEP(uint32_t, 0x80000000u, 0x7F800000u, 0x007FFFFFu, f32_value, LOAD(w[i]), 0); \
+            } else {                                                                          \
+                clean_block_##NAME(w + start, s, q, &lo, &hi, &nonzero, &negative_zeros);      \
+            }                                                                                 \
+            double block = 0.0, block_sq = 0.0;                                               \
+            for (int l = 0; l < LANES; l++) {                                                 \
+                block += s[l];                                                                \
+                block_sq += q[l];                                                             \
+            }                                                                                 \
+            pairwise_add(&sums, block);                                                       \
+            pairwise_add(&sumsqs, block_sq);                                                  \
+        }                                                                                     \
+        if (count - nonzero + negative_zeros > 0) {                                           \
+            if (lo > 0.0) lo = 0.0;                                                           \
+            if (hi < 0.0) hi = 0.0;                                                           \
+        }                                                                                     \
+        out->bits_nonzero = nonzero;                                                          \
+        out->negative_zeros = negative_zeros;                                                 \
+        out->nan = nan;                                                                       \
+        out->inf = inf;                                                                       \
+        out->min = lo;                                                                        \
+        out->max = hi;                                                                        \
+        out->sum = pairwise_total(&sums);                                                     \
+        out->sumsq = pairwise_total(&sumsqs);                                                 \
+    }
+
+#define LOAD_F32(x) ((uint32_t)(x))
+#define LOAD_BF16(x) ((uint32_t)(x) << 16)
+
+DEFINE_CLEAN_BLOCK(clean_block_stats_f32, uint32_t, LOAD_F32)
+DEFINE_STATS32(stats_f32, uint32_t, LOAD_F32)
+DEFINE_STATS(stats_f64, uint64_t, 0x8000000000000000ull, 0x7FF0000000000000ull,
+             0x000FFFFFFFFFFFFFull, f64_value)
+DEFINE_CLEAN_BLOCK(clean_block_stats_bf16, uint16_t, LOAD_BF16)
+DEFINE_STATS32(stats_bf16, uint16_t, LOAD_BF16)
+DEFINE_STATS(stats_f16, uint16_t, 0x8000u, 0x7C00u, 0x03FFu, f16_value)
+
+static PyObject *kernels_float_stats(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *obj;
+    int kind;
+    if (!PyArg_ParseTuple(args, "OC:float_stats", &obj, &kind)) return NULL;
+    int width = kind == 'f' ? 4 : kind == 'd' ? 8 : (kind == 'b' || kind == 'e') ? 2 : 0;
+    if (width == 0) {
+        PyErr_Format(PyExc_ValueError, "float_stats: unknown kind %c", kind);
+        return NULL;
+    }
+    Py_buffer view;
+    if (get_buffer(obj, &view, 0, "data") < 0) return NULL;
+    if (view.len % width) {
+        PyErr_Format(PyExc_ValueError, "float_stats: %zd bytes are not whole %d-byte values",
+                     view.len, width);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    float_stats s;
+    Py_ssize_t count = view.len / width;
+    /* Aligned reads: a view that starts mid-word is copied (it never is in gradpipe). */
+    void *data = view.buf, *copy = NULL;
+    if ((uintptr_t)data % width) {
+        copy = PyMem_RawMalloc(view.len ? view.len : 1);
+        if (copy == NULL) {
+            PyBuffer_Release(&view);
+            return PyErr_NoMemory();
+        }
+        memcpy(copy, data, view.len);
+        data = copy;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    if (kind == 'f')
+        stats_f32(data, count, &s);
+    else if (kind == 'd')
+        stats_f64(data, count, &s);
+    else if (kind == 'b')
+        stats_bf16(data, count, &s);
+    else
+        stats_f16(data, count, &s);
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(copy);
+    PyBuffer_Release(&view);
+    if (s.nan == count) /* nothing but NaN: no range */
+        return Py_BuildValue("LLLLOOdd", s.bits_nonzero, s.negative_zeros, s.nan, s.inf,
+                             Py_None, Py_None, s.sum, s.sumsq);
+    return Py_BuildValue("LLLLdddd", s.bits_nonzero, s.negative_zeros, s.nan, s.inf, s.min,
+                         s.max, s.sum, s.sumsq);
+}
+
+static PyMethodDef methods[] = {
+    {"split", kernels_split, METH_VARARGS,
+     "split(src, dst, width, move_sign): byte planes of src's words into dst, without the GIL."},
+    {"join", kernels_join, METH_VARARGS,
+     "join(planes, dst, sign_moved): the words of byte planes into dst, without the GIL."},
+    {"float_stats", kernels_float_stats, METH_VARARGS,
+     "float_stats(data, kind): (bits_nonzero, negative_zeros, nan, inf, min, max, sum, sumsq)\n"
+     "of little-endian floats ('f' float32, 'd' float64, 'b' bfloat16, 'e' float16)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyModuleDef_Slot slots[] = {
+#if PY_VERSION_HEX >= 0x030C0000
+    {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
+#endif
+#ifdef Py_GIL_DISABLED
+    {Py_mod_gil, Py_MOD_GIL_NOT_USED},
+#endif
+    {0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_kernels", "gradpipe's compiled per-element loops (see _kernels.c).",
+    0, methods, slots, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModuleDef_Init(&module); }
