@@ -21,6 +21,15 @@
 #error "gradpipe's kernels read little-endian words in native order"
 #endif
 
+/* Wider vectors where the CPU has them: GCC compiles each loop below for AVX2 and AVX-512 as
+ * well as the baseline, and the loader picks one for the machine it runs on (ifunc), so a
+ * build made on one x86-64 machine runs on any. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
 /* --- byte planes ------------------------------------------------------------------------ */
 
 /* split(src, dst, width, move_sign): dst (width * count bytes) gets row k = byte k of every
@@ -35,7 +44,7 @@ static void split_any(const uint8_t *src, uint8_t *dst, Py_ssize_t count, int wi
     }
 }
 
-static void split4(const uint8_t *src, uint8_t *dst, Py_ssize_t count, int move_sign) {
+VECTOR_CLONES static void split4(const uint8_t *src, uint8_t *dst, Py_ssize_t count, int move_sign) {
     uint8_t *p0 = dst, *p1 = dst + count, *p2 = dst + 2 * count, *p3 = dst + 3 * count;
     if (move_sign) {
         for (Py_ssize_t i = 0; i < count; i++) {
@@ -58,7 +67,7 @@ static void split4(const uint8_t *src, uint8_t *dst, Py_ssize_t count, int move_
     }
 }
 
-static void split2(const uint8_t *src, uint8_t *dst, Py_ssize_t count, int move_sign) {
+VECTOR_CLONES static void split2(const uint8_t *src, uint8_t *dst, Py_ssize_t count, int move_sign) {
     uint8_t *p0 = dst, *p1 = dst + count;
     if (move_sign) {
         for (Py_ssize_t i = 0; i < count; i++) {
@@ -77,7 +86,7 @@ static void split2(const uint8_t *src, uint8_t *dst, Py_ssize_t count, int move_
     }
 }
 
-static void split8(const uint8_t *src, uint8_t *dst, Py_ssize_t count) {
+VECTOR_CLONES static void split8(const uint8_t *src, uint8_t *dst, Py_ssize_t count) {
     uint8_t *p[8];
     for (int k = 0; k < 8; k++) p[k] = dst + (Py_ssize_t)k * count;
     for (Py_ssize_t i = 0; i < count; i++) {
@@ -88,7 +97,7 @@ static void split8(const uint8_t *src, uint8_t *dst, Py_ssize_t count) {
 }
 
 /* join(planes, dst, width, sign_moved): the inverse of split. */
-static void join4(const uint8_t *const *p, uint8_t *dst, Py_ssize_t count, int sign_moved) {
+VECTOR_CLONES static void join4(const uint8_t *const *p, uint8_t *dst, Py_ssize_t count, int sign_moved) {
     const uint8_t *p0 = p[0], *p1 = p[1], *p2 = p[2], *p3 = p[3];
     if (sign_moved) {
         for (Py_ssize_t i = 0; i < count; i++) {
@@ -107,7 +116,7 @@ static void join4(const uint8_t *const *p, uint8_t *dst, Py_ssize_t count, int s
     }
 }
 
-static void join2(const uint8_t *const *p, uint8_t *dst, Py_ssize_t count, int sign_moved) {
+VECTOR_CLONES static void join2(const uint8_t *const *p, uint8_t *dst, Py_ssize_t count, int sign_moved) {
     const uint8_t *p0 = p[0], *p1 = p[1];
     if (sign_moved) {
         for (Py_ssize_t i = 0; i < count; i++) {
@@ -373,41 +382,50 @@ static inline double f16_value(uint16_t h) { /* finite values only */
         q[L] += v * v;                                                                        \
     } while (0)
 
-/* A block of BLOCK float32 (or bfloat16) values with no infinity or NaN: summed in LANES
- * running sums with no branch. Compilers vectorise the loop only when allowed to reorder
- * float additions and to assume no NaN (true here), so GCC gets that for this function alone;
- * the order is then the compiler's, fixed for a given build. */
+/* A block of BLOCK float32 (or bfloat16) values with no infinity or NaN, with no branch: lane
+ * l sums the values l, l + LANES, ... in order, and the lanes are added in a fixed order, so
+ * the sums are the same bits whatever vector width the compiler picks (and fused
+ * multiply-adds are off for the same reason). GCC vectorises the lanes only when told there
+ * are no NaN and no signed zeros to keep apart in the range, true of these blocks. */
 #if defined(__GNUC__) && !defined(__clang__)
-#define CLEAN_MATH __attribute__((optimize("O3", "associative-math", "no-signed-zeros", \
-                                           "no-trapping-math", "finite-math-only")))
+#define CLEAN_MATH                                                                            \
+    __attribute__((optimize("O3", "no-signed-zeros", "no-trapping-math", "finite-math-only",  \
+                            "fp-contract=off")))
 #else
 #define CLEAN_MATH
 #endif
 
 #define DEFINE_CLEAN_BLOCK(NAME, TYPE, LOAD)                                                  \
-    CLEAN_MATH static void NAME(const TYPE *w, double *s, double *q, double *lo, double *hi,  \
-                                int64_t *nonzero, int64_t *negative_zeros) {                  \
+    CLEAN_MATH VECTOR_CLONES static void NAME(const TYPE *w, double *s, double *q,            \
+                                              double *lo, double *hi, int64_t *nonzero,       \
+                                              int64_t *negative_zeros) {                      \
         int32_t block_nonzero = 0, block_negative = 0;                                        \
-        float flo = FLT_MAX, fhi = -FLT_MAX; /* finite-math-only: no infinities here */   \
-        double sum = 0.0, sumsq = 0.0;                                                        \
-        for (int i = 0; i < BLOCK; i++) {                                                     \
-            uint32_t bits = LOAD(w[i]);                                                       \
-            float f;                                                                          \
-            memcpy(&f, &bits, 4);                                                             \
-            block_nonzero += bits != 0;                                                       \
-            block_negative += bits == 0x80000000u;                                            \
-            flo = f < flo ? f : flo;                                                          \
-            fhi = f > fhi ? f : fhi;                                                          \
-            double v = f;                                                                     \
-            sum += v;                                                                         \
-            sumsq += v * v;                                                                   \
+        double ls[LANES] = {0}, lq[LANES] = {0};                                              \
+        float flo[LANES], fhi[LANES]; /* finite-math-only: no infinities here */              \
+        for (int l = 0; l < LANES; l++) flo[l] = FLT_MAX, fhi[l] = -FLT_MAX;                  \
+        for (int i = 0; i < BLOCK; i += LANES)                                                \
+            for (int l = 0; l < LANES; l++) {                                                 \
+                uint32_t bits = LOAD(w[i + l]);                                               \
+                float f;                                                                      \
+                memcpy(&f, &bits, 4);                                                         \
+                block_nonzero += bits != 0;                                                   \
+                block_negative += bits == 0x80000000u;                                        \
+                flo[l] = f < flo[l] ? f : flo[l];                                             \
+                fhi[l] = f > fhi[l] ? f : fhi[l];                                             \
+                double v = f;                                                                 \
+                ls[l] += v;                                                                   \
+                lq[l] += v * v;                                                               \
+            }                                                                                 \
+        for (int l = 0; l < LANES; l++) {                                                     \
+            s[l] += ls[l];                                                                    \
+            q[l] += lq[l];                                                                    \
         }                                                                                     \
         *nonzero += block_nonzero;                                                            \
         *negative_zeros += block_negative;                                                    \
-        if (flo < *lo) *lo = flo;                                                             \
-        if (fhi > *hi) *hi = fhi;                                                             \
-        s[0] += sum;                                                                          \
-        q[0] += sumsq;                                                                        \
+        for (int l = 0; l < LANES; l++) {                                                     \
+            if (flo[l] < *lo) *lo = flo[l];                                                   \
+            if (fhi[l] > *hi) *hi = fhi[l];                                                   \
+        }                                                                                     \
     }
 
 /* float32 and bfloat16 (a float32 with its low 16 bits zero), the common case made fast: a
