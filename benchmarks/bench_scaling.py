@@ -407,8 +407,16 @@ def _spied(
     time.sleep(1.0)  # py-spy attaches and starts sampling
     child.stdin.write("\n")
     child.stdin.flush()
-    child.communicate()
-    _, err = profiler.communicate(timeout=120)
+    child.stdin.close()
+    child.stdout.read()  # the child's end; it cannot be reaped while py-spy still traces it
+    try:
+        _, err = profiler.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        # Seen once: py-spy --gil hung on a child that had exited, and both waited forever.
+        profiler.kill()
+        _, err = profiler.communicate()
+        err += b" (py-spy hung after the child ended, and was killed)"
+    child.wait()
     if child.returncode != 0 or not raw.exists():
         print(f"py-spy failed on {op}: {err.decode()[-300:]}", file=sys.stderr)
         return None

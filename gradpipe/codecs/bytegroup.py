@@ -134,7 +134,7 @@ def _sample_words(data: np.ndarray, width: int) -> np.ndarray:
     """The bytes of the elements whose planes :func:`_sample` takes from the planes of ``data``."""
     count = data.size // width
     if count <= 2 * _SAMPLE_BYTES:
-        return data
+        return data[: count * width]
     start = count // 2
     return data[start * width : (start + _SAMPLE_BYTES) * width]
 
@@ -225,8 +225,11 @@ class ByteGroupCodec(Codec):  # type: ignore[misc]  # numcodecs is untyped
         count = nbytes // width
         # Settings are chosen on the planes of the sample's elements, split first, so that
         # the whole chunk is split once, with the sign already where the settings want it.
-        flags, settings, _ = self._plan(split_planes(_sample_words(data, width), width))
-        planes = split_planes(data, width, move_sign=bool(flags & _FLAG_SIGN_MOVED))
+        sample = _sample_words(data, width)
+        planes = split_planes(sample, width)
+        flags, settings, _ = self._plan(planes)
+        if sample.size < nbytes or flags & _FLAG_SIGN_MOVED:  # else the sample is the chunk
+            planes = split_planes(data, width, move_sign=bool(flags & _FLAG_SIGN_MOVED))
 
         table: list[bytes] = []
         payload: list[bytes | memoryview] = []

@@ -17,14 +17,22 @@
 #include <stdint.h>
 #include <string.h>
 
+/* No fused multiply-adds anywhere (setup.py passes -ffp-contract=off to GCC): sums of squares
+ * must round the same on every machine. */
+#ifdef __clang__
+#pragma STDC FP_CONTRACT OFF
+#endif
+
 #if PY_BIG_ENDIAN
 #error "gradpipe's kernels read little-endian words in native order"
 #endif
 
 /* Wider vectors where the CPU has them: GCC compiles each loop below for AVX2 and AVX-512 as
- * well as the baseline, and the loader picks one for the machine it runs on (ifunc), so a
- * build made on one x86-64 machine runs on any. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+ * well as the baseline, and glibc's loader picks one for the machine it runs on (ifunc), so a
+ * build made on one x86-64 machine runs on any. (GCC 12 is the first to take arch= levels
+ * here; older compilers build the baseline only.) */
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && defined(__x86_64__) && \
+    defined(__GLIBC__)
 #define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define VECTOR_CLONES
@@ -209,10 +217,12 @@ static PyObject *kernels_join(PyObject *self, PyObject *args) {
     PyObject *planes_obj, *dst_obj;
     int sign_moved;
     if (!PyArg_ParseTuple(args, "OOp:join", &planes_obj, &dst_obj, &sign_moved)) return NULL;
-    PyObject *seq = PySequence_Fast(planes_obj, "join: planes must be a sequence of buffers");
+    /* A tuple of its own: a plane's buffer export cannot change the sequence under us. */
+    PyObject *seq = PySequence_Tuple(planes_obj);
     if (seq == NULL) return NULL;
-    Py_ssize_t width = PySequence_Fast_GET_SIZE(seq);
-    if (check_width((int)width, sign_moved) < 0 || width > 8) {
+    Py_ssize_t width = PyTuple_GET_SIZE(seq);
+    if (width > 8 || check_width((int)width, sign_moved) < 0) {
+        if (width > 8) PyErr_Format(PyExc_ValueError, "width must be 1, 2, 4 or 8, not %zd", width);
         Py_DECREF(seq);
         return NULL;
     }
@@ -228,7 +238,7 @@ static PyObject *kernels_join(PyObject *self, PyObject *args) {
     }
     Py_ssize_t count = dst.len / width;
     for (; held < width; held++) {
-        if (get_buffer(PySequence_Fast_GET_ITEM(seq, held), &views[held], 0, "a plane") < 0)
+        if (get_buffer(PyTuple_GET_ITEM(seq, held), &views[held], 0, "a plane") < 0)
             goto done;
         if (views[held].len != count) {
             PyErr_Format(PyExc_ValueError, "join: plane %zd holds %zd bytes, not %zd", held,
@@ -344,6 +354,9 @@ static inline double f16_value(uint16_t h) { /* finite values only */
             if (lo > 0.0) lo = 0.0;                                                           \
             if (hi < 0.0) hi = 0.0;                                                           \
         }                                                                                     \
+        /* -0.0 and 0.0 are one number: the record must not depend on which one was seen. */ \
+        if (lo == 0.0) lo = 0.0;                                                              \
+        if (hi == 0.0) hi = 0.0;                                                              \
         out->bits_nonzero = nonzero;                                                          \
         out->negative_zeros = negative_zeros;                                                 \
         out->nan = nan;                                                                       \
@@ -397,7 +410,7 @@ static inline double f16_value(uint16_t h) { /* finite values only */
 
 #define DEFINE_CLEAN_BLOCK(NAME, TYPE, LOAD)                                                  \
     CLEAN_MATH VECTOR_CLONES static void NAME(const TYPE *w, double *s, double *q,            \
-                                              double *lo, double *hi, int64_t *nonzero,       \
+                                              float *lo, float *hi, int64_t *nonzero,         \
                                               int64_t *negative_zeros) {                      \
         int32_t block_nonzero = 0, block_negative = 0;                                        \
         double ls[LANES] = {0}, lq[LANES] = {0};                                              \
@@ -422,9 +435,11 @@ static inline double f16_value(uint16_t h) { /* finite values only */
         }                                                                                     \
         *nonzero += block_nonzero;                                                            \
         *negative_zeros += block_negative;                                                    \
-        for (int l = 0; l < LANES; l++) {                                                     \
-            if (flo[l] < *lo) *lo = flo[l];                                                   \
-            if (fhi[l] > *hi) *hi = fhi[l];                                                   \
+        *lo = flo[0];                                                                         \
+        *hi = fhi[0];                                                                         \
+        for (int l = 1; l < LANES; l++) {                                                     \
+            *lo = flo[l] < *lo ? flo[l] : *lo;                                                \
+            *hi = fhi[l] > *hi ? fhi[l] : *hi;                                                \
         }                                                                                     \
     }
 
@@ -449,7 +464,11 @@ static inline double f16_value(uint16_t h) { /* finite values only */
                 for (Py_ssize_t i = start; i < stop; i++)                                     \
                     STEP(uint32_t, 0x80000000u, 0x7F800000u, 0x007FFFFFu, f32_value, LOAD(w[i]), 0); \
             } else {                                                                          \
-                clean_block_##NAME(w + start, s, q, &lo, &hi, &nonzero, &negative_zeros);      \
+                float block_lo, block_hi;                                                     \
+                clean_block_##NAME(w + start, s, q, &block_lo, &block_hi, &nonzero,            \
+                                   &negative_zeros);                                          \
+                if (block_lo < lo) lo = block_lo;                                             \
+                if (block_hi > hi) hi = block_hi;                                             \
             }                                                                                 \
             double block = 0.0, block_sq = 0.0;                                               \
             for (int l = 0; l < LANES; l++) {                                                 \
@@ -463,6 +482,9 @@ static inline double f16_value(uint16_t h) { /* finite values only */
             if (lo > 0.0) lo = 0.0;                                                           \
             if (hi < 0.0) hi = 0.0;                                                           \
         }                                                                                     \
+        /* -0.0 and 0.0 are one number: the record must not depend on which one was seen. */ \
+        if (lo == 0.0) lo = 0.0;                                                              \
+        if (hi == 0.0) hi = 0.0;                                                              \
         out->bits_nonzero = nonzero;                                                          \
         out->negative_zeros = negative_zeros;                                                 \
         out->nan = nan;                                                                       \

@@ -164,12 +164,20 @@ def _chunk_stats(flat: np.ndarray, bits_nonzero: int | None) -> ChunkStats:
     # The whole chunk's count of non-zero bit patterns is known: no pass for it.
     known = bits_nonzero if values is flat else None
     stats = _value_stats(values, bits, count, known)
-    if zeros == 0:
-        return stats
-    # The +0 elements left out above still count for the minimum and maximum.
-    lo = 0.0 if stats.min is None else min(stats.min, 0.0)
-    hi = 0.0 if stats.max is None else max(stats.max, 0.0)
-    return replace(stats, min=lo, max=hi)
+    if zeros:
+        # The +0 elements left out above still count for the minimum and maximum.
+        lo = 0.0 if stats.min is None else min(stats.min, 0.0)
+        hi = 0.0 if stats.max is None else max(stats.max, 0.0)
+        stats = replace(stats, min=lo, max=hi)
+    # -0.0 and 0.0 are one number: the record (and the tensor id) must not depend on which
+    # of them a reduction happened to return.
+    if stats.min == 0.0 or stats.max == 0.0:
+        stats = replace(stats, min=_unsigned_zero(stats.min), max=_unsigned_zero(stats.max))
+    return stats
+
+
+def _unsigned_zero(value: float | None) -> float | None:
+    return 0.0 if value == 0.0 else value
 
 
 #: The float dtypes whose statistics the compiled kernel computes, by its code for them.
@@ -181,8 +189,9 @@ def _native_stats(bits: np.ndarray, kind: str, count: int) -> ChunkStats:
     compiled kernel, without the GIL.
 
     The same figures as the numpy code below but the last bits of ``sum`` and ``sumsq``
-    (other summation order; both are pairwise). The kernel counts the chunk's non-zero bit
-    patterns itself, so the record agrees with the values it read.
+    (another summation order, fixed whatever the machine; both are pairwise). The kernel
+    counts the chunk's non-zero bit patterns itself, so the record agrees with the values it
+    read.
     """
     assert native is not None
     bits_nonzero, negative_zeros, nan, inf, low, high, total, squares = native.float_stats(

@@ -65,24 +65,54 @@ def test_split_and_join_match_numpy(width: int, count: int, seed: int, move_sign
     np.testing.assert_array_equal(back_numpy, data)
 
 
-@pytest.mark.parametrize("name", ["float32", "bfloat16", "float16", "int64", "uint8"])
+def _gradient_like(count: int, dtype: np.dtype) -> np.ndarray:
+    """Products of two uniforms (splitmix64 bits): a peaked spread of exponents, random signs."""
+    z = np.arange(1, count + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    a = (z >> np.uint64(32)).astype(np.float64) / 2**32 - 0.5
+    b = (z & np.uint64(0xFFFFFFFF)).astype(np.float64) / 2**32 - 0.5
+    return (a * b * 1e-3).astype(dtype)
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "float16", "int64"])
+@pytest.mark.parametrize("count", [5_000, 65_536, 65_537, 200_003])
 def test_frames_are_the_same_with_and_without_the_kernels(
-    name: str, monkeypatch: pytest.MonkeyPatch
+    name: str, count: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Chunks large enough for sampled settings, with a sign worth moving: the same bytes."""
-    rng = np.random.default_rng(7)
+    """Chunks below and above the sampled size: the same bytes, the sign moved where it can."""
     dtype = FLOATS.get(name, np.dtype(name))
-    values = rng.standard_normal(200_003) * 1e-3
     if dtype.kind in "iu":
-        values = rng.integers(0, 50, 200_003)
-    array = values.astype(dtype)
+        array = (np.arange(count) % 50).astype(dtype)
+    else:
+        array = _gradient_like(count, dtype)
     codec = ByteGroupCodec(name)
     frame = bytes(codec.encode(array))
+    if name in ("float32", "bfloat16"):
+        assert frame[6] & 1  # _FLAG_SIGN_MOVED: the kernels' sign move was exercised
     monkeypatch.setattr(_planes, "native", None)
     assert bytes(codec.encode(array)) == frame
     assert codec.decode(frame).tobytes() == array.tobytes()
     monkeypatch.undo()
     assert codec.decode(frame).tobytes() == array.tobytes()
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "float16", "int64"])
+@pytest.mark.parametrize("count", [100, 65_536, 65_537, 200_003])
+def test_settings_from_the_sample_are_those_from_the_whole_planes(name: str, count: int) -> None:
+    """encode plans on the planes of the sample's elements (then splits once); planning on
+    the whole chunk's planes, as encode did before, takes the same samples: same settings."""
+    from gradpipe.codecs.bytegroup import _sample_words
+
+    dtype = FLOATS.get(name, np.dtype(name))
+    array = _gradient_like(count, dtype) if dtype.kind == "f" else np.arange(count).astype(dtype)
+    data = array.view(np.uint8)
+    codec = ByteGroupCodec(name)
+    width = dtype.itemsize
+    whole_flags, whole_settings, _ = codec._plan(_planes.split_planes(data, width))
+    flags, settings, _ = codec._plan(_planes.split_planes(_sample_words(data, width), width))
+    assert (flags, settings) == (whole_flags, whole_settings)
 
 
 def _values(name: str, count: int, seed: int, mode: str) -> np.ndarray:
@@ -99,8 +129,8 @@ def _values(name: str, count: int, seed: int, mode: str) -> np.ndarray:
         x[:] = np.nan
     elif mode == "huge":  # squares overflow float64 for float64 input
         x *= 1e200 if name == "float64" else 1e3
-    elif mode == "subnormal":
-        x *= np.finfo(np.float32).smallest_subnormal if name == "float32" else 1e-300
+    elif mode == "subnormal":  # below each dtype's smallest normal number
+        x *= {"float32": 1e-40, "bfloat16": 1e-40, "float16": 1e-6, "float64": 1e-310}[name]
     return x.astype(FLOATS[name])
 
 
@@ -154,13 +184,32 @@ def test_statistics_of_a_chunk_with_special_values_in_every_block() -> None:
 
 
 def test_sums_are_pairwise_accurate() -> None:
-    """A million float64 values that a running sum would round badly: within 1e-13 of fsum."""
-    import math
-
-    values = np.random.default_rng(0).standard_normal(1_000_003) + 1e6
+    """1.0 and a million 1e-16: a running sum stays at 1.0 (off by 1e-10), pairwise sums keep
+    all but the few small values that share the first lane with the 1.0."""
+    values = np.full(1_000_000, 1e-16)
+    values[0] = 1.0
     got = chunk_stats(values)
-    exact = math.fsum(values.tolist())
-    assert abs(got.sum - exact) <= 1e-13 * abs(exact)
+    exact = 1.0 + 999_999e-16
+    assert abs(got.sum - exact) <= 1e-14
+
+
+@pytest.mark.parametrize("name", sorted(FLOATS))
+@pytest.mark.parametrize(
+    "values", [[-0.0] * 300, [-0.0, 1.0, 2.0, 3.0], [1.0, -0.0] * 128, [-1.0, 0.0, -0.0] * 50]
+)
+def test_a_zero_in_the_range_is_positive_zero(name: str, values: list[float]) -> None:
+    """-0.0 and 0.0 are the same number; the record (and so the tensor id) must not depend
+    on which one a reduction happened to return."""
+    array = np.array(values).astype(FLOATS[name])
+    for use_kernels in (True, False):
+        with pytest.MonkeyPatch.context() as patch:
+            if not use_kernels:
+                patch.setattr(stats_module, "native", None)
+            stats = chunk_stats(array)
+        for bound in (stats.min, stats.max):
+            assert bound is not None
+            if bound == 0.0:
+                assert not np.signbit(bound), (use_kernels, stats)
 
 
 def test_kernels_refuse_bad_arguments() -> None:
@@ -178,18 +227,35 @@ def test_kernels_refuse_bad_arguments() -> None:
         native.split(np.zeros(24, np.uint8)[::2], np.empty(12, np.uint8), 4, False)
     with pytest.raises(ValueError, match="plane 1 holds"):
         native.join([data[:3], data[:2], data[:3], data[:3]], data, False)
+    with pytest.raises(ValueError, match="width must be"):
+        native.join([data[:4]] * 3, data, False)
+    with pytest.raises(ValueError, match="width must be"):
+        native.join([data[:1]] * 12, data, False)
+    with pytest.raises(ValueError, match="not whole"):
+        native.join([data[:5]] * 2, data[:11], False)
+    with pytest.raises(ValueError, match="sign moves only"):
+        native.join([np.zeros(1, np.uint8)] * 8, np.zeros(8, np.uint8), True)
+    with pytest.raises(TypeError, match="contiguous"):
+        native.join([np.zeros(12, np.uint8)[::2]] * 2, np.empty(12, np.uint8), False)
     with pytest.raises(ValueError, match="unknown kind"):
         native.float_stats(data, "x")
     with pytest.raises(ValueError, match="not whole"):
         native.float_stats(data[:6], "f")
 
 
-def test_unaligned_data_gives_the_same_statistics() -> None:
+def test_unaligned_data_gives_the_same_planes_and_statistics() -> None:
     assert native is not None
     values = np.random.default_rng(1).standard_normal(1000).astype(np.float32)
     raw = np.zeros(4001, np.uint8)
     raw[1:] = values.view(np.uint8)
     assert native.float_stats(raw[1:], "f") == native.float_stats(values.view(np.uint8), "f")
+    aligned, shifted = np.empty(4000, np.uint8), np.zeros(4001, np.uint8)
+    native.split(values.view(np.uint8), aligned, 4, True)
+    native.split(raw[1:], shifted[1:], 4, True)
+    np.testing.assert_array_equal(aligned, shifted[1:])
+    back = np.zeros(4001, np.uint8)
+    native.join([shifted[1 + 1000 * k : 1 + 1000 * (k + 1)] for k in range(4)], back[1:], True)
+    np.testing.assert_array_equal(back[1:], values.view(np.uint8))
 
 
 def test_no_kernels_in_the_environment_turns_them_off() -> None:
@@ -199,3 +265,48 @@ def test_no_kernels_in_the_environment_turns_them_off() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "True", out.stderr
+
+
+def _documented_sums(values: np.ndarray) -> tuple[float, float]:
+    """The kernel's float32 and bfloat16 summation order, in Python: 8 lanes per full block
+    of 128 finite values (one lane for a block with a NaN or an infinity, or the last, short
+    one), the lanes added in order, the blocks' sums added pairwise by a binary counter."""
+    partials: dict[str, list[float]] = {"sum": [0.0] * 64, "sumsq": [0.0] * 64}
+    wide = values.astype(np.float64).tolist()
+    for number, start in enumerate(range(0, len(wide), 128)):
+        block = wide[start : start + 128]
+        lanes = 8 if len(block) == 128 and all(np.isfinite(block)) else 1
+        for key, square in (("sum", False), ("sumsq", True)):
+            lane_sums = [0.0] * 8
+            for i, value in enumerate(block):
+                if np.isfinite(value):
+                    lane_sums[i % lanes] += value * value if square else value
+            total = 0.0
+            for lane_sum in lane_sums:
+                total += lane_sum
+            level, n = 0, number
+            while n & 1:
+                total += partials[key][level]
+                partials[key][level] = 0.0
+                n >>= 1
+                level += 1
+            partials[key][level] = total
+    result = []
+    for key in ("sum", "sumsq"):
+        total = 0.0
+        for partial in partials[key]:
+            total += partial
+        result.append(total)
+    return result[0], result[1]
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("count", [128 * 37, 128 * 37 + 50, 1000])
+def test_sums_follow_the_documented_order_bit_for_bit(name: str, count: int) -> None:
+    """The order is fixed whatever vector width the compiler used (the machine may run the
+    AVX2 or AVX-512 clone): reassociated or fused sums would differ in their last bits."""
+    rng = np.random.default_rng(count)
+    values = (rng.standard_normal(count) * 1e3).astype(FLOATS[name])
+    values[7] = np.inf  # one block takes the value-by-value path
+    got = chunk_stats(values)
+    assert (got.sum, got.sumsq) == _documented_sums(values)
