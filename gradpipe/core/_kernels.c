@@ -303,6 +303,38 @@ typedef struct {
     double min, max, sum, sumsq;
 } float_stats;
 
+/* A block's lane sums, added in lane order, into the chunk's pairwise sums. */
+static inline void add_block(pairwise *sums, pairwise *sumsqs, const double *s, const double *q) {
+    double block = 0.0, block_sq = 0.0;
+    for (int l = 0; l < LANES; l++) {
+        block += s[l];
+        block_sq += q[l];
+    }
+    pairwise_add(sums, block);
+    pairwise_add(sumsqs, block_sq);
+}
+
+/* The record of a chunk from its counts, range and sums. */
+static void finish_stats(float_stats *out, Py_ssize_t count, int64_t nonzero,
+                         int64_t negative_zeros, int64_t nan, int64_t inf, double lo, double hi,
+                         const pairwise *sums, const pairwise *sumsqs) {
+    if (count - nonzero + negative_zeros > 0) { /* zeros (+0 and -0) count towards the range */
+        if (lo > 0.0) lo = 0.0;
+        if (hi < 0.0) hi = 0.0;
+    }
+    /* -0.0 and 0.0 are one number: the record must not depend on which one was seen. */
+    if (lo == 0.0) lo = 0.0;
+    if (hi == 0.0) hi = 0.0;
+    out->bits_nonzero = nonzero;
+    out->negative_zeros = negative_zeros;
+    out->nan = nan;
+    out->inf = inf;
+    out->min = lo;
+    out->max = hi;
+    out->sum = pairwise_total(sums);
+    out->sumsq = pairwise_total(sumsqs);
+}
+
 static inline double f32_value(uint32_t bits) {
     float f;
     memcpy(&f, &bits, 4);
@@ -341,30 +373,9 @@ static inline double f16_value(uint16_t h) { /* finite values only */
             for (; i + LANES <= stop; i += LANES)                                             \
                 for (int l = 0; l < LANES; l++) STEP(TYPE, SIGN, EXPONENT, MANTISSA, VALUE, w[i + l], l); \
             for (; i < stop; i++) STEP(TYPE, SIGN, EXPONENT, MANTISSA, VALUE, w[i], 0);           \
-            double block = 0.0, block_sq = 0.0;                                               \
-            for (int l = 0; l < LANES; l++) {                                                 \
-                block += s[l];                                                                \
-                block_sq += q[l];                                                             \
-            }                                                                                 \
-            pairwise_add(&sums, block);                                                       \
-            pairwise_add(&sumsqs, block_sq);                                                  \
+            add_block(&sums, &sumsqs, s, q);                                                  \
         }                                                                                     \
-        /* Zeros (+0 and -0) count towards the range. */                                     \
-        if (count - nonzero + negative_zeros > 0) {                                           \
-            if (lo > 0.0) lo = 0.0;                                                           \
-            if (hi < 0.0) hi = 0.0;                                                           \
-        }                                                                                     \
-        /* -0.0 and 0.0 are one number: the record must not depend on which one was seen. */ \
-        if (lo == 0.0) lo = 0.0;                                                              \
-        if (hi == 0.0) hi = 0.0;                                                              \
-        out->bits_nonzero = nonzero;                                                          \
-        out->negative_zeros = negative_zeros;                                                 \
-        out->nan = nan;                                                                       \
-        out->inf = inf;                                                                       \
-        out->min = lo;                                                                        \
-        out->max = hi;                                                                        \
-        out->sum = pairwise_total(&sums);                                                     \
-        out->sumsq = pairwise_total(&sumsqs);                                                 \
+        finish_stats(out, count, nonzero, negative_zeros, nan, inf, lo, hi, &sums, &sumsqs);   \
     }
 
 #define STEP(TYPE, SIGN, EXPONENT, MANTISSA, VALUE, BITS, L)                                  \
@@ -470,29 +481,9 @@ static inline double f16_value(uint16_t h) { /* finite values only */
                 if (block_lo < lo) lo = block_lo;                                             \
                 if (block_hi > hi) hi = block_hi;                                             \
             }                                                                                 \
-            double block = 0.0, block_sq = 0.0;                                               \
-            for (int l = 0; l < LANES; l++) {                                                 \
-                block += s[l];                                                                \
-                block_sq += q[l];                                                             \
-            }                                                                                 \
-            pairwise_add(&sums, block);                                                       \
-            pairwise_add(&sumsqs, block_sq);                                                  \
+            add_block(&sums, &sumsqs, s, q);                                                  \
         }                                                                                     \
-        if (count - nonzero + negative_zeros > 0) {                                           \
-            if (lo > 0.0) lo = 0.0;                                                           \
-            if (hi < 0.0) hi = 0.0;                                                           \
-        }                                                                                     \
-        /* -0.0 and 0.0 are one number: the record must not depend on which one was seen. */ \
-        if (lo == 0.0) lo = 0.0;                                                              \
-        if (hi == 0.0) hi = 0.0;                                                              \
-        out->bits_nonzero = nonzero;                                                          \
-        out->negative_zeros = negative_zeros;                                                 \
-        out->nan = nan;                                                                       \
-        out->inf = inf;                                                                       \
-        out->min = lo;                                                                        \
-        out->max = hi;                                                                        \
-        out->sum = pairwise_total(&sums);                                                     \
-        out->sumsq = pairwise_total(&sumsqs);                                                 \
+        finish_stats(out, count, nonzero, negative_zeros, nan, inf, lo, hi, &sums, &sumsqs);   \
     }
 
 #define LOAD_F32(x) ((uint32_t)(x))
