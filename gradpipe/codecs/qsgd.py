@@ -56,7 +56,7 @@ class QSGDCodec(LossyCodec):
     >>> codec = QSGDCodec(levels=4, seed=1)
     >>> x = np.float32([3.0, -4.0, 0.0, 0.0])
     >>> codec.decode(codec.encode(x)).tolist()
-    [2.5, -5.0, 0.0, 0.0]
+    [3.75, -3.75, 0.0, 0.0]
     """
 
     codec_id = "gradpipe_qsgd"
@@ -87,6 +87,8 @@ class QSGDCodec(LossyCodec):
             f"E‖x̂ − x‖² ≤ min(d/s², √d/s)·‖x‖² = {qsgd_variance_bound(s, d):.4g}·‖x‖², and "
             f"every value within ‖bucket‖₂/{s} ≤ ‖x‖₂/{s} (plus the output's rounding)",
             linf=1 / s + unit_roundoff(self._dtype),
+            # A subnormal output rounds by up to half the smallest step, however small ‖x‖ is.
+            absolute=float(np.finfo(self._dtype).smallest_subnormal) / 2,
             unbiased=True,
             variance=qsgd_variance_bound(s, d),
         )

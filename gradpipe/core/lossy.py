@@ -26,10 +26,21 @@ import numpy as np
 from gradpipe.core.encoding import decode_float, encode_float
 from gradpipe.errors import InvalidInputError
 
-__all__ = ["ChunkError", "ErrorBound", "LossyInfo", "measure_error", "unit_roundoff"]
+__all__ = [
+    "SQUARES_SAFE",
+    "ChunkError",
+    "ErrorBound",
+    "LossyInfo",
+    "l2_norm",
+    "measure_error",
+    "unit_roundoff",
+]
 
 #: Relative allowance for float64 summation when a bound on sums is checked.
 _SUM_SLACK = 1e-12
+
+#: An L2 norm below this came from squares that lost bits to underflow (values under 1e-154).
+SQUARES_SAFE = 1e-150
 
 
 def unit_roundoff(dtype: np.dtype) -> float:
@@ -39,6 +50,24 @@ def unit_roundoff(dtype: np.dtype) -> float:
     True
     """
     return float(np.finfo(dtype).eps) / 2
+
+
+def l2_norm(values: np.ndarray) -> float:
+    """``‖x‖₂`` in float64; scaled by the largest value where the squares leave float64's range.
+
+    >>> [l2_norm(np.array([3.0, 4.0]) * 2.0**e) == 5 * 2.0**e for e in (-600, 0, 600)]
+    [True, True, True]
+    """
+    x = np.asarray(values, dtype=np.float64).reshape(-1)
+    with np.errstate(over="ignore", under="ignore"):
+        norm = math.sqrt(float(np.dot(x, x)))
+        if SQUARES_SAFE <= norm < math.inf or not x.size:
+            return norm
+        peak = float(np.abs(x).max())
+        if peak == 0 or not math.isfinite(peak):
+            return peak
+        unit = x / peak
+        return float(np.float64(peak) * math.sqrt(float(np.dot(unit, unit))))
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +90,7 @@ class ErrorBound:
     l2 : float or None
         ``‖x̂ − x‖₂ ≤ l2·‖x‖₂`` (finite ``x``).
     linf : float or None
-        ``max |x̂ᵢ − xᵢ| ≤ linf·‖x‖₂``.
+        ``max |x̂ᵢ − xᵢ| ≤ linf·‖x‖₂ + absolute``.
     unbiased : bool
         ``E[x̂] = x`` over the codec's random draws.
     variance : float or None
@@ -113,15 +142,15 @@ class ErrorBound:
             kept = np.isfinite(y)
             if np.any(diff[kept] > self.relative * np.abs(x[kept]) + self.absolute):
                 return False
-        norm = math.sqrt(float(np.dot(x, x)))
+        norm = l2_norm(x)
         if self.l2 is not None and np.all(np.isfinite(y)):
-            error = math.sqrt(float(np.dot(y - x, y - x)))
+            error = l2_norm(y - x)
             if error > self.l2 * norm * (1 + _SUM_SLACK):
                 return False
         return not (
             self.linf is not None
             and diff.size
-            and float(diff.max()) > self.linf * norm * (1 + _SUM_SLACK)
+            and float(diff.max()) > self.linf * norm * (1 + _SUM_SLACK) + self.absolute
         )
 
     def to_dict(self) -> dict[str, Any]:

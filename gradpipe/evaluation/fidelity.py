@@ -34,7 +34,7 @@ import numpy as np
 
 from gradpipe.codecs.ops.sparsify import error_feedback
 from gradpipe.core.encoding import encode_float
-from gradpipe.core.lossy import ErrorBound
+from gradpipe.core.lossy import ErrorBound, l2_norm
 from gradpipe.errors import InvalidInputError
 
 __all__ = ["Fidelity", "bound_usage", "measure_fidelity", "simulate_feedback"]
@@ -214,11 +214,11 @@ def bound_usage(bound: ErrorBound, original: np.ndarray, decoded: np.ndarray) ->
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.where(diff == 0, 0.0, diff / allowed)
         used.append(float(ratio.max()))
-    norm = math.sqrt(float(np.dot(x, x)))
+    norm = l2_norm(x)
     if bound.l2 is not None and kept.all():  # as ErrorBound.holds: overflows are counted apart
-        used.append(_over(math.sqrt(float(np.dot(diff, diff))), bound.l2 * norm))
+        used.append(_over(l2_norm(diff), bound.l2 * norm))
     if bound.linf is not None and diff.size:
-        used.append(_over(float(diff.max()), bound.linf * norm))
+        used.append(_over(float(diff.max()), bound.linf * norm + bound.absolute))
     return max(used)
 
 

@@ -201,6 +201,45 @@ def test_qsgd_stays_within_its_deterministic_bound(
     assert codec.error_bound().holds(x, decoded)
 
 
+def test_qsgd_bound_allows_for_subnormal_rounding() -> None:
+    # Found by hypothesis: 128 copies of the smallest float32 subnormal. ‖x‖/16 is below one
+    # subnormal step, so the float32 output's rounding alone exceeds linf·‖x‖.
+    x = np.full(128, np.finfo(np.float32).smallest_subnormal, dtype=np.float32)
+    codec = QSGDCodec(16, bucket=512, seed=0)
+    decoded = codec.decode(codec.encode(x))
+    bound = codec.error_bound()
+    assert bound.holds(x, decoded)
+    assert bound.absolute == 2.0**-150
+    # The allowance is one rounding, no more: two subnormal steps off is outside the bound.
+    assert not bound.holds(x, x + 2 * np.finfo(np.float32).smallest_subnormal)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    x=hnp.arrays(np.float64, st.integers(1, 300), elements=st.floats(-1, 1)),
+    scale=st.sampled_from([1e-320, 1e-300, 1e-160, 1.0, 1e160, 1e300]),
+    levels=st.sampled_from([1, 16, 1000]),
+    bucket=st.sampled_from([1, 7, 64]),
+)
+def test_qsgd_bound_holds_across_float64s_range(
+    x: np.ndarray, scale: float, levels: int, bucket: int
+) -> None:
+    # Squares of values beyond 1e±154 leave float64: the norms are measured scaled.
+    x = x * scale
+    codec = QSGDCodec(levels, "float64", bucket=bucket, seed=1)
+    decoded = codec.decode(codec.encode(x))
+    assert np.all(np.isfinite(decoded))
+    assert codec.error_bound().holds(x, decoded)
+
+
+def test_qsgd_refuses_a_bucket_norm_beyond_float64() -> None:
+    x = np.array([1.7e308, 1.7e308])
+    with pytest.raises(InvalidInputError, match="beyond float64's range"):
+        QSGDCodec(4, "float64", bucket=2).encode(x)
+    kept_apart = QSGDCodec(4, "float64", bucket=1)  # one value per bucket fits
+    assert np.array_equal(kept_apart.decode(kept_apart.encode(x)), x)
+
+
 def test_qsgd_is_unbiased_with_bounded_variance() -> None:
     x = data("float64", 256, seed=4)
     levels, bucket = 2, 64

@@ -22,6 +22,7 @@ from typing import Final
 
 import numpy as np
 
+from gradpipe.core.lossy import SQUARES_SAFE
 from gradpipe.errors import InvalidInputError
 
 __all__ = [
@@ -69,9 +70,13 @@ def quantize_qsgd(
     padded = np.zeros(count * bucket)
     padded[:n] = x
     grid = padded.reshape(count, bucket)
-    norms = np.sqrt(np.einsum("ij,ij->i", grid, grid))
-    with np.errstate(invalid="ignore", divide="ignore"):
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore", under="ignore"):
+        norms = np.sqrt(np.einsum("ij,ij->i", grid, grid))
         scaled = np.abs(grid) * (levels / norms)[:, None]
+    # The squares underflowed (losing bits) or overflowed: measure those buckets scaled.
+    extreme = (norms < SQUARES_SAFE) | np.isinf(norms)
+    if extreme.any():
+        norms[extreme], scaled[extreme] = _scaled_buckets(grid[extreme], levels)
     scaled = np.nan_to_num(scaled, nan=0.0)  # an all-zero bucket
     # r can exceed s by a rounding hair when one value holds the whole norm.
     np.minimum(scaled, levels, out=scaled)
@@ -80,6 +85,29 @@ def quantize_qsgd(
     level = (low + up) * np.sign(grid)
     dtype = np.int8 if levels <= 127 else np.int16
     return level.reshape(-1)[:n].astype(dtype), norms
+
+
+def _scaled_buckets(grid: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """Norms and ``s·|vᵢ|/‖v‖₂`` of buckets whose squares leave float64's range, scaled first.
+
+    >>> norms, scaled = _scaled_buckets(np.array([[3.0, 4.0], [3.0, -4.0]]) * 2.0**600, 5)
+    >>> (norms / 2.0**600).tolist(), scaled.tolist()
+    ([5.0, 5.0], [[3.0, 4.0], [3.0, 4.0]])
+    """
+    peak = np.abs(grid).max(axis=1)
+    safe_peak = np.where(peak > 0, peak, 1.0)[:, None]
+    unit = grid / safe_peak
+    relative = np.sqrt(np.einsum("ij,ij->i", unit, unit))
+    with np.errstate(over="ignore"):
+        norms: np.ndarray = peak * relative
+    if np.isinf(norms).any():
+        raise InvalidInputError(
+            "QSGD: a bucket's L2 norm is beyond float64's range (values near 1.8e308); "
+            "use smaller buckets or a lossless codec for this tensor"
+        )
+    with np.errstate(invalid="ignore", divide="ignore"):
+        scaled: np.ndarray = np.abs(unit) / relative[:, None] * levels
+    return norms, scaled
 
 
 def dequantize_qsgd(
