@@ -20,7 +20,14 @@ from gradpipe.core.dtypes import is_float
 from gradpipe.core.encoding import decode_float, encode_float
 from gradpipe.core.kernels import native
 
-__all__ = ["ChunkStats", "bit_nonzero", "chunk_stats", "merge_stats", "stats_from_columns"]
+__all__ = [
+    "ChunkStats",
+    "bit_nonzero",
+    "chunk_stats",
+    "merge_stats",
+    "stats_and_bit_nonzero",
+    "stats_from_columns",
+]
 
 _STAT_FIELDS = ("nonzero", "nan", "inf", "min", "max", "sum", "sumsq")
 
@@ -134,6 +141,22 @@ def chunk_stats(flat: np.ndarray, *, bits_nonzero: int | None = None) -> ChunkSt
         return _chunk_stats(flat, bits_nonzero)
 
 
+def stats_and_bit_nonzero(flat: np.ndarray) -> tuple[ChunkStats, int]:
+    """:func:`chunk_stats` and :func:`bit_nonzero` of a 1-D chunk, in one pass where the
+    compiled kernel takes the chunk (it counts the non-zero bit patterns as it goes).
+
+    A writer needs both: the count says whether the chunk needs a block at all.
+    """
+    if _native_takes(flat):
+        kind = _NATIVE_KINDS[flat.dtype.name]
+        stats, bits_nonzero = _native_stats(_unsigned_view(flat), kind)
+        if bits_nonzero == 0:
+            return _all_zero(stats.count), 0
+        return stats, bits_nonzero
+    bits_nonzero = bit_nonzero(flat)
+    return chunk_stats(flat, bits_nonzero=bits_nonzero), bits_nonzero
+
+
 def _sum_sq(wide: np.ndarray) -> tuple[float, float]:
     # Not np.dot: its BLAS thread pool fights Dask's worker threads and
     # was measured several times slower inside an ingest than einsum.
@@ -146,14 +169,13 @@ def _chunk_stats(flat: np.ndarray, bits_nonzero: int | None) -> ChunkStats:
         return ChunkStats(count=0, nonzero=0)
     if flat.dtype == np.bool_:
         flat = flat.view(np.uint8)
-    unsigned = flat.view(np.dtype(f"u{flat.dtype.itemsize}"))
+    unsigned = _unsigned_view(flat)
     if bits_nonzero is None:
         bits_nonzero = int(np.count_nonzero(unsigned))
     if bits_nonzero == 0:  # all +0 (or False): common in embedding gradients, no pass needed
-        return ChunkStats(count=count, nonzero=0, min=0.0, max=0.0)
-    kind = _NATIVE_KINDS.get(flat.dtype.name) if flat.dtype.isnative else None
-    if native is not None and kind is not None and flat.flags.c_contiguous:
-        return _native_stats(unsigned, kind, count)
+        return _all_zero(count)
+    if _native_takes(flat):
+        return _native_stats(unsigned, _NATIVE_KINDS[flat.dtype.name])[0]
     zeros = count - bits_nonzero
     values, bits = flat, unsigned
     if bits_nonzero <= count // _SPARSE_FRACTION:
@@ -180,13 +202,34 @@ def _unsigned_zero(value: float | None) -> float | None:
     return 0.0 if value == 0.0 else value
 
 
+def _unsigned_view(flat: np.ndarray) -> np.ndarray:
+    return flat.view(np.dtype(f"u{flat.dtype.itemsize}"))
+
+
+def _all_zero(count: int) -> ChunkStats:
+    """The record of a chunk whose bits are all zero (+0.0, or False)."""
+    return ChunkStats(count=count, nonzero=0, min=0.0, max=0.0)
+
+
+def _native_takes(flat: np.ndarray) -> bool:
+    """Whether the compiled kernel computes ``flat``'s statistics (a non-empty contiguous
+    chunk of a float dtype it knows, in native byte order)."""
+    return (
+        native is not None
+        and flat.size > 0
+        and flat.dtype.isnative
+        and flat.dtype.name in _NATIVE_KINDS
+        and flat.flags.c_contiguous
+    )
+
+
 #: The float dtypes whose statistics the compiled kernel computes, by its code for them.
 _NATIVE_KINDS: Final = {"float32": "f", "float64": "d", "bfloat16": "b", "float16": "e"}
 
 
-def _native_stats(bits: np.ndarray, kind: str, count: int) -> ChunkStats:
+def _native_stats(bits: np.ndarray, kind: str) -> tuple[ChunkStats, int]:
     """:func:`_chunk_stats` of a float chunk (``bits``: its unsigned view) in one pass of the
-    compiled kernel, without the GIL.
+    compiled kernel, without the GIL, and the chunk's count of non-zero bit patterns.
 
     The same figures as the numpy code below but the last bits of ``sum`` and ``sumsq``
     (another summation order, fixed whatever the machine; both are pairwise). The kernel
@@ -197,8 +240,8 @@ def _native_stats(bits: np.ndarray, kind: str, count: int) -> ChunkStats:
     bits_nonzero, negative_zeros, nan, inf, low, high, total, squares = native.float_stats(
         bits, kind
     )
-    return ChunkStats(
-        count=count,
+    stats = ChunkStats(
+        count=int(bits.size),
         nonzero=bits_nonzero - negative_zeros,
         nan=nan,
         inf=inf,
@@ -207,6 +250,7 @@ def _native_stats(bits: np.ndarray, kind: str, count: int) -> ChunkStats:
         sum=total,
         sumsq=squares,
     )
+    return stats, bits_nonzero
 
 
 # Below 1/4 non-zero, selecting the non-zero values first is cheaper than

@@ -29,7 +29,7 @@ from numcodecs.abc import Codec
 
 from gradpipe.codecs._lossy import LossyCodec, bind_chain
 from gradpipe.config import get_bytes
-from gradpipe.core.chunk_stats import ChunkStats, bit_nonzero, chunk_stats
+from gradpipe.core.chunk_stats import ChunkStats, stats_and_bit_nonzero
 from gradpipe.core.chunking import choose_chunk_shape, chunk_ranges
 from gradpipe.core.dtypes import canonical_dtype, check_values, dtype_name, parse_dtype
 from gradpipe.core.ids import block_key, hash_bytes
@@ -139,8 +139,7 @@ def write_chunks(
             if item is None:
                 continue
         else:
-            nonzero = bit_nonzero(chunk)
-            record_stats = chunk_stats(chunk, bits_nonzero=nonzero)
+            record_stats, nonzero = stats_and_bit_nonzero(chunk)
             if nonzero == 0:
                 stats.zero_chunks += 1  # all-zero bytes: no block at all
                 records.append(ChunkRecord(None, record_stats))
@@ -178,8 +177,7 @@ def _lossy_chunk(
     frame, decoded_bytes = encode_lossy_block(chunk, chain)
     decoded = decoded_bytes.view(chunk.dtype)
     error = measure_error(chunk, decoded)
-    nonzero = bit_nonzero(decoded)
-    record_stats = chunk_stats(decoded, bits_nonzero=nonzero)
+    record_stats, nonzero = stats_and_bit_nonzero(decoded)
     if nonzero == 0:
         stats.zero_chunks += 1
         return ChunkRecord(None, record_stats, error=error), None

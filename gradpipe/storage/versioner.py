@@ -18,7 +18,7 @@ from gradpipe.codecs.delta import DeltaCodec
 from gradpipe.codecs.policy import estimate_size
 from gradpipe.config import get_bytes, get_setting
 from gradpipe.core.chain import DeltaLink, ReplayLink
-from gradpipe.core.chunk_stats import ChunkStats, bit_nonzero, chunk_stats
+from gradpipe.core.chunk_stats import ChunkStats, bit_nonzero, chunk_stats, stats_and_bit_nonzero
 from gradpipe.core.dtypes import check_values, dtype_name
 from gradpipe.core.ids import hash_bytes
 from gradpipe.meter import RAW, digest_bytes
@@ -364,7 +364,7 @@ class ChunkVersioner:
         if not codec.lossless:
             rebuilt = codec.decode(words).view(chunk.dtype)
             block_id = hash_bytes(rebuilt.view(np.uint8))
-            record_stats = chunk_stats(rebuilt, bits_nonzero=bit_nonzero(rebuilt))
+            record_stats = stats_and_bit_nonzero(rebuilt)[0]
             error = None if codec.exact else codec.max_abs_error
         links = (DeltaLink(delta_id, keyframe_id, self.kind),)
         write = BlockToWrite(delta_id, delta, None, delta_item.nonzero, delta_frame)

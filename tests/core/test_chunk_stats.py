@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradpipe.core.chunk_stats import bit_nonzero, chunk_stats
+from gradpipe.core.chunk_stats import bit_nonzero, chunk_stats, stats_and_bit_nonzero
 from gradpipe.core.dtypes import DTYPE_NAMES
 from gradpipe.testing.store_suite import special_values
 
@@ -55,3 +55,35 @@ def test_given_bit_count_is_used_as_is(dtype: str) -> None:
     array[:3] = 1
     assert chunk_stats(array, bits_nonzero=bit_nonzero(array)).nonzero == 3
     assert chunk_stats(np.zeros(100, dtype)).min == 0.0
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPE_NAMES),
+    density=st.sampled_from([0.0, 0.001, 0.3, 1.0]),
+    seed=st.integers(0, 2**16),
+    size=st.integers(0, 3000),
+)
+def test_stats_and_bit_count_in_one_call_match_the_two_calls(
+    dtype: str, density: float, seed: int, size: int
+) -> None:
+    # Writers take both from one call (one pass of the kernel where it takes the chunk).
+    array = special_values(dtype, size, seed)
+    array[np.random.default_rng(seed).random(size) >= density] = 0
+    stats, bits = stats_and_bit_nonzero(array)
+    assert bits == bit_nonzero(array)
+    assert stats == chunk_stats(array, bits_nonzero=bits)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64", "int8"])
+def test_one_call_on_zero_chunks(dtype: str) -> None:
+    zeros = np.zeros(300, dtype)
+    assert stats_and_bit_nonzero(zeros) == (chunk_stats(zeros), 0)
+    if dtype != "int8":
+        # Negative zeros are zero values but non-zero bits: the chunk needs a block.
+        negative = np.full(300, -0.0, dtype)
+        stats, bits = stats_and_bit_nonzero(negative)
+        assert (bits, stats.nonzero, stats.min, stats.max) == (300, 0, 0.0, 0.0)
+        assert math.copysign(1.0, stats.min) == 1.0
+    strided = np.arange(600).astype(dtype)[::2]  # not contiguous: the numpy path
+    assert stats_and_bit_nonzero(strided) == (chunk_stats(strided), bit_nonzero(strided))
