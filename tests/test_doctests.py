@@ -25,7 +25,12 @@ MODULES = sorted(
 
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples_hold(name: str) -> None:
-    module = importlib.import_module(name)
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.partition(".")[0] == "gradpipe":
+            raise
+        pytest.skip(f"{name} needs {exc.name}, which is not installed")
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     for test in doctest.DocTestFinder().find(module, name):  # the module's own objects only
         runner.run(test)

@@ -80,15 +80,18 @@ class QSGDCodec(LossyCodec):
         return {"levels": self.levels, "bucket": self.bucket, "seed": self.seed}
 
     def error_bound(self, size: int | None = None) -> ErrorBound:
-        """Unbiased; variance ``≤ min(d/s², √d/s)·‖x‖²``; each value within ``‖x‖₂/s``."""
+        """Unbiased; variance ``≤ min(d/s², √d/s)·‖x‖²``; each value within ``‖x‖₂/s``, plus
+        the output's rounding: its unit roundoff times ``‖x‖₂`` and one subnormal step."""
         s, d = self.levels, self.bucket
         return ErrorBound(
             f"unbiased stochastic rounding to {s} levels of each {d}-value bucket's norm: "
             f"E‖x̂ − x‖² ≤ min(d/s², √d/s)·‖x‖² = {qsgd_variance_bound(s, d):.4g}·‖x‖², and "
-            f"every value within ‖bucket‖₂/{s} ≤ ‖x‖₂/{s} (plus the output's rounding)",
+            f"every value within ‖bucket‖₂/{s} ≤ ‖x‖₂/{s} (plus the output's rounding: its "
+            "unit roundoff times ‖x‖₂, and one subnormal step)",
             linf=1 / s + unit_roundoff(self._dtype),
-            # A subnormal output rounds by up to half the smallest step, however small ‖x‖ is.
-            absolute=float(np.finfo(self._dtype).smallest_subnormal) / 2,
+            # Subnormal outputs round on a grid of fixed steps, however small ‖x‖ is: up to
+            # half a step each for the bucket norm and the decoded value (float64 rounds both).
+            absolute=float(np.finfo(self._dtype).smallest_subnormal),
             unbiased=True,
             variance=qsgd_variance_bound(s, d),
         )

@@ -187,7 +187,7 @@ def bound_usage(bound: ErrorBound, original: np.ndarray, decoded: np.ndarray) ->
 
     The largest of ``|x̂ᵢ − xᵢ| / (relative·|xᵢ| + absolute)`` (finite values
     that did not overflow), ``‖x̂ − x‖₂ / (l2·‖x‖₂)`` and ``max|x̂ᵢ − xᵢ| /
-    (linf·‖x‖₂)``: at most 1 where :meth:`ErrorBound.holds` (up to its float64
+    (linf·‖x‖₂ + absolute)``: at most 1 where :meth:`ErrorBound.holds` (up to its float64
     allowance), over 1 where it does not; like ``holds``, the L2 part is left
     out of a chunk with an overflow (counted apart). A bit-exact bound is used 0 or
     infinitely; a bound with no deterministic part (a sketch's, a variance)

@@ -110,8 +110,9 @@ def test_settings_from_the_sample_are_those_from_the_whole_planes(name: str, cou
     data = array.view(np.uint8)
     codec = ByteGroupCodec(name)
     width = dtype.itemsize
-    whole_flags, whole_settings, _ = codec._plan(_planes.split_planes(data, width))
-    flags, settings, _ = codec._plan(_planes.split_planes(_sample_words(data, width), width))
+    sample = _sample_words(data, width)
+    whole_flags, whole_settings, _ = codec._plan(_planes.split_planes(data, width), sample)
+    flags, settings, _ = codec._plan(_planes.split_planes(sample, width), sample)
     assert (flags, settings) == (whole_flags, whole_settings)
 
 

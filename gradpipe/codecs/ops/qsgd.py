@@ -11,8 +11,11 @@ paper)
 - deterministically ``|x̂ᵢ − xᵢ| ≤ ‖v‖₂/s ≤ ‖x‖₂/s``: a value moves to one of
   the two levels around it.
 
-Norms are kept in float64; the decoded values are rounded once to the output
-dtype, which adds at most its unit roundoff times ``‖v‖₂`` per value.
+Norms are kept in float64, measured scaled by the bucket's largest value where
+the squares would leave float64's range (values beyond 1e±154). The decoded
+values are rounded once to the output dtype, which adds at most its unit
+roundoff times ``‖v‖₂`` per value, and, on subnormal outputs, up to one step of
+the subnormal grid (half for the norm's rounding, half for the value's).
 """
 
 from __future__ import annotations
@@ -102,8 +105,9 @@ def _scaled_buckets(grid: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarr
         norms: np.ndarray = peak * relative
     if np.isinf(norms).any():
         raise InvalidInputError(
-            "QSGD: a bucket's L2 norm is beyond float64's range (values near 1.8e308); "
-            "use smaller buckets or a lossless codec for this tensor"
+            "QSGD: a bucket's L2 norm exceeds float64's largest value (1.8e308), so its "
+            "values cannot be quantised against it; use smaller buckets "
+            "(QSGDCodec(levels, bucket=...)) or a lossless codec for this tensor"
         )
     with np.errstate(invalid="ignore", divide="ignore"):
         scaled: np.ndarray = np.abs(unit) / relative[:, None] * levels
