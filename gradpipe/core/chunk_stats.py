@@ -124,8 +124,7 @@ def stats_from_columns(
 
 def bit_nonzero(flat: np.ndarray) -> int:
     """Number of elements whose bit pattern is not all zeros (``-0.0`` counts)."""
-    unsigned = np.dtype(f"u{flat.dtype.itemsize}") if flat.dtype.itemsize > 1 else np.uint8
-    return int(np.count_nonzero(flat.view(unsigned)))
+    return int(np.count_nonzero(_unsigned_view(flat)))
 
 
 def chunk_stats(flat: np.ndarray, *, bits_nonzero: int | None = None) -> ChunkStats:
@@ -147,8 +146,8 @@ def stats_and_bit_nonzero(flat: np.ndarray) -> tuple[ChunkStats, int]:
 
     A writer needs both: the count says whether the chunk needs a block at all.
     """
-    if _native_takes(flat):
-        kind = _NATIVE_KINDS[flat.dtype.name]
+    kind = _native_kind(flat)
+    if kind is not None:
         stats, bits_nonzero = _native_stats(_unsigned_view(flat), kind)
         if bits_nonzero == 0:
             return _all_zero(stats.count), 0
@@ -174,8 +173,9 @@ def _chunk_stats(flat: np.ndarray, bits_nonzero: int | None) -> ChunkStats:
         bits_nonzero = int(np.count_nonzero(unsigned))
     if bits_nonzero == 0:  # all +0 (or False): common in embedding gradients, no pass needed
         return _all_zero(count)
-    if _native_takes(flat):
-        return _native_stats(unsigned, _NATIVE_KINDS[flat.dtype.name])[0]
+    kind = _native_kind(flat)
+    if kind is not None:
+        return _native_stats(unsigned, kind)[0]
     zeros = count - bits_nonzero
     values, bits = flat, unsigned
     if bits_nonzero <= count // _SPARSE_FRACTION:
@@ -211,16 +211,12 @@ def _all_zero(count: int) -> ChunkStats:
     return ChunkStats(count=count, nonzero=0, min=0.0, max=0.0)
 
 
-def _native_takes(flat: np.ndarray) -> bool:
-    """Whether the compiled kernel computes ``flat``'s statistics (a non-empty contiguous
-    chunk of a float dtype it knows, in native byte order)."""
-    return (
-        native is not None
-        and flat.size > 0
-        and flat.dtype.isnative
-        and flat.dtype.name in _NATIVE_KINDS
-        and flat.flags.c_contiguous
-    )
+def _native_kind(flat: np.ndarray) -> str | None:
+    """The compiled kernel's code for ``flat``'s dtype, or None where the kernel does not
+    compute its statistics (no kernel; an empty, strided or byte-swapped chunk; another dtype)."""
+    if native is None or not flat.size or not flat.flags.c_contiguous or not flat.dtype.isnative:
+        return None
+    return _NATIVE_KINDS.get(flat.dtype.name)
 
 
 #: The float dtypes whose statistics the compiled kernel computes, by its code for them.
