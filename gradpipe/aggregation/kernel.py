@@ -24,6 +24,12 @@ place and merges add into it in place.
 
 Inputs are never written: a block handed in (a partial from another task)
 is read, and a merge whose left side is such a block writes elsewhere.
+
+Where the compiled kernels were built (:mod:`gradpipe.core.kernels`), the
+same program runs there, every block of the chunk in one call without the
+GIL, for float32 and float64 peers and results; the numpy version below
+runs the rest (float16, bfloat16) and raises every error: a block the
+compiled run finds non-finite, or not fitting the output, is run again here.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from typing import Final
 import numpy as np
 
 from gradpipe.aggregation.result_range import round_result
+from gradpipe.core.kernels import native
 
 __all__ = ["BLOCK", "Item", "NotFiniteError", "Program", "forest_shape"]
 
@@ -82,6 +89,10 @@ def _siblings(left: tuple[int, int], right: tuple[int, int]) -> bool:
 
 # Operands of the program's operations: ("in", k) is item k's values, ("buf", b) buffer b.
 _Operand = tuple[str, int]
+
+# The compiled kernel's names for the operations, and the dtypes it reads and writes.
+_NATIVE_OPS: Final = {"term": 0, "copy": 1, "add": 2}
+_NATIVE_KINDS: Final = {np.dtype("<f4"): "f", np.dtype("<f8"): "d"}
 
 
 @dataclass
@@ -213,9 +224,63 @@ class Program:
         final: tuple[np.ndarray, float | None, np.ndarray | None, int] | None,
         check: bool,
     ) -> None:
+        if self._run_native(arrays, final, check):
+            return
         # A NaN or an infinity in an input is reported by the check, not as a warning.
         with np.errstate(over="ignore", invalid="ignore"):
             self._run_blocks(arrays, final, check)
+
+    def _run_native(
+        self,
+        arrays: list[np.ndarray] | None,
+        final: tuple[np.ndarray, float | None, np.ndarray | None, int] | None,
+        check: bool,
+    ) -> bool:
+        """Run the program compiled; False where numpy must run it (or raise its error)."""
+        if native is None:
+            return False
+        kinds = [_native_kind(item.values) for item in self.items]
+        if any(
+            k is None or (k == "f" and item.coefficient is None)
+            for k, item in zip(kinds, self.items, strict=True)
+        ):
+            return False  # float16 or bfloat16 peers, or a float32 sum handed in
+        finish = None
+        if final is not None:
+            out, divisor, noise, exponent = final
+            out_kind = _native_kind(out)
+            if out_kind is None or (noise is not None and _native_kind(noise) != "d"):
+                return False
+            finish = (out, out_kind, divisor, exponent, noise)
+        results = tuple(
+            array if w[0] == "buf" else None
+            for w, array in zip(self._final, arrays or (), strict=False)
+        )
+        failed = native.forest(
+            self._native_ops(),
+            tuple(item.values for item in self.items),
+            "".join(k or "" for k in kinds),
+            self.size,
+            self._buffers,
+            results,
+            tuple(_native_operand(w) for w in self._final),
+            finish,
+            check,
+        )
+        return failed is None
+
+    def _native_ops(self) -> tuple[tuple[int, int, int, int, float, int], ...]:
+        return tuple(
+            (
+                _NATIVE_OPS[op],
+                _native_operand(out),
+                _native_operand(a),
+                0 if b is None else _native_operand(b),
+                float(coefficient),
+                exponent,
+            )
+            for op, out, a, b, coefficient, exponent in self._ops
+        )
 
     def _run_blocks(
         self,
@@ -271,6 +336,19 @@ class Program:
                 assert b is not None  # an add has two operands
                 second = ins[b[1]] if b[0] == "in" else bufs[b[1]]
                 np.add(first, second, out=target)
+
+
+def _native_operand(where: _Operand) -> int:
+    """The compiled kernel's number for an operand: buffer b is b, input k is -(k + 1)."""
+    kind, index = where
+    return index if kind == "buf" else -(index + 1)
+
+
+def _native_kind(array: np.ndarray) -> str | None:
+    """'f' or 'd' for a flat contiguous float32 or float64 array, else None."""
+    if array.ndim != 1 or not array.flags.c_contiguous:
+        return None
+    return _NATIVE_KINDS.get(array.dtype)
 
 
 class NotFiniteError(ArithmeticError):

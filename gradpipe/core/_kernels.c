@@ -547,6 +547,333 @@ static PyObject *kernels_float_stats(PyObject *self, PyObject *args) {
                          s.max, s.sum, s.sumsq);
 }
 
+/* --- the weighted-sum forest of aggregation ------------------------------------------- */
+
+/* forest(ops, inputs, size, buffers, results, finals, finish, check): the program that
+ * gradpipe/aggregation/kernel.py plans (Program), run over every block of the chunk here
+ * instead of as numpy calls per block. The operations and their order are the program's, so
+ * every element sees the same float64 operations as there: a term fl64(c * x) (times
+ * 2**e with ldexp), a sibling sum a + b, a copy; then, to finish, the left-to-right fold of
+ * the result blocks, the division, the ldexp, the noise and the one rounding.
+ *
+ * Operands are ints: b >= 0 is buffer b, -(k + 1) is input k. Inputs are flat float32 ('f')
+ * or float64 ('d') arrays; only a term reads a float32 one (kernel.py checks). results: per
+ * result block, a float64 array of the chunk to fill (partials), or None. finish: None, or
+ * (out, 'f' or 'd', divisor or None, exponent, noise or None).
+ *
+ * Returns None, or the first element of a block that held NaN or infinity (or, finishing, did
+ * not fit the output): the caller then runs its numpy version, which raises the same error
+ * it always has. */
+
+#define FOREST_BLOCK 2048
+#define FOREST_TERM 0
+#define FOREST_COPY 1
+#define FOREST_ADD 2
+
+typedef struct {
+    int code, out, a, b, exponent;
+    double coefficient;
+} forest_op;
+
+typedef struct {
+    const void *data;
+    char kind; /* 'f' or 'd' */
+} forest_input;
+
+typedef struct {
+    Py_ssize_t size;
+    int nops, ninputs, nbuffers, nresults, nfinals, check, finishing;
+    const forest_op *ops;
+    const forest_input *inputs;
+    double **results; /* nresults entries, NULL where a result block is an input */
+    const int *finals;
+    double *scratch;  /* (nbuffers + 1) blocks; the last is the fold's accumulator */
+    void *out;
+    char out_kind;
+    int has_divisor, out_exponent;
+    double divisor;
+    const double *noise;
+} forest_program;
+
+static double *forest_buffer(const forest_program *p, int b, Py_ssize_t start) {
+    if (b < p->nresults && p->results[b] != NULL) return p->results[b] + start;
+    return p->scratch + (Py_ssize_t)b * FOREST_BLOCK;
+}
+
+/* A float64 operand (buffer, or a float64 input) of one block. */
+static const double *forest_doubles(const forest_program *p, int operand, Py_ssize_t start) {
+    if (operand >= 0) return forest_buffer(p, operand, start);
+    return (const double *)p->inputs[-operand - 1].data + start;
+}
+
+VECTOR_CLONES static void forest_term_f(double *t, const float *x, double c, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) t[i] = (double)x[i] * c;
+}
+
+VECTOR_CLONES static void forest_term_d(double *t, const double *x, double c, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) t[i] = x[i] * c;
+}
+
+VECTOR_CLONES static void forest_add(double *t, const double *a, const double *b, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) t[i] = a[i] + b[i];
+}
+
+static void forest_ldexp(double *t, const double *a, int exponent, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) t[i] = ldexp(a[i], exponent);
+}
+
+/* Whether every value is finite (exponent bits not all ones). */
+VECTOR_CLONES static int forest_finite(const double *a, Py_ssize_t n) {
+    uint64_t bad = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t w;
+        memcpy(&w, a + i, 8);
+        bad |= (~w & 0x7FF0000000000000ull) == 0;
+    }
+    return !bad;
+}
+
+/* out = (float)a, and whether every rounded value is finite. */
+VECTOR_CLONES static int forest_round_f(float *out, const double *a, Py_ssize_t n) {
+    uint32_t bad = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float v = (float)a[i];
+        uint32_t w;
+        memcpy(&w, &v, 4);
+        bad |= (~w & 0x7F800000u) == 0;
+        out[i] = v;
+    }
+    return !bad;
+}
+
+static void forest_block(const forest_program *p, Py_ssize_t start, Py_ssize_t n) {
+    for (int j = 0; j < p->nops; j++) {
+        const forest_op *op = &p->ops[j];
+        double *target = forest_buffer(p, op->out, start);
+        if (op->code == FOREST_ADD) {
+            forest_add(target, forest_doubles(p, op->a, start), forest_doubles(p, op->b, start), n);
+            continue;
+        }
+        const forest_input *in = &p->inputs[-op->a - 1];
+        double c = op->code == FOREST_TERM ? op->coefficient : 1.0;
+        if (in->kind == 'f')
+            forest_term_f(target, (const float *)in->data + start, c, n);
+        else if (op->code == FOREST_TERM)
+            forest_term_d(target, (const double *)in->data + start, c, n);
+        else
+            memcpy(target, (const double *)in->data + start, (size_t)n * 8);
+        if (op->code == FOREST_TERM && op->exponent) forest_ldexp(target, target, op->exponent, n);
+    }
+}
+
+/* Fold, divide, scale, add the noise and round one block; 0 where it must be refused. */
+static int forest_finish_block(const forest_program *p, Py_ssize_t start, Py_ssize_t n) {
+    double *acc = p->scratch + (Py_ssize_t)p->nbuffers * FOREST_BLOCK;
+    const double *total = forest_doubles(p, p->finals[0], start);
+    if (p->nfinals > 1) {
+        forest_add(acc, total, forest_doubles(p, p->finals[1], start), n);
+        for (int j = 2; j < p->nfinals; j++)
+            forest_add(acc, acc, forest_doubles(p, p->finals[j], start), n);
+        total = acc;
+    }
+    if (p->check && !forest_finite(total, n)) return 0;
+    if (p->has_divisor) {
+        for (Py_ssize_t i = 0; i < n; i++) acc[i] = total[i] / p->divisor;
+        total = acc;
+    }
+    if (p->out_exponent) {
+        forest_ldexp(acc, total, p->out_exponent, n);
+        total = acc;
+    }
+    if (p->noise != NULL) {
+        forest_add(acc, total, p->noise + start, n);
+        total = acc;
+    }
+    if (p->out_kind == 'f') return forest_round_f((float *)p->out + start, total, n);
+    memcpy((double *)p->out + start, total, (size_t)n * 8);
+    return forest_finite(total, n);
+}
+
+/* The first element of the block that failed, or -1. */
+static Py_ssize_t forest_run(const forest_program *p) {
+    for (Py_ssize_t start = 0; start < p->size; start += FOREST_BLOCK) {
+        Py_ssize_t n = p->size - start < FOREST_BLOCK ? p->size - start : FOREST_BLOCK;
+        forest_block(p, start, n);
+        if (p->finishing) {
+            if (!forest_finish_block(p, start, n)) return start;
+        } else if (p->check) {
+            for (int j = 0; j < p->nfinals; j++)
+                if (p->finals[j] >= 0 && !forest_finite(forest_buffer(p, p->finals[j], start), n))
+                    return start;
+        }
+    }
+    return -1;
+}
+
+/* Views held while the program runs: released in one place. */
+typedef struct {
+    Py_buffer *views;
+    int count;
+} forest_views;
+
+static int forest_view(forest_views *held, PyObject *obj, Py_ssize_t bytes, int writable,
+                       const char *what) {
+    Py_buffer *view = &held->views[held->count];
+    if (get_buffer(obj, view, writable, what) < 0) return -1;
+    held->count++;
+    if (view->len != bytes) {
+        PyErr_Format(PyExc_ValueError, "forest: %s holds %zd bytes, not %zd", what, view->len,
+                     bytes);
+        return -1;
+    }
+    return 0;
+}
+
+static int forest_operand(PyObject *item, int ninputs, int nbuffers, int *operand) {
+    long value = PyLong_AsLong(item);
+    if (value == -1 && PyErr_Occurred()) return -1;
+    if (value >= nbuffers || value < -(long)ninputs) {
+        PyErr_Format(PyExc_ValueError, "forest: operand %ld out of range", value);
+        return -1;
+    }
+    *operand = (int)value;
+    return 0;
+}
+
+static PyObject *kernels_forest(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ops_obj, *inputs_obj, *kinds_obj, *results_obj, *finals_obj, *finish_obj;
+    Py_ssize_t size;
+    int nbuffers, check;
+    if (!PyArg_ParseTuple(args, "O!O!UniO!O!Op:forest", &PyTuple_Type, &ops_obj, &PyTuple_Type,
+                          &inputs_obj, &kinds_obj, &size, &nbuffers, &PyTuple_Type,
+                          &results_obj, &PyTuple_Type, &finals_obj, &finish_obj, &check))
+        return NULL;
+    forest_program p = {0};
+    p.size = size;
+    p.nops = (int)PyTuple_GET_SIZE(ops_obj);
+    p.ninputs = (int)PyTuple_GET_SIZE(inputs_obj);
+    p.nbuffers = nbuffers;
+    p.nresults = (int)PyTuple_GET_SIZE(results_obj);
+    p.nfinals = (int)PyTuple_GET_SIZE(finals_obj);
+    p.check = check;
+    p.finishing = finish_obj != Py_None;
+    if (size < 0 || nbuffers < p.nresults || p.nfinals < 1 ||
+        PyUnicode_GET_LENGTH(kinds_obj) != p.ninputs) {
+        PyErr_SetString(PyExc_ValueError, "forest: inconsistent program");
+        return NULL;
+    }
+    forest_op *ops = PyMem_Calloc(p.nops + 1, sizeof(forest_op));
+    forest_input *inputs = PyMem_Calloc(p.ninputs + 1, sizeof(forest_input));
+    double **results = PyMem_Calloc(p.nresults + 1, sizeof(double *));
+    int *finals = PyMem_Calloc(p.nfinals, sizeof(int));
+    forest_views held = {PyMem_Calloc(p.ninputs + p.nresults + 2, sizeof(Py_buffer)), 0};
+    double *scratch = NULL;
+    PyObject *answer = NULL;
+    if (!ops || !inputs || !results || !finals || !held.views) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (int k = 0; k < p.ninputs; k++) {
+        Py_UCS4 kind = PyUnicode_READ_CHAR(kinds_obj, k);
+        if (kind != 'f' && kind != 'd') {
+            PyErr_SetString(PyExc_ValueError, "forest: inputs are 'f' or 'd'");
+            goto done;
+        }
+        inputs[k].kind = (char)kind;
+        if (forest_view(&held, PyTuple_GET_ITEM(inputs_obj, k), size * (kind == 'f' ? 4 : 8), 0,
+                        "an input") < 0)
+            goto done;
+        inputs[k].data = held.views[held.count - 1].buf;
+    }
+    for (int j = 0; j < p.nops; j++) {
+        PyObject *op = PyTuple_GET_ITEM(ops_obj, j);
+        forest_op *o = &ops[j];
+        if (!PyTuple_Check(op) || PyTuple_GET_SIZE(op) != 6) {
+            PyErr_SetString(PyExc_ValueError, "forest: an op is (code, out, a, b, c, e)");
+            goto done;
+        }
+        o->code = (int)PyLong_AsLong(PyTuple_GET_ITEM(op, 0));
+        o->coefficient = PyFloat_AsDouble(PyTuple_GET_ITEM(op, 4));
+        o->exponent = (int)PyLong_AsLong(PyTuple_GET_ITEM(op, 5));
+        if (PyErr_Occurred() ||
+            forest_operand(PyTuple_GET_ITEM(op, 1), 0, nbuffers, &o->out) < 0 ||
+            forest_operand(PyTuple_GET_ITEM(op, 2), p.ninputs, nbuffers, &o->a) < 0 ||
+            forest_operand(PyTuple_GET_ITEM(op, 3), p.ninputs, nbuffers, &o->b) < 0)
+            goto done;
+        int term_or_copy = o->code == FOREST_TERM || o->code == FOREST_COPY;
+        if ((o->code != FOREST_ADD && !term_or_copy) || (term_or_copy && o->a >= 0) ||
+            (o->code == FOREST_COPY && inputs[-o->a - 1].kind != 'd') ||
+            (o->code == FOREST_ADD && ((o->a < 0 && inputs[-o->a - 1].kind != 'd') ||
+                                       (o->b < 0 && inputs[-o->b - 1].kind != 'd')))) {
+            PyErr_SetString(PyExc_ValueError, "forest: an op reads what it cannot");
+            goto done;
+        }
+    }
+    for (int j = 0; j < p.nfinals; j++) {
+        if (forest_operand(PyTuple_GET_ITEM(finals_obj, j), p.ninputs, nbuffers, &finals[j]) < 0)
+            goto done;
+        if (finals[j] < 0 && inputs[-finals[j] - 1].kind != 'd') {
+            PyErr_SetString(PyExc_ValueError, "forest: a result block is float64");
+            goto done;
+        }
+    }
+    for (int b = 0; b < p.nresults; b++) {
+        PyObject *array = PyTuple_GET_ITEM(results_obj, b);
+        if (array == Py_None) continue;
+        if (forest_view(&held, array, size * 8, 1, "a result") < 0) goto done;
+        results[b] = held.views[held.count - 1].buf;
+    }
+    if (p.finishing) {
+        PyObject *out_obj, *divisor_obj, *noise_obj;
+        int out_kind;
+        if (!PyArg_ParseTuple(finish_obj, "OCOiO:forest finish", &out_obj, &out_kind,
+                              &divisor_obj, &p.out_exponent, &noise_obj))
+            goto done;
+        if (out_kind != 'f' && out_kind != 'd') {
+            PyErr_SetString(PyExc_ValueError, "forest: the output is 'f' or 'd'");
+            goto done;
+        }
+        p.out_kind = (char)out_kind;
+        if (forest_view(&held, out_obj, size * (out_kind == 'f' ? 4 : 8), 1, "the output") < 0)
+            goto done;
+        p.out = held.views[held.count - 1].buf;
+        p.has_divisor = divisor_obj != Py_None;
+        if (p.has_divisor) {
+            p.divisor = PyFloat_AsDouble(divisor_obj);
+            if (p.divisor == -1.0 && PyErr_Occurred()) goto done;
+        }
+        if (noise_obj != Py_None) {
+            if (forest_view(&held, noise_obj, size * 8, 0, "the noise") < 0) goto done;
+            p.noise = held.views[held.count - 1].buf;
+        }
+    }
+    scratch = PyMem_RawMalloc((size_t)(nbuffers + 1) * FOREST_BLOCK * sizeof(double));
+    if (scratch == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    p.ops = ops;
+    p.inputs = inputs;
+    p.results = results;
+    p.finals = finals;
+    p.scratch = scratch;
+    Py_ssize_t failed;
+    Py_BEGIN_ALLOW_THREADS
+    failed = forest_run(&p);
+    Py_END_ALLOW_THREADS
+    answer = failed < 0 ? Py_NewRef(Py_None) : PyLong_FromSsize_t(failed);
+done:
+    for (int k = 0; k < held.count; k++) PyBuffer_Release(&held.views[k]);
+    PyMem_RawFree(scratch);
+    PyMem_Free(held.views);
+    PyMem_Free(finals);
+    PyMem_Free(results);
+    PyMem_Free(inputs);
+    PyMem_Free(ops);
+    return answer;
+}
+
 static PyMethodDef methods[] = {
     {"split", kernels_split, METH_VARARGS,
      "split(src, dst, width, move_sign): byte planes of src's words into dst, without the GIL."},
@@ -555,6 +882,9 @@ static PyMethodDef methods[] = {
     {"float_stats", kernels_float_stats, METH_VARARGS,
      "float_stats(data, kind): (bits_nonzero, negative_zeros, nan, inf, min, max, sum, sumsq)\n"
      "of little-endian floats ('f' float32, 'd' float64, 'b' bfloat16, 'e' float16)."},
+    {"forest", kernels_forest, METH_VARARGS,
+     "forest(ops, inputs, kinds, size, buffers, results, finals, finish, check): the\n"
+     "aggregation kernel's program over every block, without the GIL (see _kernels.c)."},
     {NULL, NULL, 0, NULL},
 };
 

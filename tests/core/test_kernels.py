@@ -311,3 +311,161 @@ def test_sums_follow_the_documented_order_bit_for_bit(name: str, count: int) -> 
     values[7] = np.inf  # one block takes the value-by-value path
     got = chunk_stats(values)
     assert (got.sum, got.sumsq) == _documented_sums(values)
+
+
+# --- the aggregation forest ------------------------------------------------------------------
+
+
+def _both_ways(run):
+    """``run()`` with the compiled forest, then with numpy's: (result, error) of each."""
+    from gradpipe.aggregation import kernel
+
+    outcomes = []
+    for native_module in (kernel.native, None):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(kernel, "native", native_module)
+            try:
+                outcomes.append((run(), None))
+            except Exception as exc:  # the two must fail alike
+                outcomes.append((None, f"{type(exc).__name__}: {exc}"))
+    return outcomes
+
+
+def _same_outcomes(outcomes) -> None:
+    (got, got_error), (want, want_error) = outcomes
+    assert got_error == want_error
+    if want_error is None:
+        if isinstance(want, list):
+            assert [a.tobytes() for a in got] == [a.tobytes() for a in want]
+        else:
+            assert got.dtype == want.dtype
+            assert got.tobytes() == want.tobytes()
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    n=st.integers(1, 17),
+    size=st.sampled_from([0, 1, 7, 2047, 2048, 2049, 5000, 32768 + 3]),
+    dtype=st.sampled_from(["float32", "float64", "float16", "bfloat16"]),
+    method=st.sampled_from(["sum", "mean", "weighted-mean", "fedavg"]),
+    tiny=st.booleans(),
+    group=st.sampled_from([1, 2, 3, 4, 8]),
+    noise=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_compiled_forest_gives_numpys_bits(
+    n: int, size: int, dtype: str, method: str, tiny: bool, group: int, noise: bool, seed: int
+) -> None:
+    """Whole reductions, groups of peers finished as a list and combined: the same bits, with
+    weights so small that their coefficients carry an exponent, noise, every result dtype."""
+    from gradpipe.aggregation.reduce import combine, finish, partial_of, reduce_peers
+
+    rng = np.random.default_rng(seed)
+    scales = 10.0 ** rng.uniform(-3, 3, size=n)
+    chunks = [(rng.standard_normal(size) * s).astype(FLOATS[dtype]) for s in scales]
+    weights = [float(w) for w in rng.integers(1, 1000, n)]
+    if tiny:
+        weights = [w * 2.0**-1070 for w in weights]  # subnormal weights: terms scaled by 2**e
+    factors = [float(s) for s in rng.uniform(0.01, 1.0, n)]
+    _same_outcomes(_both_ways(lambda: reduce_peers(chunks, method=method, weights=weights, scales=factors)))
+
+    added = rng.standard_normal(size) if noise else None
+
+    def grouped():
+        parts = [
+            partial_of(
+                chunks[i : i + group],
+                first=i,
+                weights=weights[i : i + group],
+                scales=factors[i : i + group],
+            )
+            for i in range(0, n, group)
+        ]
+        return [
+            *[b.total.reshape(-1) for part in parts for b in part.blocks],
+            finish(parts, method=method, peers=n, noise=added),
+            finish(combine(parts), method=method, peers=n, dtype="float64"),
+        ]
+
+    _same_outcomes(_both_ways(grouped))
+
+
+@pytest.mark.parametrize("where", [0, 2047, 2048, 5000])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_the_compiled_forest_refuses_what_numpy_refuses(where: int, bad: float) -> None:
+    """A NaN or an infinity in a peer, a float64 sum that overflows, a float32 result past
+    float32's range: the same error, naming the same element, from both."""
+    from gradpipe.aggregation.reduce import finish, partial_of, reduce_peers
+
+    chunks = [np.ones(6000, np.float32) for _ in range(5)]
+    chunks[3] = chunks[3].copy()
+    chunks[3][where] = bad
+    outcomes = _both_ways(lambda: reduce_peers(chunks, peers=list("abcde")))
+    assert outcomes[0][1] is not None
+    assert "peer 'd'" in outcomes[0][1]
+    _same_outcomes(outcomes)
+    _same_outcomes(_both_ways(lambda: partial_of(chunks, names=list("abcde"))))
+    huge = [np.full(6000, 1e308) for _ in range(2)]
+    _same_outcomes(_both_ways(lambda: partial_of(huge)))
+    past = [np.ones(6000, np.float32) for _ in range(3)]
+    for peer in (1, 2):  # 6e38 in float64, past float32's 3.4e38
+        past[peer] = past[peer].copy()
+        past[peer][where] = 3e38
+    outcomes = _both_ways(lambda: reduce_peers(past, method="sum"))
+    assert outcomes[0][1] is not None
+    assert f"element {where} " in outcomes[0][1]
+    _same_outcomes(outcomes)
+    parts = [partial_of(past)]
+    _same_outcomes(_both_ways(lambda: finish(parts, method="sum", noise=np.full(6000, np.nan))))
+
+
+def test_the_forest_kernel_refuses_bad_arguments() -> None:
+    """Inconsistent programs are a ValueError or TypeError, never a crash or a stray write."""
+    data = np.ones(10, np.float32)
+    out = np.empty(10, np.float32)
+    good = ((0, 0, -1, 0, 2.0, 0),)
+    finish = (out, "f", None, 0, None)
+    assert native.forest(good, (data,), "f", 10, 1, (), (0,), finish, True) is None
+    assert out.tolist() == [2.0] * 10
+    bad_calls = [
+        (((0, 5, -1, 0, 2.0, 0),), (data,), "f", 10, 1, (), (0,), None, True),  # no buffer 5
+        (((0, 0, -2, 0, 2.0, 0),), (data,), "f", 10, 1, (), (0,), None, True),  # no input 1
+        (((1, 0, -1, 0, 0.0, 0),), (data,), "f", 10, 1, (), (0,), None, True),  # float32 copy
+        (((2, 0, -1, 0, 0.0, 0),), (data,), "f", 10, 1, (), (0,), None, True),  # float32 add
+        (((9, 0, -1, 0, 0.0, 0),), (data,), "f", 10, 1, (), (0,), None, True),  # no such op
+        (((0, 0, -1, 0),), (data,), "f", 10, 1, (), (0,), None, True),  # short op
+        (good, (data,), "f", 11, 1, (), (0,), None, True),  # the input is 10 values
+        (good, (data,), "e", 10, 1, (), (0,), None, True),  # float16
+        (good, (data,), "ff", 10, 1, (), (0,), None, True),  # kinds and inputs differ
+        (good, (data,), "f", 10, 1, (), (0,), (out, "e", None, 0, None), True),
+        (good, (data,), "f", 10, 1, (), (0,), (np.empty(9, np.float32), "f", None, 0, None), True),
+        (good, (data,), "f", 10, 1, (), (0,), (out, "f", None, 0, np.ones(10, np.float32)), True),
+        (good, (data,), "f", 10, 1, (), (-1,), None, True),  # a float32 result block
+        (good, (data,), "f", 10, 1, (np.empty(10, np.float32),), (0,), None, True),
+        (good, (data[::2],), "f", 5, 1, (), (0,), None, True),  # not contiguous
+    ]
+    for args in bad_calls:
+        with pytest.raises((ValueError, TypeError)):
+            native.forest(*args)
+
+
+def test_float32_and_float64_reductions_run_compiled(monkeypatch) -> None:
+    """The compiled forest is what runs for float32 and float64 peers, and not for float16."""
+    from gradpipe.aggregation import kernel
+    from gradpipe.aggregation.reduce import partial_of, reduce_peers
+
+    answers: list[object] = []
+
+    class Counting:
+        def forest(self, *args):
+            answers.append(native.forest(*args))
+            return answers[-1]
+
+    monkeypatch.setattr(kernel, "native", Counting())
+    chunks = [np.arange(3000, dtype=np.float32) + i for i in range(3)]
+    reduce_peers(chunks)
+    reduce_peers([c.astype(np.float64) for c in chunks], method="sum")
+    partial_of(chunks)
+    assert answers == [None, None, None]
+    reduce_peers([c.astype(np.float16) for c in chunks])
+    assert len(answers) == 3
