@@ -14,13 +14,16 @@ from typing import Final
 
 import numpy as np
 
-__all__ = ["byte_view", "concat"]
+__all__ = ["Buffer", "byte_view", "concat", "nbytes"]
+
+#: What gradpipe's byte paths take: anything with a contiguous buffer of bytes.
+Buffer = bytes | bytearray | memoryview | np.ndarray
 
 #: Below this many bytes a plain join is cheaper than an array and its copies.
 _SMALL: Final = 64 * 1024
 
 
-def concat(parts: Sequence[bytes | bytearray | memoryview | np.ndarray]) -> bytes | memoryview:
+def concat(parts: Sequence[Buffer]) -> bytes | memoryview:
     """The parts, one after another: ``bytes`` when small, else a view of a new array.
 
     >>> bytes(concat([b"ab", memoryview(b"cd")]))
@@ -42,6 +45,15 @@ def _flat(part: bytes | bytearray | memoryview | np.ndarray) -> np.ndarray:
     if isinstance(part, np.ndarray):  # any dtype, bfloat16 included (it has no buffer format)
         return part.reshape(-1).view(np.uint8)
     return np.frombuffer(part, dtype=np.uint8)
+
+
+def nbytes(buf: Buffer) -> int:
+    """The size of ``buf`` in bytes (``len`` of a memoryview or an array counts items).
+
+    >>> nbytes(memoryview(b"abcd").cast("I")), nbytes(np.zeros(3, np.float32))
+    (4, 12)
+    """
+    return buf.nbytes if isinstance(buf, np.ndarray | memoryview) else len(buf)
 
 
 def byte_view(buf: object) -> np.ndarray:

@@ -11,6 +11,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from gradpipe.core.buffers import Buffer, concat
+
 __all__ = ["TEMP_PREFIX", "Backend", "KeyInfo", "VersionedBytes"]
 
 #: Name prefix of a writer's temporary files (backends that need them); gc removes stale ones.
@@ -69,6 +71,14 @@ class Backend(ABC):
     def write_many_if_absent(self, items: Sequence[tuple[str, bytes | memoryview]]) -> list[bool]:
         """:meth:`write_if_absent` for several keys, concurrently where it pays."""
         return [self.write_if_absent(key, data) for key, data in items]
+
+    def write_parts_if_absent(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        """:meth:`write_many_if_absent` of objects given as parts to write one after another.
+
+        A backend that writes a list of buffers as it is (the local disk: ``os.writev``)
+        overrides this and saves joining them; the others write the parts joined.
+        """
+        return self.write_many_if_absent([(key, concat(parts)) for key, parts in items])
 
     @abstractmethod
     def mtimes(self, keys: Sequence[str]) -> list[float | None]:

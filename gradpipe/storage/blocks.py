@@ -35,6 +35,7 @@ __all__ = [
     "WriteStats",
     "decode_block",
     "encode_block",
+    "encode_block_parts",
     "encode_lossy_block",
     "frame_codec_ids",
 ]
@@ -84,6 +85,14 @@ def encode_block(
 
     A large frame is a view of a new array, joined without holding the GIL.
     """
+    return concat(encode_block_parts(data, codecs))
+
+
+def encode_block_parts(
+    data: bytes | memoryview | np.ndarray, codecs: Sequence[Codec] = ()
+) -> list[bytes | memoryview | np.ndarray]:
+    """The frame of :func:`encode_block` in the parts it is the join of, none copied: a
+    writer that takes a list of buffers (``os.writev``) writes them without joining them."""
     payload: Any = data
     for codec in codecs[:-1]:
         payload = codec.encode(payload)
@@ -96,7 +105,7 @@ def encode_block(
     logical = memoryview(data).nbytes if not isinstance(data, np.ndarray) else data.nbytes
     header = to_json_bytes({"codecs": [c.get_config() for c in codecs], "size": logical})
     views = [_bytes_view(part) for part in body]
-    return concat((_PREFIX.pack(_MAGIC, BLOCK_VERSION, len(header)), header, *views))
+    return [_PREFIX.pack(_MAGIC, BLOCK_VERSION, len(header)), header, *views]
 
 
 def _gives_parts(codec: Codec) -> bool:

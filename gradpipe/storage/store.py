@@ -20,6 +20,7 @@ from numcodecs.abc import Codec
 
 from gradpipe.codecs import choose_codec
 from gradpipe.config import get_seconds, get_setting
+from gradpipe.core.buffers import Buffer, nbytes
 from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.core.ids import block_key, hash_bytes, parse_id
 from gradpipe.core.manifest import Manifest, decode_manifest, encode_manifest
@@ -29,7 +30,13 @@ from gradpipe.errors import IntegrityError, InvalidInputError, NotFoundError, Re
 from gradpipe.meter import READ, WRITE, digest_bytes
 from gradpipe.storage import tensors as _tensors
 from gradpipe.storage.backend import Backend
-from gradpipe.storage.blocks import BlockToWrite, WriteStats, decode_block, encode_block
+from gradpipe.storage.blocks import (
+    BlockToWrite,
+    WriteStats,
+    decode_block,
+    encode_block,
+    encode_block_parts,
+)
 from gradpipe.storage.locks import Lease, StoreLock
 from gradpipe.storage.marker import read_marker
 from gradpipe.storage.refs import Refs
@@ -174,7 +181,7 @@ class Store:
         mtimes = self.backend.mtimes([key for _, key in unique])
         stale = time.time() - get_seconds("storage.touch-after")
         level = int(get_setting("codec-level"))
-        todo: list[tuple[str, bytes | memoryview]] = []
+        todo: list[tuple[str, Sequence[Buffer]]] = []
         existing = 0
         for (item, key), mtime in zip(unique, mtimes, strict=True):
             if mtime is not None:
@@ -182,7 +189,7 @@ class Store:
                 if mtime >= stale or self._touch(key):
                     stats.blocks_reused += 1
                     continue
-            todo.append((key, self.encode_block(item, level)))
+            todo.append((key, self._frame_parts(item, level)))
         self._create(todo, stats)
         return existing
 
@@ -203,24 +210,33 @@ class Store:
         # must get a fresh time before anything may reference it (gc safety).
         mtimes = self.backend.mtimes([key for key, _ in found])
         stale = time.time() - get_seconds("storage.touch-after")
-        again: list[tuple[str, bytes | memoryview]] = []
+        again: list[tuple[str, Sequence[Buffer]]] = []
         for (key, frame), mtime in zip(found, mtimes, strict=True):
             if mtime is not None and (mtime >= stale or self._touch(key)):
                 stats.blocks_reused += 1
             else:  # removed since the create said it exists
-                again.append((key, frame))
+                again.append((key, (frame,)))
         self._create(again, stats)
         return len(found)
 
-    def _create(self, todo: Sequence[tuple[str, bytes | memoryview]], stats: WriteStats) -> None:
-        created = self.backend.write_many_if_absent(todo)
-        for (_, frame), new in zip(todo, created, strict=True):
+    def _create(self, todo: Sequence[tuple[str, Sequence[Buffer]]], stats: WriteStats) -> None:
+        created = self.backend.write_parts_if_absent(todo)
+        for (_, parts), new in zip(todo, created, strict=True):
             if new:
+                size = sum(nbytes(part) for part in parts)
                 stats.blocks_written += 1
-                stats.stored_bytes += len(frame)
-                digest_bytes(WRITE, len(frame))
+                stats.stored_bytes += size
+                digest_bytes(WRITE, size)
             else:
                 stats.blocks_reused += 1
+
+    def _frame_parts(self, item: BlockToWrite, level: int) -> Sequence[Buffer]:
+        """The frame of :meth:`encode_block` in parts, where the policy's codec makes it:
+        the backend writes them without joining them (the local disk: ``os.writev``)."""
+        if item.frame is None and item.codecs is None:
+            codec = choose_codec(item.data, item.nonzero, level=level)
+            return encode_block_parts(item.data, (codec,))
+        return (self.encode_block(item, level),)
 
     def encode_block(self, item: BlockToWrite, level: int | None = None) -> bytes | memoryview:
         """The frame of a block to write: the policy's codec, or the caller's checked chain."""

@@ -35,8 +35,10 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+import numpy as np
 import pytest
 
+from gradpipe.core.buffers import Buffer
 from gradpipe.errors import ConflictError, NotFoundError
 from gradpipe.storage.backend import Backend
 
@@ -132,6 +134,25 @@ class BackendTests:
         assert backend.read("d/k") == (b"a" if result[0] else b"b")
 
     # --- read / read_many ----------------------------------------------------------
+    def test_write_parts_if_absent_writes_the_parts_joined(self, backend: Backend) -> None:
+        # Bytes, memoryviews, uint8 arrays and empty parts, in one object and across objects.
+        parts: list[Buffer] = [b"head", memoryview(b"er"), np.arange(3, dtype=np.uint8), b""]
+        parts.append(memoryview(b"!"))
+        empty: list[Buffer] = [np.zeros(0, np.uint8)]
+        items: list[tuple[str, Sequence[Buffer]]] = [
+            ("parts/a", parts),
+            ("parts/b", [b""]),
+            ("parts/c", empty),
+        ]
+        assert backend.write_parts_if_absent(items) == [True, True, True]
+        assert backend.read("parts/a") == b"header\x00\x01\x02!"
+        assert backend.read("parts/b") == backend.read("parts/c") == b""
+        assert backend.write_parts_if_absent([("parts/a", [b"x"]), ("parts/d", [b"y"])]) == [
+            False,
+            True,
+        ]
+        assert backend.read("parts/a") == b"header\x00\x01\x02!"
+
     def test_read_of_absent_key_is_not_found(self, backend: Backend) -> None:
         with pytest.raises(NotFoundError, match="nothing/here"):
             backend.read("nothing/here")

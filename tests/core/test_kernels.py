@@ -367,7 +367,9 @@ def test_the_compiled_forest_gives_numpys_bits(
     if tiny:
         weights = [w * 2.0**-1070 for w in weights]  # subnormal weights: terms scaled by 2**e
     factors = [float(s) for s in rng.uniform(0.01, 1.0, n)]
-    _same_outcomes(_both_ways(lambda: reduce_peers(chunks, method=method, weights=weights, scales=factors)))
+    _same_outcomes(
+        _both_ways(lambda: reduce_peers(chunks, method=method, weights=weights, scales=factors))
+    )
 
     added = rng.standard_normal(size) if noise else None
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gradpipe.errors import StorageError
-from gradpipe.storage._local import LocalBackend
+from gradpipe.storage._local import _IOV_MAX, LocalBackend
 from gradpipe.storage._memory import MemoryBackend
 from gradpipe.storage._s3 import S3Backend
 from gradpipe.storage.backend import Backend
@@ -53,6 +53,33 @@ def test_local_writes_use_anonymous_files_and_leave_none(tmp_path: Path) -> None
     assert backend._tmpfile  # still on: nothing made it fall back
     assert backend.read("blocks/aa/x") == b"data"
     assert [p.name for p in (tmp_path / "b" / "blocks" / "aa").iterdir()] == ["x"]
+
+
+def test_local_writes_of_parts_survive_short_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``writev`` may write less than asked: the rest follows, and an object of more parts
+    than one call takes is written in several calls."""
+    real, calls = os.writev, []
+
+    def short(fd: int, buffers: list[memoryview]) -> int:
+        calls.append(len(buffers))
+        return real(fd, [buffers[0][:3]])  # at most 3 bytes, of the first part only
+
+    backend = LocalBackend(tmp_path / "b")
+    parts = [bytes([65 + i]) * 7 for i in range(5)]
+    monkeypatch.setattr(os, "writev", short)
+    assert backend.write_parts_if_absent([("blocks/aa/x", parts)]) == [True]
+    assert backend.read("blocks/aa/x") == b"".join(parts)
+    monkeypatch.setattr(
+        os, "writev", lambda fd, buffers: calls.append(len(buffers)) or real(fd, buffers)
+    )
+    calls.clear()
+    many = [bytes([i % 256]) for i in range(3 * _IOV_MAX + 5)]
+    assert backend.write_parts_if_absent([("blocks/aa/y", many)]) == [True]
+    assert backend.read("blocks/aa/y") == b"".join(many)
+    assert len(calls) >= 4
+    assert max(calls) <= _IOV_MAX
 
 
 class TestLocalBackendWithoutHardLinks(TestLocalBackend):
