@@ -373,15 +373,15 @@ def test_arrays_changed_while_they_are_encoded_give_a_consistent_version(
     states = drifting(2, seed=8)
     weight = states[0]["model"]["embed.weight"].copy()
     before = weight.copy()
-    real = Store.encode_block
+    real = Store.encode_frame
 
     def moving(self: Store, item: Any, level: int | None = None) -> Any:
         weight.reshape(-1)[::7] += 1  # after the hash, before the encoding
         return real(self, item, level)
 
-    monkeypatch.setattr(Store, "encode_block", moving)
+    monkeypatch.setattr(Store, "encode_frame", moving)
     gp.snapshot(store, "run", {"w": weight}, step=0)
-    monkeypatch.setattr(Store, "encode_block", real)
+    monkeypatch.setattr(Store, "encode_frame", real)
     # Every block's bytes match its id: each chunk was encoded from what was hashed (the
     # caller's array moved on between the two, which made a mismatched block before).
     assert gp.verify(store).ok

@@ -23,7 +23,7 @@ import numpy as np
 from numcodecs.abc import Codec
 
 import gradpipe.codecs  # noqa: F401 - registers the gradpipe_* codecs
-from gradpipe.core.buffers import byte_view, concat
+from gradpipe.core.buffers import Buffer, byte_view, concat, nbytes
 from gradpipe.core.display import printable_error
 from gradpipe.core.encoding import from_json_bytes, to_json_bytes
 from gradpipe.core.ids import hash_bytes
@@ -32,6 +32,7 @@ from gradpipe.errors import GradpipeError, IntegrityError, UnsupportedFormatErro
 __all__ = [
     "BLOCK_VERSION",
     "BlockToWrite",
+    "Frame",
     "WriteStats",
     "decode_block",
     "encode_block",
@@ -54,7 +55,35 @@ class BlockToWrite:
     data: Any  # logical bytes: bytes or a 1-D array
     codecs: Sequence[Codec] | None  # None: the lossless policy chooses per block
     nonzero: int | None  # elements with non-zero bits, if known (helps the policy)
-    frame: bytes | memoryview | None = None  # the block already encoded, if the writer has it
+    frame: bytes | memoryview | Frame | None = None  # the block already encoded, if at hand
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """An encoded block as the parts it is the join of (:func:`encode_block_parts`).
+
+    ``len`` is the frame's size and ``bytes`` its join, so a writer compares and keeps
+    frames as it would joined ones, and the store writes the parts without joining them.
+    """
+
+    parts: tuple[Buffer, ...]
+    size: int
+
+    @classmethod
+    def of(cls, parts: Sequence[Buffer]) -> Frame:
+        """The frame of ``parts``."""
+        return cls(tuple(parts), sum(nbytes(part) for part in parts))
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __bytes__(self) -> bytes:
+        return bytes(self.joined())
+
+    def joined(self) -> bytes | memoryview:
+        """The frame in one buffer (a copy, unless it is one part)."""
+        only = self.parts[0] if len(self.parts) == 1 else None
+        return only if isinstance(only, bytes | memoryview) else concat(self.parts)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from numcodecs.abc import Codec
 
 from gradpipe.codecs import choose_codec
 from gradpipe.config import get_seconds, get_setting
-from gradpipe.core.buffers import Buffer, nbytes
+from gradpipe.core.buffers import Buffer, byte_view, nbytes
 from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.core.ids import block_key, hash_bytes, parse_id
 from gradpipe.core.manifest import Manifest, decode_manifest, encode_manifest
@@ -32,6 +32,7 @@ from gradpipe.storage import tensors as _tensors
 from gradpipe.storage.backend import Backend
 from gradpipe.storage.blocks import (
     BlockToWrite,
+    Frame,
     WriteStats,
     decode_block,
     encode_block,
@@ -231,15 +232,26 @@ class Store:
                 stats.blocks_reused += 1
 
     def _frame_parts(self, item: BlockToWrite, level: int) -> Sequence[Buffer]:
-        """The frame of :meth:`encode_block` in parts, where the policy's codec makes it:
-        the backend writes them without joining them (the local disk: ``os.writev``)."""
+        """The frame of a block to write in parts, which the backend writes without joining
+        them where it can (the local disk: ``os.writev``)."""
+        return self.encode_frame(item, level).parts
+
+    def encode_frame(self, item: BlockToWrite, level: int | None = None) -> Frame:
+        """:meth:`encode_block` as a :class:`~gradpipe.storage.blocks.Frame`: the policy's
+        codec gives its parts unjoined."""
+        if isinstance(item.frame, Frame):
+            return item.frame
         if item.frame is None and item.codecs is None:
+            if level is None:
+                level = int(get_setting("codec-level"))
             codec = choose_codec(item.data, item.nonzero, level=level)
-            return encode_block_parts(item.data, (codec,))
-        return (self.encode_block(item, level),)
+            return Frame.of(_not_aliasing(encode_block_parts(item.data, (codec,)), item.data))
+        return Frame.of((self.encode_block(item, level),))
 
     def encode_block(self, item: BlockToWrite, level: int | None = None) -> bytes | memoryview:
         """The frame of a block to write: the policy's codec, or the caller's checked chain."""
+        if isinstance(item.frame, Frame):
+            return item.frame.joined()
         if item.frame is not None:
             return item.frame
         if level is None:
@@ -528,3 +540,13 @@ def reopen_store(url: str, mode: Mode, storage_options: dict[str, Any] | None) -
             )
             _REOPENED[key] = store
         return store
+
+
+def _not_aliasing(parts: Sequence[Buffer], data: Any) -> list[Buffer]:
+    """``parts``, with a copy of any that is a view of ``data`` (a raw plane of bytes).
+
+    The parts are written after the next chunks are encoded; a caller's array that moves
+    on meanwhile (a training thread) must not change a block already named by its hash.
+    """
+    source = byte_view(data)
+    return [bytes(part) if np.may_share_memory(byte_view(part), source) else part for part in parts]

@@ -22,7 +22,7 @@ from gradpipe.core.chunk_stats import ChunkStats, bit_nonzero, chunk_stats, stat
 from gradpipe.core.dtypes import check_values, dtype_name
 from gradpipe.core.ids import hash_bytes
 from gradpipe.meter import RAW, digest_bytes
-from gradpipe.storage.blocks import BlockToWrite, WriteStats
+from gradpipe.storage.blocks import BlockToWrite, Frame, WriteStats
 
 if TYPE_CHECKING:
     from gradpipe.storage.store import Store
@@ -183,8 +183,8 @@ class ChunkVersioner:
             parent, chunk, (parent.keyframe, base), full=full_item, record_stats=record_stats
         )
 
-    def _encode(self, item: BlockToWrite) -> bytes | memoryview:
-        return self.store.encode_block(item, self.level)
+    def _encode(self, item: BlockToWrite) -> Frame:
+        return self.store.encode_frame(item, self.level)
 
     def _unchanged(self, parent: ParentChunk, chunk: np.ndarray, nonzero: int) -> VersionChunk:
         """The parent's chunk as it is stored: no new block."""
@@ -316,9 +316,7 @@ class ChunkVersioner:
             )  # fmt: skip
         return self._full(item, frame, record_stats)
 
-    def _full(
-        self, item: BlockToWrite, frame: bytes | memoryview, record_stats: ChunkStats
-    ) -> VersionChunk:
+    def _full(self, item: BlockToWrite, frame: Frame, record_stats: ChunkStats) -> VersionChunk:
         write = BlockToWrite(item.block_id, item.data, None, item.nonzero, frame)
         size = len(frame)
         return VersionChunk(

@@ -7,6 +7,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -172,3 +173,30 @@ def test_s3_missing_bucket_is_a_clear_storage_error(s3: S3Server) -> None:
         backend.write_if_absent("k", b"v")
     with pytest.raises(StorageError, match="does not exist"):
         backend.swap("refs/k/x", b"v", None)
+
+
+def test_a_raw_plane_is_not_written_from_the_callers_array(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Incompressible int8 values are kept as a raw plane, a view of the chunk: the caller's
+    array moving on between the encoding and the write must not reach the block."""
+    import numpy as np
+
+    import gradpipe as gp
+    from gradpipe.core.ids import hash_bytes
+    from gradpipe.storage.blocks import BlockToWrite, WriteStats
+
+    store = gp.open_store(tmp_path / "store", mode="w")
+    data = np.random.default_rng(3).integers(-128, 128, 2**20, dtype=np.int8)
+    original = data.tobytes()
+    real = LocalBackend.write_parts_if_absent
+
+    def moving(self: LocalBackend, items: Any) -> list[bool]:
+        data[::5] += 1  # a training thread, after the hash and the encoding
+        return real(self, items)
+
+    monkeypatch.setattr(LocalBackend, "write_parts_if_absent", moving)
+    block_id = hash_bytes(original)
+    store.write_blocks([BlockToWrite(block_id, data, None, None)], WriteStats())
+    assert data.tobytes() != original  # it did move
+    assert bytes(store.get_raw(block_id)) == original  # and the block is what was hashed
