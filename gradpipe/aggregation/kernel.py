@@ -237,7 +237,8 @@ class Program:
         check: bool,
     ) -> bool:
         """Run the program compiled; False where numpy must run it (or raise its error)."""
-        if native is None:
+        forest = getattr(native, "forest", None)  # None: not built, or built before forest
+        if forest is None:
             return False
         kinds = [_native_kind(item.values) for item in self.items]
         if any(
@@ -256,7 +257,7 @@ class Program:
             array if w[0] == "buf" else None
             for w, array in zip(self._final, arrays or (), strict=False)
         )
-        failed = native.forest(
+        failed = forest(
             self._native_ops(),
             tuple(item.values for item in self.items),
             "".join(k or "" for k in kinds),
@@ -345,8 +346,8 @@ def _native_operand(where: _Operand) -> int:
 
 
 def _native_kind(array: np.ndarray) -> str | None:
-    """'f' or 'd' for a flat contiguous float32 or float64 array, else None."""
-    if array.ndim != 1 or not array.flags.c_contiguous:
+    """'f' or 'd' for a flat, contiguous, aligned float32 or float64 array, else None."""
+    if array.ndim != 1 or not (array.flags.c_contiguous and array.flags.aligned):
         return None
     return _NATIVE_KINDS.get(array.dtype)
 

@@ -549,7 +549,7 @@ static PyObject *kernels_float_stats(PyObject *self, PyObject *args) {
 
 /* --- the weighted-sum forest of aggregation ------------------------------------------- */
 
-/* forest(ops, inputs, size, buffers, results, finals, finish, check): the program that
+/* forest(ops, inputs, kinds, size, buffers, results, finals, finish, check): the program that
  * gradpipe/aggregation/kernel.py plans (Program), run over every block of the chunk here
  * instead of as numpy calls per block. The operations and their order are the program's, so
  * every element sees the same float64 operations as there: a term fl64(c * x) (times
@@ -716,14 +716,43 @@ typedef struct {
     int count;
 } forest_views;
 
-static int forest_view(forest_views *held, PyObject *obj, Py_ssize_t bytes, int writable,
-                       const char *what) {
+/* A view of size values of kind ('f' float32, 'd' float64), contiguous, in native order. */
+static int forest_view(forest_views *held, PyObject *obj, Py_ssize_t size, char kind,
+                       int writable, const char *what) {
     Py_buffer *view = &held->views[held->count];
-    if (get_buffer(obj, view, writable, what) < 0) return -1;
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0) {
+        PyErr_Format(PyExc_TypeError, "forest: %s must be a %scontiguous buffer", what,
+                     writable ? "writable " : "");
+        return -1;
+    }
     held->count++;
-    if (view->len != bytes) {
+    const char *format = view->format ? view->format : "B";
+    if (*format == '<' || *format == '=' || *format == '@') format++;
+    Py_ssize_t width = kind == 'f' ? 4 : 8;
+    if (format[0] != kind || format[1] != '\0' || view->itemsize != width) {
+        PyErr_Format(PyExc_ValueError, "forest: %s holds '%s' values, not '%c'", what,
+                     view->format ? view->format : "B", kind);
+        return -1;
+    }
+    if (view->len != size * width) {
         PyErr_Format(PyExc_ValueError, "forest: %s holds %zd bytes, not %zd", what, view->len,
-                     bytes);
+                     size * width);
+        return -1;
+    }
+    if ((uintptr_t)view->buf % width) {
+        PyErr_Format(PyExc_ValueError, "forest: %s is not aligned", what);
+        return -1;
+    }
+    return 0;
+}
+
+/* A Python int in [low, high], else a ValueError (or the conversion's error). */
+static int forest_int(PyObject *item, long low, long high, const char *what, long *value) {
+    *value = PyLong_AsLong(item);
+    if (*value == -1 && PyErr_Occurred()) return -1;
+    if (*value < low || *value > high) {
+        PyErr_Format(PyExc_ValueError, "forest: %s %ld out of range", what, *value);
         return -1;
     }
     return 0;
@@ -758,8 +787,9 @@ static PyObject *kernels_forest(PyObject *self, PyObject *args) {
     p.nfinals = (int)PyTuple_GET_SIZE(finals_obj);
     p.check = check;
     p.finishing = finish_obj != Py_None;
-    if (size < 0 || nbuffers < p.nresults || p.nfinals < 1 ||
-        PyUnicode_GET_LENGTH(kinds_obj) != p.ninputs) {
+    if (size < 0 || size > PY_SSIZE_T_MAX / 8 || nbuffers < p.nresults || nbuffers > (1 << 20) ||
+        p.nfinals < 1 || PyUnicode_GET_LENGTH(kinds_obj) != p.ninputs ||
+        (finish_obj != Py_None && !PyTuple_Check(finish_obj))) {
         PyErr_SetString(PyExc_ValueError, "forest: inconsistent program");
         return NULL;
     }
@@ -781,7 +811,7 @@ static PyObject *kernels_forest(PyObject *self, PyObject *args) {
             goto done;
         }
         inputs[k].kind = (char)kind;
-        if (forest_view(&held, PyTuple_GET_ITEM(inputs_obj, k), size * (kind == 'f' ? 4 : 8), 0,
+        if (forest_view(&held, PyTuple_GET_ITEM(inputs_obj, k), size, (char)kind, 0,
                         "an input") < 0)
             goto done;
         inputs[k].data = held.views[held.count - 1].buf;
@@ -793,10 +823,14 @@ static PyObject *kernels_forest(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "forest: an op is (code, out, a, b, c, e)");
             goto done;
         }
-        o->code = (int)PyLong_AsLong(PyTuple_GET_ITEM(op, 0));
+        long code, exponent;
+        if (forest_int(PyTuple_GET_ITEM(op, 0), FOREST_TERM, FOREST_ADD, "op code", &code) < 0 ||
+            forest_int(PyTuple_GET_ITEM(op, 5), -100000, 100000, "exponent", &exponent) < 0)
+            goto done;
+        o->code = (int)code;
+        o->exponent = (int)exponent;
         o->coefficient = PyFloat_AsDouble(PyTuple_GET_ITEM(op, 4));
-        o->exponent = (int)PyLong_AsLong(PyTuple_GET_ITEM(op, 5));
-        if (PyErr_Occurred() ||
+        if ((o->coefficient == -1.0 && PyErr_Occurred()) ||
             forest_operand(PyTuple_GET_ITEM(op, 1), 0, nbuffers, &o->out) < 0 ||
             forest_operand(PyTuple_GET_ITEM(op, 2), p.ninputs, nbuffers, &o->a) < 0 ||
             forest_operand(PyTuple_GET_ITEM(op, 3), p.ninputs, nbuffers, &o->b) < 0)
@@ -821,7 +855,7 @@ static PyObject *kernels_forest(PyObject *self, PyObject *args) {
     for (int b = 0; b < p.nresults; b++) {
         PyObject *array = PyTuple_GET_ITEM(results_obj, b);
         if (array == Py_None) continue;
-        if (forest_view(&held, array, size * 8, 1, "a result") < 0) goto done;
+        if (forest_view(&held, array, size, 'd', 1, "a result") < 0) goto done;
         results[b] = held.views[held.count - 1].buf;
     }
     if (p.finishing) {
@@ -835,7 +869,7 @@ static PyObject *kernels_forest(PyObject *self, PyObject *args) {
             goto done;
         }
         p.out_kind = (char)out_kind;
-        if (forest_view(&held, out_obj, size * (out_kind == 'f' ? 4 : 8), 1, "the output") < 0)
+        if (forest_view(&held, out_obj, size, (char)out_kind, 1, "the output") < 0)
             goto done;
         p.out = held.views[held.count - 1].buf;
         p.has_divisor = divisor_obj != Py_None;
@@ -844,7 +878,7 @@ static PyObject *kernels_forest(PyObject *self, PyObject *args) {
             if (p.divisor == -1.0 && PyErr_Occurred()) goto done;
         }
         if (noise_obj != Py_None) {
-            if (forest_view(&held, noise_obj, size * 8, 0, "the noise") < 0) goto done;
+            if (forest_view(&held, noise_obj, size, 'd', 0, "the noise") < 0) goto done;
             p.noise = held.views[held.count - 1].buf;
         }
     }

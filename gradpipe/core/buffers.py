@@ -14,7 +14,7 @@ from typing import Final
 
 import numpy as np
 
-__all__ = ["Buffer", "byte_view", "concat", "nbytes"]
+__all__ = ["Buffer", "byte_view", "concat", "joined", "nbytes"]
 
 #: What gradpipe's byte paths take: anything with a contiguous buffer of bytes.
 Buffer = bytes | bytearray | memoryview | np.ndarray
@@ -39,6 +39,17 @@ def concat(parts: Sequence[Buffer]) -> bytes | memoryview:
         out[position : position + view.size] = view
         position += view.size
     return memoryview(out)  # type: ignore[arg-type]  # numpy arrays are buffers
+
+
+def joined(parts: Sequence[Buffer]) -> bytes | memoryview:
+    """:func:`concat` of ``parts``, but one part that is bytes or a memoryview as it is.
+
+    >>> part = b"abc"
+    >>> joined([part]) is part, bytes(joined([b"a", b"bc"]))
+    (True, b'abc')
+    """
+    only = parts[0] if len(parts) == 1 else None
+    return only if isinstance(only, bytes | memoryview) else concat(parts)
 
 
 def _flat(part: bytes | bytearray | memoryview | np.ndarray) -> np.ndarray:

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from gradpipe.config import get_setting
-from gradpipe.core.buffers import Buffer, concat
+from gradpipe.core.buffers import Buffer, joined
 from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.core.ids import hash_bytes
 from gradpipe.errors import ConflictError, NotFoundError, StorageError
@@ -37,7 +37,7 @@ _O_TMPFILE = getattr(os, "O_TMPFILE", 0)
 #: errnos meaning "no anonymous files or no /proc here": use named temporary files.
 _NO_TMPFILE = {errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT, errno.EACCES}
 #: The most buffers one ``writev`` takes.
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16
+_IOV_MAX = max(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 0, 0) or 1024
 #: errnos of a file system without hard links.
 _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK}
 
@@ -101,8 +101,7 @@ class LocalBackend(Backend):
 
     def read(self, key: str) -> bytes:
         try:
-            with open(self._file(key), "rb") as f:
-                return f.read()
+            return _read_file(self._file(key))
         except FileNotFoundError:
             raise NotFoundError(
                 f"{printable(key, limit=PATH_LIMIT)} not found in store "
@@ -186,7 +185,7 @@ class LocalBackend(Backend):
                 raise self._error(exc, key, "write") from exc
             if created is not None:
                 return created
-        data = concat(parts)
+        data = joined(parts)
         try:
             temp = self._write_temp(path, data)
             try:
@@ -294,6 +293,23 @@ class LocalBackend(Backend):
 def _unlink(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def _read_file(path: str) -> bytes:
+    """The whole file: one ``read`` of its size (no file object: half the time of
+    ``open().read()`` for a small block, whose Python held the GIL in restores)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        data = os.read(fd, size + 1)  # one more byte: a file that grew says so
+        if len(data) == size:
+            return data
+        parts = [data]  # grown, or (a file system's choice) returned short: read to the end
+        while part := os.read(fd, max(size, 1 << 16)):
+            parts.append(part)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, parts: Sequence[Buffer]) -> None:

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from gradpipe.core.buffers import Buffer, concat
+from gradpipe.core.buffers import Buffer, joined
 
 __all__ = ["TEMP_PREFIX", "Backend", "KeyInfo", "VersionedBytes"]
 
@@ -78,7 +78,7 @@ class Backend(ABC):
         A backend that writes a list of buffers as it is (the local disk: ``os.writev``)
         overrides this and saves joining them; the others write the parts joined.
         """
-        return self.write_many_if_absent([(key, concat(parts)) for key, parts in items])
+        return self.write_many_if_absent([(key, joined(parts)) for key, parts in items])
 
     @abstractmethod
     def mtimes(self, keys: Sequence[str]) -> list[float | None]:

@@ -23,7 +23,7 @@ import numpy as np
 from numcodecs.abc import Codec
 
 import gradpipe.codecs  # noqa: F401 - registers the gradpipe_* codecs
-from gradpipe.core.buffers import Buffer, byte_view, concat, nbytes
+from gradpipe.core.buffers import Buffer, byte_view, concat, joined, nbytes
 from gradpipe.core.display import printable_error
 from gradpipe.core.encoding import from_json_bytes, to_json_bytes
 from gradpipe.core.ids import hash_bytes
@@ -82,8 +82,7 @@ class Frame:
 
     def joined(self) -> bytes | memoryview:
         """The frame in one buffer (a copy, unless it is one part)."""
-        only = self.parts[0] if len(self.parts) == 1 else None
-        return only if isinstance(only, bytes | memoryview) else concat(self.parts)
+        return joined(self.parts)
 
 
 @dataclass

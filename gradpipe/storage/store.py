@@ -20,7 +20,7 @@ from numcodecs.abc import Codec
 
 from gradpipe.codecs import choose_codec
 from gradpipe.config import get_seconds, get_setting
-from gradpipe.core.buffers import Buffer, byte_view, nbytes
+from gradpipe.core.buffers import Buffer, byte_view, joined, nbytes
 from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.core.ids import block_key, hash_bytes, parse_id
 from gradpipe.core.manifest import Manifest, decode_manifest, encode_manifest
@@ -245,7 +245,7 @@ class Store:
             if level is None:
                 level = int(get_setting("codec-level"))
             codec = choose_codec(item.data, item.nonzero, level=level)
-            return Frame.of(_not_aliasing(encode_block_parts(item.data, (codec,)), item.data))
+            return Frame.of(_kept_parts(encode_block_parts(item.data, (codec,)), item.data))
         return Frame.of((self.encode_block(item, level),))
 
     def encode_block(self, item: BlockToWrite, level: int | None = None) -> bytes | memoryview:
@@ -542,11 +542,38 @@ def reopen_store(url: str, mode: Mode, storage_options: dict[str, Any] | None) -
         return store
 
 
-def _not_aliasing(parts: Sequence[Buffer], data: Any) -> list[Buffer]:
-    """``parts``, with a copy of any that is a view of ``data`` (a raw plane of bytes).
+def _kept_parts(parts: Sequence[Buffer], data: Any) -> list[Buffer]:
+    """``parts`` as a frame may keep them until it is written: none a view of ``data``, and
+    none keeping much more memory alive than the frame is.
 
-    The parts are written after the next chunks are encoded; a caller's array that moves
-    on meanwhile (a training thread) must not change a block already named by its hash.
+    The parts are written after the next chunks are encoded. A raw plane of one-byte
+    values is a view of the chunk itself: a caller's array that a training thread moves on
+    meanwhile must not reach a block already named by its hash, so such a part is copied.
+    A raw plane of wider values is a row of the codec's planes array: where the frame
+    keeps more than twice its size alive that way (the other planes compressed well),
+    the parts are joined, so that writers counting their window by frame size stay
+    within it (snapshots keep frames to compare before they write one).
     """
     source = byte_view(data)
-    return [bytes(part) if np.may_share_memory(byte_view(part), source) else part for part in parts]
+    kept = [bytes(part) if np.may_share_memory(byte_view(part), source) else part for part in parts]
+    size = sum(nbytes(part) for part in kept)
+    owners: dict[int, int] = {}
+    for part in kept:
+        owner = _owner(part)
+        owners[id(owner)] = nbytes(owner)
+    if sum(owners.values()) > 2 * size + 4096:
+        return [joined(kept)]
+    return kept
+
+
+def _owner(part: Buffer) -> Buffer:
+    """The object whose memory ``part`` keeps alive (a view's base array, else itself)."""
+    obj: Any = part
+    while True:  # through memoryviews and array views to what owns the memory
+        if isinstance(obj, memoryview):
+            obj = obj.obj
+        elif isinstance(obj, np.ndarray) and obj.base is not None:
+            obj = obj.base
+        else:
+            break
+    return obj if isinstance(obj, bytes | bytearray | np.ndarray) else part

@@ -316,18 +316,35 @@ def test_sums_follow_the_documented_order_bit_for_bit(name: str, count: int) -> 
 # --- the aggregation forest ------------------------------------------------------------------
 
 
-def _both_ways(run):
-    """``run()`` with the compiled forest, then with numpy's: (result, error) of each."""
+class _CountingForest:
+    """The compiled module, counting the forest calls it runs."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def forest(self, *args):
+        self.calls += 1
+        return native.forest(*args)
+
+
+def _both_ways(run, *, compiled: bool = False):
+    """``run()`` with the compiled forest, then with numpy's: (result, error) of each.
+
+    With ``compiled``, also asserts that the first run, unless it was refused, called the
+    compiled forest.
+    """
     from gradpipe.aggregation import kernel
 
+    counting = _CountingForest()
     outcomes = []
-    for native_module in (kernel.native, None):
+    for native_module in (counting, None):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(kernel, "native", native_module)
             try:
                 outcomes.append((run(), None))
             except Exception as exc:  # the two must fail alike
                 outcomes.append((None, f"{type(exc).__name__}: {exc}"))
+    assert counting.calls > 0 or not compiled or outcomes[0][1] is not None
     return outcomes
 
 
@@ -367,8 +384,14 @@ def test_the_compiled_forest_gives_numpys_bits(
     if tiny:
         weights = [w * 2.0**-1070 for w in weights]  # subnormal weights: terms scaled by 2**e
     factors = [float(s) for s in rng.uniform(0.01, 1.0, n)]
+    if method in ("sum", "mean"):  # unweighted: weights would be refused
+        weights = None
+    compiled = dtype in ("float32", "float64") and size > 0
     _same_outcomes(
-        _both_ways(lambda: reduce_peers(chunks, method=method, weights=weights, scales=factors))
+        _both_ways(
+            lambda: reduce_peers(chunks, method=method, weights=weights, scales=factors),
+            compiled=compiled,
+        )
     )
 
     added = rng.standard_normal(size) if noise else None
@@ -378,7 +401,7 @@ def test_the_compiled_forest_gives_numpys_bits(
             partial_of(
                 chunks[i : i + group],
                 first=i,
-                weights=weights[i : i + group],
+                weights=None if weights is None else weights[i : i + group],
                 scales=factors[i : i + group],
             )
             for i in range(0, n, group)
@@ -389,7 +412,7 @@ def test_the_compiled_forest_gives_numpys_bits(
             finish(combine(parts), method=method, peers=n, dtype="float64"),
         ]
 
-    _same_outcomes(_both_ways(grouped))
+    _same_outcomes(_both_ways(grouped, compiled=compiled))
 
 
 @pytest.mark.parametrize("where", [0, 2047, 2048, 5000])
@@ -441,13 +464,23 @@ def test_the_forest_kernel_refuses_bad_arguments() -> None:
         (good, (data,), "ff", 10, 1, (), (0,), None, True),  # kinds and inputs differ
         (good, (data,), "f", 10, 1, (), (0,), (out, "e", None, 0, None), True),
         (good, (data,), "f", 10, 1, (), (0,), (np.empty(9, np.float32), "f", None, 0, None), True),
-        (good, (data,), "f", 10, 1, (), (0,), (out, "f", None, 0, np.ones(10, np.float32)), True),
+        (good, (data,), "f", 10, 1, (), (0,), (out, "f", None, 0, np.ones(20, np.float32)), True),
+        (good, (data,), "f", 10, 1, (), (0,), (out, "d", None, 0, None), True),  # float32 out
+        (good, (data,), "f", 10, 1, (), (0,), [out, "f", None, 0, None], True),  # not a tuple
+        (good, (np.ones(5, np.float64),), "f", 10, 1, (), (0,), None, True),  # float64 as 'f'
+        (good, (np.ones(10, np.int32),), "f", 10, 1, (), (0,), None, True),  # int32 as 'f'
         (good, (data,), "f", 10, 1, (), (-1,), None, True),  # a float32 result block
-        (good, (data,), "f", 10, 1, (np.empty(10, np.float32),), (0,), None, True),
+        (good, (data,), "f", 10, 1, (np.empty(20, np.float32),), (0,), None, True),
         (good, (data[::2],), "f", 5, 1, (), (0,), None, True),  # not contiguous
+        (good, (np.frombuffer(bytes(41), np.float32, 10, 1),), "f", 10, 1, (), (0,), None, True),
+        (good, (data,), "f", 2**61 + 1, 1, (), (0,), None, True),  # 8 * size overflows
+        (((2**40, 0, -1, 0, 2.0, 0),), (data,), "f", 10, 1, (), (0,), None, True),  # code
+        (((0, 0, -1, 0, 2.0, 2**33),), (data,), "f", 10, 1, (), (0,), None, True),  # exponent
+        ((("0", 0, -1, 0, 2.0, 0),), (data,), "f", 10, 1, (), (0,), None, True),  # not an int
+        (((0, 0, -1, 0, "2", 0),), (data,), "f", 10, 1, (), (0,), None, True),  # not a float
     ]
     for args in bad_calls:
-        with pytest.raises((ValueError, TypeError)):
+        with pytest.raises((ValueError, TypeError, OverflowError)):
             native.forest(*args)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from gradpipe.errors import StorageError
+from gradpipe.errors import NotFoundError, StorageError
 from gradpipe.storage._local import _IOV_MAX, LocalBackend
 from gradpipe.storage._memory import MemoryBackend
 from gradpipe.storage._s3 import S3Backend
@@ -81,6 +81,20 @@ def test_local_writes_of_parts_survive_short_writes(
     assert backend.read("blocks/aa/y") == b"".join(many)
     assert len(calls) >= 4
     assert max(calls) <= _IOV_MAX
+
+
+def test_local_reads_survive_short_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``read`` may return less than asked: the rest is read to the end of the file."""
+    backend = LocalBackend(tmp_path / "b")
+    data = bytes(range(256)) * 40
+    assert backend.write_if_absent("blocks/aa/x", data) is True
+    assert backend.write_if_absent("blocks/aa/empty", b"") is True
+    real = os.read
+    monkeypatch.setattr(os, "read", lambda fd, n: real(fd, min(n, 7)))
+    assert backend.read("blocks/aa/x") == data
+    assert backend.read("blocks/aa/empty") == b""
+    with pytest.raises(NotFoundError):
+        backend.read("blocks/aa/missing")
 
 
 class TestLocalBackendWithoutHardLinks(TestLocalBackend):
@@ -200,3 +214,28 @@ def test_a_raw_plane_is_not_written_from_the_callers_array(
     store.write_blocks([BlockToWrite(block_id, data, None, None)], WriteStats())
     assert data.tobytes() != original  # it did move
     assert bytes(store.get_raw(block_id)) == original  # and the block is what was hashed
+
+
+def test_a_frame_in_parts_keeps_little_more_memory_alive_than_its_size(tmp_path: Path) -> None:
+    """float64 values whose low byte alone is noise: one raw plane, a row of the codec's
+    eight-plane array, would keep 8x the frame alive; the frame is joined instead. A frame
+    of mostly raw planes stays in parts. Both are the bytes ``encode_block`` makes."""
+    import numpy as np
+
+    import gradpipe as gp
+    from gradpipe.codecs.policy import choose_codec
+    from gradpipe.core.buffers import nbytes
+    from gradpipe.core.ids import hash_bytes
+    from gradpipe.storage.blocks import BlockToWrite, encode_block
+    from gradpipe.storage.store import _owner
+
+    store = gp.open_store(tmp_path / "store", mode="w")
+    rng = np.random.default_rng(5)
+    words = np.full(1 << 19, 1.5).view(np.uint64) ^ rng.integers(0, 256, 1 << 19, np.uint64)
+    for data, parts_kept in ((words.view(np.float64), False), (rng.standard_normal(1 << 19), True)):
+        item = BlockToWrite(hash_bytes(data.view(np.uint8)), data, None, None)
+        frame = store.encode_frame(item, 1)
+        held = {id(_owner(part)): nbytes(_owner(part)) for part in frame.parts}
+        assert sum(held.values()) <= 2 * len(frame) + 4096
+        assert (len(frame.parts) > 1) is parts_kept
+        assert bytes(frame) == bytes(encode_block(data, (choose_codec(data, level=1),)))
