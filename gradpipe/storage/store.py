@@ -20,7 +20,7 @@ from numcodecs.abc import Codec
 
 from gradpipe.codecs import choose_codec
 from gradpipe.config import get_seconds, get_setting
-from gradpipe.core.buffers import Buffer, byte_view, joined, nbytes
+from gradpipe.core.buffers import Buffer, joined, nbytes
 from gradpipe.core.display import PATH_LIMIT, printable
 from gradpipe.core.ids import block_key, hash_bytes, parse_id
 from gradpipe.core.manifest import Manifest, decode_manifest, encode_manifest
@@ -554,16 +554,24 @@ def _kept_parts(parts: Sequence[Buffer], data: Any) -> list[Buffer]:
     the parts are joined, so that writers counting their window by frame size stay
     within it (snapshots keep frames to compare before they write one).
     """
-    source = byte_view(data)
-    kept = [bytes(part) if np.may_share_memory(byte_view(part), source) else part for part in parts]
-    size = sum(nbytes(part) for part in kept)
-    owners: dict[int, int] = {}
-    for part in kept:
-        owner = _owner(part)
-        owners[id(owner)] = nbytes(owner)
-    if sum(owners.values()) > 2 * size + 4096:
-        return [joined(kept)]
-    return kept
+    source = _owner(data)
+    kept: list[Buffer] = []
+    size = held = 0
+    owners: set[int] = set()
+    for given in parts:
+        part = given
+        if not isinstance(part, bytes):  # bytes (headers, Zstandard's output) own themselves
+            owner = _owner(part)
+            if owner is source:
+                part = bytes(part)
+            elif id(owner) not in owners:
+                owners.add(id(owner))
+                held += nbytes(owner)
+        if isinstance(part, bytes):
+            held += len(part)
+        size += nbytes(part)
+        kept.append(part)
+    return [joined(kept)] if held > 2 * size + 4096 else kept
 
 
 def _owner(part: Buffer) -> Buffer:
