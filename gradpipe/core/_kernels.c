@@ -787,7 +787,7 @@ static PyObject *kernels_forest(PyObject *self, PyObject *args) {
     p.nfinals = (int)PyTuple_GET_SIZE(finals_obj);
     p.check = check;
     p.finishing = finish_obj != Py_None;
-    if (size < 0 || size > PY_SSIZE_T_MAX / 8 || nbuffers < p.nresults || nbuffers > (1 << 20) ||
+    if (size < 0 || size > PY_SSIZE_T_MAX / 8 || nbuffers < p.nresults || nbuffers > (1 << 16) ||
         p.nfinals < 1 || PyUnicode_GET_LENGTH(kinds_obj) != p.ninputs ||
         (finish_obj != Py_None && !PyTuple_Check(finish_obj))) {
         PyErr_SetString(PyExc_ValueError, "forest: inconsistent program");

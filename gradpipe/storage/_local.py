@@ -305,8 +305,10 @@ def _read_file(path: str) -> bytes:
         if len(data) == size:
             return data
         parts = [data]  # grown, or (a file system's choice) returned short: read to the end
-        while part := os.read(fd, max(size, 1 << 16)):
+        have = len(data)
+        while part := os.read(fd, max(size + 1 - have, 1 << 16)):
             parts.append(part)
+            have += len(part)
         return b"".join(parts)
     finally:
         os.close(fd)

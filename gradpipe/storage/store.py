@@ -566,7 +566,7 @@ def _kept_parts(parts: Sequence[Buffer], data: Any) -> list[Buffer]:
                 part = bytes(part)
             elif id(owner) not in owners:
                 owners.add(id(owner))
-                held += nbytes(owner)
+                held += _size_of(owner, part)
         if isinstance(part, bytes):
             held += len(part)
         size += nbytes(part)
@@ -574,8 +574,9 @@ def _kept_parts(parts: Sequence[Buffer], data: Any) -> list[Buffer]:
     return [joined(kept)] if held > 2 * size + 4096 else kept
 
 
-def _owner(part: Buffer) -> Buffer:
-    """The object whose memory ``part`` keeps alive (a view's base array, else itself)."""
+def _owner(part: Any) -> Any:
+    """The object whose memory ``part`` keeps alive: the end of its chain of views (an array,
+    bytes, or another exporter such as an ``mmap``)."""
     obj: Any = part
     while True:  # through memoryviews and array views to what owns the memory
         if isinstance(obj, memoryview):
@@ -583,5 +584,14 @@ def _owner(part: Buffer) -> Buffer:
         elif isinstance(obj, np.ndarray) and obj.base is not None:
             obj = obj.base
         else:
-            break
-    return obj if isinstance(obj, bytes | bytearray | np.ndarray) else part
+            return obj
+
+
+def _size_of(owner: Any, part: Buffer) -> int:
+    """The bytes ``owner`` holds (``part``'s size where it does not say)."""
+    if isinstance(owner, np.ndarray | memoryview | bytes | bytearray):
+        return nbytes(owner)
+    try:
+        return memoryview(owner).nbytes
+    except TypeError:
+        return nbytes(part)

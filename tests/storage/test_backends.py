@@ -193,27 +193,34 @@ def test_a_raw_plane_is_not_written_from_the_callers_array(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Incompressible int8 values are kept as a raw plane, a view of the chunk: the caller's
-    array moving on between the encoding and the write must not reach the block."""
+    array moving on between the encoding and the write must not reach the block (an
+    array of numpy's memory, and one of an ``mmap``'s)."""
+    import mmap
+
     import numpy as np
 
     import gradpipe as gp
     from gradpipe.core.ids import hash_bytes
     from gradpipe.storage.blocks import BlockToWrite, WriteStats
 
-    store = gp.open_store(tmp_path / "store", mode="w")
-    data = np.random.default_rng(3).integers(-128, 128, 2**20, dtype=np.int8)
-    original = data.tobytes()
+    values = np.random.default_rng(3).integers(-128, 128, 2**20, dtype=np.int8)
+    mapped = mmap.mmap(-1, values.nbytes)  # an array whose memory is not numpy's
     real = LocalBackend.write_parts_if_absent
+    for n, data in enumerate((values, np.frombuffer(mapped, np.int8))):
+        data[:] = values
+        original = data.tobytes()
+        store = gp.open_store(tmp_path / f"store{n}", mode="w")
 
-    def moving(self: LocalBackend, items: Any) -> list[bool]:
-        data[::5] += 1  # a training thread, after the hash and the encoding
-        return real(self, items)
+        def moving(self: LocalBackend, items: Any, data: np.ndarray = data) -> list[bool]:
+            data[::5] += 1  # a training thread, after the hash and the encoding
+            return real(self, items)
 
-    monkeypatch.setattr(LocalBackend, "write_parts_if_absent", moving)
-    block_id = hash_bytes(original)
-    store.write_blocks([BlockToWrite(block_id, data, None, None)], WriteStats())
-    assert data.tobytes() != original  # it did move
-    assert bytes(store.get_raw(block_id)) == original  # and the block is what was hashed
+        monkeypatch.setattr(LocalBackend, "write_parts_if_absent", moving)
+        block_id = hash_bytes(original)
+        store.write_blocks([BlockToWrite(block_id, data, None, None)], WriteStats())
+        monkeypatch.undo()
+        assert data.tobytes() != original  # it did move
+        assert bytes(store.get_raw(block_id)) == original  # and the block is what was hashed
 
 
 def test_a_frame_in_parts_keeps_little_more_memory_alive_than_its_size(tmp_path: Path) -> None:
