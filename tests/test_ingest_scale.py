@@ -53,7 +53,7 @@ HEADERS_PER_TASK = 16
 #: are inline in their manifests, which are embedded in the dump manifest, so one
 #: batch writes one object, checking first whether it exists (``mtimes``, which
 #: also refreshes it when reused).
-PER_DUMP = {"mtimes": 1, "write_many_if_absent": 1}
+PER_DUMP = {"mtimes": 1, "write_parts_if_absent": 1}
 #: Round trips per ingest, whatever its size: the run read before planning and
 #: at the commit, and the commit's compare-and-swap (plus a few batches' worth).
 PER_INGEST_AT_MOST = 8

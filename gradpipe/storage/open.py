@@ -52,7 +52,8 @@ def open_store(
                 f"`gradpipe init {printable(url, limit=PATH_LIMIT)}` (open_store(..., mode='a'))"
             )
         _check_empty(backend, url)
-        backend.write_if_absent(MARKER_KEY, marker_bytes())
+        if not backend.write_if_absent(MARKER_KEY, marker_bytes()):
+            read_marker(backend)  # another opener's, made since we looked: checked, then used
     elif mode == "w-":
         raise InvalidInputError(
             f"a gradpipe store already exists at {printable(url, limit=PATH_LIMIT)} (mode='w-')"
@@ -73,8 +74,12 @@ def url_is_local(url: str) -> bool:
 
 def _check_empty(backend: Backend, url: str) -> None:
     try:
-        # Temporary files of a writer killed while creating the marker do not count.
-        stray = next((k for k in backend.list("") if TEMP_PREFIX not in k.key), None)
+        # Temporary files of a writer killed while creating the marker do not count, nor a
+        # marker that another process opening this new store made since we looked for it.
+        stray = next(
+            (k for k in backend.list("") if TEMP_PREFIX not in k.key and k.key != MARKER_KEY),
+            None,
+        )
     except (NotFoundError, FileNotFoundError):
         return
     if stray is not None:

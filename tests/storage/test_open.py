@@ -196,6 +196,39 @@ def test_mode_a_creates_then_reopens(store_url: str) -> None:
     assert again.get_tensor(tensor_id).tolist() == [0, 1, 2, 3, 4]
 
 
+def test_a_new_store_opened_twice_at_once_is_one_store(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two processes open a new store (mode 'a') at once: the one that looked for the marker
+    before the other made it finds the location holding only that marker, and opens it;
+    a foreign file appearing there instead is still refused."""
+    import gradpipe.storage.open as opening
+    from gradpipe.storage.marker import MARKER_KEY, marker_bytes
+
+    real = opening.read_marker
+
+    def other_opener_first(content: bytes):
+        def racing(backend):
+            if not racing.done:  # type: ignore[attr-defined]
+                racing.done = True  # type: ignore[attr-defined]
+                backend.write_if_absent(MARKER_KEY, content)  # the other opener, just now
+                return None
+            return real(backend)
+
+        racing.done = False  # type: ignore[attr-defined]
+        return racing
+
+    monkeypatch.setattr(opening, "read_marker", other_opener_first(marker_bytes()))
+    store = gp.open_store(store_url, mode="a")
+    monkeypatch.undo()
+    tensor_id = store.put_tensor(np.arange(3))
+    assert gp.open_store(store_url, mode="r").get_tensor(tensor_id).tolist() == [0, 1, 2]
+    other = f"{store_url}-foreign"
+    monkeypatch.setattr(opening, "read_marker", other_opener_first(b'{"not": "ours"}'))
+    with pytest.raises(IntegrityError, match="not gradpipe's store marker"):
+        gp.open_store(other, mode="a")
+
+
 # --- names ------------------------------------------------------------------------
 BAD_REF_NAMES = [
     "",
