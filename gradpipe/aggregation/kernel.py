@@ -89,6 +89,8 @@ def _siblings(left: tuple[int, int], right: tuple[int, int]) -> bool:
 
 # Operands of the program's operations: ("in", k) is item k's values, ("buf", b) buffer b.
 _Operand = tuple[str, int]
+# What finishing adds to a run: the output, the divisor, the noise and the exponent.
+_Finish = tuple[np.ndarray, float | None, np.ndarray | None, int]
 
 # The compiled kernel's names for the operations, and the dtypes it reads and writes.
 _NATIVE_OPS: Final = {"term": 0, "copy": 1, "add": 2}
@@ -221,7 +223,7 @@ class Program:
     def _run(
         self,
         arrays: list[np.ndarray] | None,
-        final: tuple[np.ndarray, float | None, np.ndarray | None, int] | None,
+        final: _Finish | None,
         check: bool,
     ) -> None:
         if self._run_native(arrays, final, check):
@@ -233,7 +235,7 @@ class Program:
     def _run_native(
         self,
         arrays: list[np.ndarray] | None,
-        final: tuple[np.ndarray, float | None, np.ndarray | None, int] | None,
+        final: _Finish | None,
         check: bool,
     ) -> bool:
         """Run the program compiled; False where numpy must run it (or raise its error)."""
@@ -286,7 +288,7 @@ class Program:
     def _run_blocks(
         self,
         arrays: list[np.ndarray] | None,
-        final: tuple[np.ndarray, float | None, np.ndarray | None, int] | None,
+        final: _Finish | None,
         check: bool,
     ) -> None:
         step = min(BLOCK, max(self.size, 1))
